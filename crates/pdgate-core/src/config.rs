@@ -1,0 +1,263 @@
+//! The gateway's configuration, declared once.
+//!
+//! `GatewayConfig` is at the same time the serde schema (Python API, JSON config) and the clap
+//! command line (Rust binary, `pdgate launch`). Nothing else declares an option; the Python
+//! surfaces read [`GatewayConfig::schema`] and a test checks that the two views agree.
+
+use clap::{ArgAction, CommandFactory, Parser, ValueEnum};
+use serde::{Deserialize, Serialize};
+
+use crate::worker::{KvConnector, WorkerRole, WorkerSpec};
+
+/// Routing policy names. Every policy is a pure function over a pool snapshot (see `policy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, ValueEnum, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyName {
+    Random,
+    #[default]
+    RoundRobin,
+}
+
+/// One prefill worker as given to the gateway: URL plus the bootstrap port of its KV rendezvous.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PrefillArg {
+    pub url: String,
+    /// `None` means the engine's own default (8998 for SGLang).
+    pub bootstrap_port: Option<u16>,
+    /// Per-worker override of `kv_connector`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_connector: Option<KvConnector>,
+}
+
+/// One decode or regular worker: a URL, optionally with its own KV connector.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct WorkerArg {
+    pub url: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_connector: Option<KvConnector>,
+}
+
+#[derive(Clone, Debug, Parser, Serialize, Deserialize, PartialEq)]
+#[command(
+    name = "pdgate-gateway",
+    about = "pdgate: a gateway for prefill/decode disaggregated LLM serving",
+    version
+)]
+#[serde(default, deny_unknown_fields)]
+pub struct GatewayConfig {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+
+    /// Port to listen on (0 picks a free port).
+    #[arg(long, default_value_t = 30000)]
+    pub port: u16,
+
+    /// Regular (non-PD) workers: one pool, each request to one worker.
+    #[arg(long, num_args = 1.., value_name = "URL")]
+    pub worker_urls: Vec<String>,
+
+    /// Run in prefill/decode disaggregated mode.
+    #[arg(long)]
+    pub pd_disaggregation: bool,
+
+    /// A prefill worker, optionally its bootstrap port (`none` for the engine default) and
+    /// `kv_connector=NAME` to override the global connector. Repeat for more workers.
+    #[arg(long, num_args = 1..=3, action = ArgAction::Append, value_names = ["URL", "BOOTSTRAP_PORT"])]
+    #[serde(deserialize_with = "crate::config_serde::prefill_list")]
+    pub prefill: Vec<Vec<String>>,
+
+    /// A decode worker, optionally followed by `kv_connector=NAME`. Repeat for more workers.
+    #[arg(long, num_args = 1..=2, action = ArgAction::Append, value_name = "URL")]
+    #[serde(deserialize_with = "crate::config_serde::decode_list")]
+    pub decode: Vec<Vec<String>>,
+
+    /// How KV moves between prefill and decode: SGLang bootstrap rendezvous, vLLM NIXL (pull)
+    /// or vLLM Mooncake (push). Workers registered with their own connector override this.
+    #[arg(long, value_enum, default_value_t = KvConnector::Bootstrap)]
+    pub kv_connector: KvConnector,
+
+    /// Policy for both pools unless --prefill-policy / --decode-policy say otherwise.
+    #[arg(long, value_enum, default_value_t = PolicyName::RoundRobin)]
+    pub policy: PolicyName,
+
+    /// Policy for choosing the prefill worker in PD mode.
+    #[arg(long, value_enum)]
+    pub prefill_policy: Option<PolicyName>,
+
+    /// Policy for choosing the decode worker in PD mode.
+    #[arg(long, value_enum)]
+    pub decode_policy: Option<PolicyName>,
+
+    /// Deadline for a whole request, all attempts and both legs included.
+    #[arg(long, default_value_t = 600)]
+    pub request_timeout_secs: u64,
+
+    /// Timeout for opening a connection to a worker.
+    #[arg(long, default_value_t = 5000)]
+    pub worker_connect_timeout_ms: u64,
+
+    /// Extra attempts after the first one, only before any byte reached the client.
+    #[arg(long, default_value_t = 2)]
+    pub retry_max_retries: u32,
+
+    /// First retry backoff; doubles per attempt, with full jitter.
+    #[arg(long, default_value_t = 50)]
+    pub retry_initial_backoff_ms: u64,
+
+    /// Upper bound of one retry backoff.
+    #[arg(long, default_value_t = 1000)]
+    pub retry_max_backoff_ms: u64,
+
+    /// Largest request body accepted, in bytes.
+    #[arg(long, default_value_t = 32 * 1024 * 1024)]
+    pub max_payload_size: usize,
+
+    /// Seconds between active health checks of each worker.
+    #[arg(long, default_value_t = 5)]
+    pub health_check_interval_secs: u64,
+
+    /// Timeout of one health check.
+    #[arg(long, default_value_t = 3)]
+    pub health_check_timeout_secs: u64,
+
+    /// Consecutive failed checks before a worker is marked unhealthy.
+    #[arg(long, default_value_t = 3)]
+    pub health_failure_threshold: u32,
+
+    /// Consecutive successful checks before an unhealthy worker is healthy again.
+    #[arg(long, default_value_t = 2)]
+    pub health_success_threshold: u32,
+
+    /// Health check path on each worker.
+    #[arg(long, default_value = "/health")]
+    pub health_check_endpoint: String,
+
+    /// Log filter (tracing env-filter syntax), e.g. `info` or `pdgate_gateway=debug`.
+    #[arg(long, default_value = "info")]
+    pub log_level: String,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        // The clap defaults are the only defaults: parse an empty command line.
+        Self::parse_from(["pdgate-gateway"])
+    }
+}
+
+/// What was wrong with a configuration, in words a user can act on.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+    #[error("invalid configuration JSON: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+impl GatewayConfig {
+    /// Parse a command line (the first item is the program name).
+    pub fn parse_cli<I, T>(args: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        Self::try_parse_from(args)
+    }
+
+    /// Parse the JSON form used by the Python API; missing keys take the CLI defaults.
+    pub fn from_json(text: &str) -> Result<Self, ConfigError> {
+        let config: Self = serde_json::from_str(text)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Cross-field checks that neither clap nor serde express.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.pd_disaggregation {
+            if !self.worker_urls.is_empty() {
+                return bad("--worker-urls is for regular mode; use --prefill/--decode with --pd-disaggregation".into());
+            }
+        } else if !self.prefill.is_empty() || !self.decode.is_empty() {
+            return bad("--prefill/--decode need --pd-disaggregation".into());
+        }
+        if self.request_timeout_secs == 0 {
+            return bad("--request-timeout-secs must be at least 1".into());
+        }
+        if self.health_failure_threshold == 0 || self.health_success_threshold == 0 {
+            return bad("health thresholds must be at least 1".into());
+        }
+        self.workers().map(|_| ())
+    }
+
+    /// The policy that picks prefill workers (regular workers use `policy`).
+    pub fn effective_prefill_policy(&self) -> PolicyName {
+        self.prefill_policy.unwrap_or(self.policy)
+    }
+
+    pub fn effective_decode_policy(&self) -> PolicyName {
+        self.decode_policy.unwrap_or(self.policy)
+    }
+
+    /// The statically configured workers, parsed and checked.
+    pub fn workers(&self) -> Result<Vec<WorkerSpec>, ConfigError> {
+        let mut out = Vec::new();
+        for url in &self.worker_urls {
+            out.push(WorkerSpec::new(url, WorkerRole::Regular).map_err(ConfigError::Invalid)?);
+        }
+        for arg in self.prefill_args()? {
+            let mut spec = WorkerSpec::new(&arg.url, WorkerRole::Prefill).map_err(ConfigError::Invalid)?;
+            spec.bootstrap_port = arg.bootstrap_port;
+            spec.kv_connector = arg.kv_connector;
+            out.push(spec);
+        }
+        for tokens in &self.decode {
+            let arg = crate::config_serde::decode_from_tokens(tokens).map_err(ConfigError::Invalid)?;
+            let mut spec = WorkerSpec::new(&arg.url, WorkerRole::Decode).map_err(ConfigError::Invalid)?;
+            spec.kv_connector = arg.kv_connector;
+            out.push(spec);
+        }
+        let mut seen = std::collections::HashSet::new();
+        for w in &out {
+            if !seen.insert(w.url.clone()) {
+                return Err(ConfigError::Invalid(format!("worker {} is listed twice", w.url)));
+            }
+        }
+        Ok(out)
+    }
+
+    /// `--prefill URL [PORT]` occurrences as structured values.
+    pub fn prefill_args(&self) -> Result<Vec<PrefillArg>, ConfigError> {
+        self.prefill
+            .iter()
+            .map(|tokens| crate::config_serde::prefill_from_tokens(tokens).map_err(ConfigError::Invalid))
+            .collect()
+    }
+
+    /// A machine-readable description of every option, for the Python CLI and API.
+    pub fn schema() -> serde_json::Value {
+        let cmd = Self::command();
+        let defaults = serde_json::to_value(Self::default()).unwrap_or_default();
+        let options: Vec<serde_json::Value> = cmd
+            .get_arguments()
+            .filter(|a| a.get_long().is_some())
+            .map(|a| {
+                let id = a.get_id().as_str().to_string();
+                serde_json::json!({
+                    "name": id,
+                    "flag": format!("--{}", a.get_long().unwrap_or_default()),
+                    "help": a.get_help().map(|h| h.to_string()).unwrap_or_default(),
+                    "default": defaults.get(&id).cloned().unwrap_or(serde_json::Value::Null),
+                    "choices": a.get_possible_values().iter().map(|v| v.get_name().to_string()).collect::<Vec<_>>(),
+                    "takes_value": a.get_action().takes_values(),
+                    "repeated": matches!(a.get_action(), ArgAction::Append) || a.get_num_args().map(|n| n.max_values() > 1).unwrap_or(false),
+                })
+            })
+            .collect();
+        serde_json::json!({ "options": options })
+    }
+}

@@ -1,0 +1,228 @@
+//! The one error type of the request path. It knows where it came from, which PD leg failed and
+//! whether a retry on another worker is safe. It is rendered to HTTP in exactly one place
+//! (`pdgate-gateway`'s `error_response`), from `status()`, `code()` and `error_type()`.
+
+use std::fmt;
+
+/// Who caused the failure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    Client,
+    Worker,
+    Gateway,
+}
+
+/// Which leg of a request a worker failure belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Leg {
+    Regular,
+    Prefill,
+    Decode,
+}
+
+impl Leg {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Leg::Regular => "worker",
+            Leg::Prefill => "prefill",
+            Leg::Decode => "decode",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The client's request is malformed (400). `param` names the field when known.
+    InvalidRequest { param: Option<String> },
+    PayloadTooLarge,
+    NotFound,
+    MethodNotAllowed,
+    /// No eligible worker in a pool (503).
+    NoWorkers,
+    /// Prefills and decodes exist but no pair can work together (503).
+    NoCompatiblePair,
+    /// Could not connect to the worker, or it closed the connection before answering.
+    WorkerUnreachable,
+    /// The worker answered with a non-success status; `body` is its error body, if any.
+    WorkerStatus { status: u16, body: Option<String> },
+    /// The worker's answer was broken (bad JSON, cut stream, missing PD fields).
+    WorkerProtocol,
+    /// The request's deadline passed.
+    Timeout,
+    /// A bug or an impossible state in the gateway.
+    Internal,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GatewayError {
+    pub kind: ErrorKind,
+    pub source: Source,
+    pub leg: Option<Leg>,
+    pub message: String,
+}
+
+impl GatewayError {
+    fn new(kind: ErrorKind, source: Source, message: impl Into<String>) -> Self {
+        GatewayError { kind, source, leg: None, message: message.into() }
+    }
+
+    pub fn invalid(param: Option<&str>, message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::InvalidRequest { param: param.map(str::to_string) }, Source::Client, message)
+    }
+    pub fn payload_too_large(limit: usize) -> Self {
+        Self::new(ErrorKind::PayloadTooLarge, Source::Client, format!("request body is larger than {limit} bytes"))
+    }
+    pub fn not_found(path: &str) -> Self {
+        Self::new(ErrorKind::NotFound, Source::Client, format!("no route for {path}"))
+    }
+    pub fn method_not_allowed(method: &str, path: &str) -> Self {
+        Self::new(ErrorKind::MethodNotAllowed, Source::Client, format!("method {method} is not allowed on {path}"))
+    }
+    pub fn no_workers(what: &str) -> Self {
+        Self::new(ErrorKind::NoWorkers, Source::Gateway, format!("no healthy {what} worker available"))
+    }
+    pub fn no_compatible_pair(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::NoCompatiblePair, Source::Gateway, message)
+    }
+    pub fn unreachable(leg: Leg, message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::WorkerUnreachable, Source::Worker, message).on(leg)
+    }
+    pub fn worker_status(leg: Leg, status: u16, body: Option<String>) -> Self {
+        let message = format!("{} worker answered HTTP {status}", leg.as_str());
+        Self::new(ErrorKind::WorkerStatus { status, body }, Source::Worker, message).on(leg)
+    }
+    pub fn protocol(leg: Leg, message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::WorkerProtocol, Source::Worker, message).on(leg)
+    }
+    pub fn timeout(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Timeout, Source::Gateway, message)
+    }
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Internal, Source::Gateway, message)
+    }
+
+    /// Attach the leg the error happened on.
+    pub fn on(mut self, leg: Leg) -> Self {
+        self.leg = Some(leg);
+        self
+    }
+
+    /// Whether trying again on another worker/pair may succeed and cannot do harm.
+    /// A worker's 4xx (other than 408/429) is the client's fault: the same body fails anywhere.
+    pub fn retryable(&self) -> bool {
+        match &self.kind {
+            ErrorKind::WorkerUnreachable | ErrorKind::WorkerProtocol => true,
+            ErrorKind::WorkerStatus { status, .. } => *status >= 500 || *status == 408 || *status == 429,
+            _ => false,
+        }
+    }
+
+    /// HTTP status for the client.
+    pub fn status(&self) -> u16 {
+        match &self.kind {
+            ErrorKind::InvalidRequest { .. } => 400,
+            ErrorKind::PayloadTooLarge => 413,
+            ErrorKind::NotFound => 404,
+            ErrorKind::MethodNotAllowed => 405,
+            ErrorKind::NoWorkers | ErrorKind::NoCompatiblePair => 503,
+            ErrorKind::WorkerUnreachable => 503,
+            // A worker's client error is the client's: pass its status through.
+            ErrorKind::WorkerStatus { status, .. } if (400..500).contains(status) => *status,
+            ErrorKind::WorkerStatus { .. } | ErrorKind::WorkerProtocol => 502,
+            ErrorKind::Timeout => 504,
+            ErrorKind::Internal => 500,
+        }
+    }
+
+    /// Stable machine-readable code, e.g. `prefill_unavailable`.
+    pub fn code(&self) -> String {
+        let leg = self.leg.map(Leg::as_str).unwrap_or("worker");
+        match &self.kind {
+            ErrorKind::InvalidRequest { .. } => "invalid_request".into(),
+            ErrorKind::PayloadTooLarge => "payload_too_large".into(),
+            ErrorKind::NotFound => "not_found".into(),
+            ErrorKind::MethodNotAllowed => "method_not_allowed".into(),
+            ErrorKind::NoWorkers => "no_available_workers".into(),
+            ErrorKind::NoCompatiblePair => "no_compatible_pd_pair".into(),
+            ErrorKind::WorkerUnreachable => format!("{leg}_unavailable"),
+            ErrorKind::WorkerStatus { .. } => format!("{leg}_error"),
+            ErrorKind::WorkerProtocol => format!("{leg}_bad_response"),
+            ErrorKind::Timeout => match self.leg {
+                Some(l) => format!("{}_timeout", l.as_str()),
+                None => "request_timeout".into(),
+            },
+            ErrorKind::Internal => "internal_error".into(),
+        }
+    }
+
+    /// OpenAI error `type`.
+    pub fn error_type(&self) -> &'static str {
+        match self.source {
+            Source::Client => "invalid_request_error",
+            Source::Worker => "upstream_error",
+            Source::Gateway => match self.kind {
+                ErrorKind::Timeout => "timeout_error",
+                ErrorKind::Internal => "internal_error",
+                _ => "service_unavailable_error",
+            },
+        }
+    }
+
+    pub fn param(&self) -> Option<&str> {
+        match &self.kind {
+            ErrorKind::InvalidRequest { param } => param.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// Short reason label for metrics (`retries_total{reason}`).
+    pub fn reason(&self) -> &'static str {
+        match &self.kind {
+            ErrorKind::WorkerUnreachable => "unreachable",
+            ErrorKind::WorkerStatus { .. } => "status",
+            ErrorKind::WorkerProtocol => "protocol",
+            ErrorKind::Timeout => "timeout",
+            ErrorKind::NoWorkers | ErrorKind::NoCompatiblePair => "no_workers",
+            _ => "other",
+        }
+    }
+}
+
+impl fmt::Display for GatewayError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for GatewayError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_client_errors_pass_through_and_are_final() {
+        let e = GatewayError::worker_status(Leg::Decode, 400, None);
+        assert_eq!(e.status(), 400);
+        assert!(!e.retryable());
+        assert_eq!(e.code(), "decode_error");
+    }
+
+    #[test]
+    fn worker_failures_are_retryable_and_name_the_leg() {
+        let e = GatewayError::worker_status(Leg::Prefill, 500, None);
+        assert_eq!((e.status(), e.retryable()), (502, true));
+        assert_eq!(e.code(), "prefill_error");
+        let u = GatewayError::unreachable(Leg::Decode, "refused");
+        assert_eq!((u.status(), u.code().as_str()), (503, "decode_unavailable"));
+        assert!(GatewayError::worker_status(Leg::Regular, 429, None).retryable());
+    }
+
+    #[test]
+    fn client_and_deadline_errors_are_not_retried() {
+        assert!(!GatewayError::invalid(Some("prompt"), "missing").retryable());
+        let t = GatewayError::timeout("deadline").on(Leg::Prefill);
+        assert_eq!((t.status(), t.code().as_str(), t.retryable()), (504, "prefill_timeout", false));
+        assert_eq!(GatewayError::no_compatible_pair("x").code(), "no_compatible_pd_pair");
+    }
+}

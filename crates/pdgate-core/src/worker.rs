@@ -1,0 +1,125 @@
+//! Workers as plain data: what the gateway knows about one engine endpoint.
+
+use std::collections::BTreeMap;
+
+use clap::ValueEnum;
+use serde::{Deserialize, Serialize};
+
+/// How KV moves from prefill to decode for a pair of workers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, ValueEnum, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum KvConnector {
+    /// SGLang: bootstrap rendezvous, both legs sent at once.
+    #[default]
+    Bootstrap,
+    /// vLLM NixlConnector: prefill first, its `kv_transfer_params` relayed to decode (pull).
+    Nixl,
+    /// vLLM MooncakeConnector: shared `transfer_id`, prefill pushes to decode.
+    Mooncake,
+}
+
+impl KvConnector {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvConnector::Bootstrap => "bootstrap",
+            KvConnector::Nixl => "nixl",
+            KvConnector::Mooncake => "mooncake",
+        }
+    }
+
+    /// Accepts our names and the engines' connector class names.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name.to_ascii_lowercase().as_str() {
+            "bootstrap" | "sglang" => Some(KvConnector::Bootstrap),
+            "nixl" | "nixlconnector" => Some(KvConnector::Nixl),
+            "mooncake" | "mooncakeconnector" => Some(KvConnector::Mooncake),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerRole {
+    Regular,
+    Prefill,
+    Decode,
+}
+
+impl WorkerRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerRole::Regular => "regular",
+            WorkerRole::Prefill => "prefill",
+            WorkerRole::Decode => "decode",
+        }
+    }
+}
+
+/// A worker's identity and static facts. Runtime state (health, load) lives in the snapshot.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerSpec {
+    /// Base URL without a trailing slash, e.g. `http://10.0.0.5:30000`.
+    pub url: String,
+    pub role: WorkerRole,
+    /// Host part of `url`, as sent in `bootstrap_host`.
+    pub host: String,
+    /// Prefill only: port of the engine's bootstrap server (`None` = engine default).
+    pub bootstrap_port: Option<u16>,
+    /// Overrides the gateway-wide connector for this worker.
+    pub kv_connector: Option<KvConnector>,
+    pub labels: BTreeMap<String, String>,
+}
+
+impl WorkerSpec {
+    /// Validates the URL (http only, host required) and normalises it.
+    pub fn new(url: &str, role: WorkerRole) -> Result<Self, String> {
+        let parsed = url::Url::parse(url).map_err(|e| format!("invalid worker URL {url:?}: {e}"))?;
+        if parsed.scheme() != "http" {
+            return Err(format!("worker URL {url:?} must use http://"));
+        }
+        let host = match parsed.host() {
+            Some(url::Host::Ipv6(addr)) => addr.to_string(),
+            Some(h) => h.to_string(),
+            None => return Err(format!("worker URL {url:?} has no host")),
+        };
+        if parsed.path() != "/" && !parsed.path().is_empty() {
+            return Err(format!("worker URL {url:?} must not have a path"));
+        }
+        let url = url.trim_end_matches('/').to_string();
+        Ok(WorkerSpec { url, role, host, bootstrap_port: None, kv_connector: None, labels: BTreeMap::new() })
+    }
+
+    /// The connector this worker speaks, given the gateway-wide default.
+    pub fn connector(&self, default: KvConnector) -> KvConnector {
+        self.kv_connector.unwrap_or(default)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn url_is_normalised_and_host_extracted() {
+        let w = WorkerSpec::new("http://10.1.2.3:30000/", WorkerRole::Prefill).unwrap();
+        assert_eq!(w.url, "http://10.1.2.3:30000");
+        assert_eq!(w.host, "10.1.2.3");
+        let v6 = WorkerSpec::new("http://[::1]:8000", WorkerRole::Decode).unwrap();
+        assert_eq!(v6.host, "::1");
+    }
+
+    #[test]
+    fn bad_urls_are_refused() {
+        for bad in ["localhost:3000", "https://x:1", "http://x:1/v1", "not a url"] {
+            assert!(WorkerSpec::new(bad, WorkerRole::Regular).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn connector_names() {
+        assert_eq!(KvConnector::from_name("NixlConnector"), Some(KvConnector::Nixl));
+        assert_eq!(KvConnector::from_name("mooncake"), Some(KvConnector::Mooncake));
+        assert_eq!(KvConnector::from_name("lmcache"), None);
+    }
+}

@@ -1,0 +1,83 @@
+//! The CLI and JSON views of `GatewayConfig` are one schema.
+
+use pdgate_core::{GatewayConfig, KvConnector, WorkerRole};
+
+fn cli(args: &[&str]) -> GatewayConfig {
+    let mut argv = vec!["pdgate-gateway"];
+    argv.extend_from_slice(args);
+    GatewayConfig::parse_cli(argv).unwrap()
+}
+
+#[test]
+fn smg_style_prefill_flags_group_url_and_port() {
+    let c = cli(&[
+        "--pd-disaggregation",
+        "--prefill", "http://p1:30000", "8998",
+        "--prefill", "http://p2:30000",
+        "--prefill", "http://p3:30000", "none", "kv_connector=nixl",
+        "--decode", "http://d1:30001",
+        "--decode", "http://d2:30001", "kv_connector=nixl",
+    ]);
+    c.validate().unwrap();
+    let p = c.prefill_args().unwrap();
+    assert_eq!(p.len(), 3);
+    assert_eq!((p[0].url.as_str(), p[0].bootstrap_port), ("http://p1:30000", Some(8998)));
+    assert_eq!(p[1].bootstrap_port, None);
+    assert_eq!(p[2].kv_connector, Some(KvConnector::Nixl));
+    let w = c.workers().unwrap();
+    assert_eq!(w.iter().filter(|w| w.role == WorkerRole::Decode).count(), 2);
+    assert_eq!(w[4].kv_connector, Some(KvConnector::Nixl));
+}
+
+#[test]
+fn json_accepts_strings_pairs_and_objects() {
+    let c = GatewayConfig::from_json(
+        r#"{"pd_disaggregation": true,
+            "prefill": ["http://p1:1", ["http://p2:1", 9000], {"url": "http://p3:1", "bootstrap_port": null, "kv_connector": "mooncake"}],
+            "decode": ["http://d1:1", {"url": "http://d2:1", "kv_connector": "mooncake"}],
+            "policy": "random", "request_timeout_secs": 5}"#,
+    )
+    .unwrap();
+    let p = c.prefill_args().unwrap();
+    assert_eq!(p[1].bootstrap_port, Some(9000));
+    assert_eq!(p[2].kv_connector, Some(KvConnector::Mooncake));
+    assert_eq!(c.request_timeout_secs, 5);
+    assert_eq!(c.port, GatewayConfig::default().port, "missing keys take the CLI defaults");
+}
+
+#[test]
+fn json_and_cli_produce_the_same_config() {
+    let from_cli = cli(&["--pd-disaggregation", "--prefill", "http://p:1", "8998", "--decode", "http://d:1", "--policy", "random"]);
+    let from_json = GatewayConfig::from_json(&from_cli.to_json()).unwrap();
+    assert_eq!(from_cli, from_json);
+}
+
+#[test]
+fn bad_configs_are_refused_with_a_reason() {
+    for bad in [
+        r#"{"unknown_option": 1}"#,
+        r#"{"pd_disaggregation": true, "prefill": [["http://p:1", "notaport"]]}"#,
+        r#"{"pd_disaggregation": true, "prefill": [{"url": "http://p:1", "kv_connector": "lmcache"}]}"#,
+        r#"{"worker_urls": ["http://a:1"], "pd_disaggregation": true}"#,
+        r#"{"decode": ["http://d:1"]}"#,
+        r#"{"worker_urls": ["ftp://a:1"]}"#,
+        r#"{"worker_urls": ["http://a:1", "http://a:1/"]}"#,
+    ] {
+        assert!(GatewayConfig::from_json(bad).is_err(), "{bad} should be refused");
+    }
+}
+
+#[test]
+fn schema_lists_every_serde_field_once_with_its_flag() {
+    let schema = GatewayConfig::schema();
+    let names: Vec<String> = schema["options"].as_array().unwrap().iter().map(|o| o["name"].as_str().unwrap().to_string()).collect();
+    let json = serde_json::to_value(GatewayConfig::default()).unwrap();
+    let mut fields: Vec<String> = json.as_object().unwrap().keys().cloned().collect();
+    let mut sorted = names.clone();
+    sorted.sort();
+    fields.sort();
+    assert_eq!(sorted, fields, "clap args and serde fields must be the same set");
+    for o in schema["options"].as_array().unwrap() {
+        assert_eq!(o["flag"].as_str().unwrap(), format!("--{}", o["name"].as_str().unwrap().replace('_', "-")));
+    }
+}

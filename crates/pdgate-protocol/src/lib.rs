@@ -1,0 +1,16 @@
+//! pdgate-protocol: the wire formats pdgate speaks, and nothing else.
+//!
+//! Request validation for the OpenAI and SGLang-native endpoints, the SGLang bootstrap fields,
+//! vLLM `kv_transfer_params` for the NIXL and Mooncake connectors, SSE framing and the few
+//! response rewrites a PD gateway must do (input-logprob merge, cached-token accounting).
+//! Pure data transformations: no tokio, no hyper, no IO (see ../../shared/PROTOCOLS.md).
+
+pub mod bootstrap;
+pub mod kv_transfer;
+pub mod logprobs;
+pub mod openai;
+pub mod request;
+pub mod sse;
+pub mod usage;
+
+pub use request::{parse_request, Endpoint, InvalidRequest, ParsedRequest};
