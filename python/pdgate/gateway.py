@@ -1,0 +1,115 @@
+"""``pdgate.Gateway``: run the Rust gateway inside a Python process.
+
+The keyword options are exactly the names of the gateway's config schema (the same options as
+``pdgate launch --help``, with ``-`` written as ``_``); the schema is declared once, in Rust.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from types import TracebackType
+from typing import Any, Sequence
+
+from pdgate._native import core
+from pdgate.errors import ConfigError
+
+__all__ = ["Gateway", "config_schema"]
+
+
+@lru_cache(maxsize=1)
+def _schema() -> tuple[dict[str, Any], ...]:
+    return tuple(json.loads(core().config_schema())["options"])
+
+
+def config_schema() -> list[dict[str, Any]]:
+    """Every gateway option: ``name``, ``flag``, ``help``, ``default``, ``choices``, ..."""
+    return [dict(option) for option in _schema()]
+
+
+def _option_names() -> frozenset[str]:
+    return frozenset(option["name"] for option in _schema())
+
+
+class Gateway:
+    """A pdgate gateway in this process, serving on its own Rust threads.
+
+    ``start()`` returns once the gateway accepts connections and does not block afterwards; the
+    GIL is released while the gateway works. Use it as a context manager to stop it reliably::
+
+        with Gateway(pd_disaggregation=True,
+                     prefill=[["http://127.0.0.1:30001", 8998]],
+                     decode=["http://127.0.0.1:30002"],
+                     port=0) as gw:
+            httpx.post(gw.url + "/v1/completions", json={...})
+
+    Raises :class:`pdgate.ConfigError` for an unknown option or an invalid value.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        unknown = sorted(set(options) - _option_names())
+        if unknown:
+            known = ", ".join(sorted(_option_names()))
+            raise ConfigError(f"unknown gateway option(s) {', '.join(unknown)}; known options: {known}")
+        try:
+            text = json.dumps(options)
+        except TypeError as exc:
+            raise ConfigError(f"gateway options must be JSON-like values: {exc}") from exc
+        self._config: dict[str, Any] = json.loads(core().normalize_config(text))
+        self._handle: Any = None
+
+    @classmethod
+    def from_cli_args(cls, argv: Sequence[str]) -> Gateway:
+        """Build from ``pdgate launch`` arguments, e.g. ``["--worker-urls", "http://h:8000"]``.
+
+        Raises :class:`pdgate.CommandLineError` (``exit_code`` 0 for ``--help``/``--version``).
+        """
+        config = json.loads(core().parse_cli(list(argv)))
+        return cls(**config)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The complete configuration, defaults included (a copy)."""
+        return json.loads(json.dumps(self._config))
+
+    def start(self) -> Gateway:
+        """Bind and serve; returns once accepting. Raises :class:`pdgate.GatewayStartError`."""
+        if self._handle is None:
+            self._handle = core().GatewayHandle(json.dumps(self._config))
+        self._handle.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop accepting, let in-flight requests finish (bounded), release the port. Idempotent."""
+        if self._handle is not None:
+            self._handle.stop()
+
+    @property
+    def running(self) -> bool:
+        return self._handle is not None and bool(self._handle.running)
+
+    @property
+    def url(self) -> str | None:
+        """``http://host:port`` for clients on this machine, or ``None`` when not running."""
+        return self._handle.url if self._handle is not None else None
+
+    @property
+    def port(self) -> int | None:
+        """The bound port (the real one when configured with ``port=0``), or ``None``."""
+        return self._handle.port if self._handle is not None else None
+
+    def __enter__(self) -> Gateway:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = f"running at {self.url}" if self.running else "stopped"
+        mode = "pd" if self._config.get("pd_disaggregation") else "regular"
+        return f"<pdgate.Gateway {mode} {state}>"
