@@ -1,0 +1,203 @@
+"""OpenAI-compatible `/v1/completions`, `/v1/chat/completions` and `/v1/models`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from aiohttp import web
+
+from .http_common import SSE, error_response, first_error, read_json, wait_all, watch
+from .items import GenItem, bootstrap_fields, kv_params
+from .outputs import finish_reason_openai, usage, visible_text
+from .sampling import BadRequest, params_from_dict
+from .sequence import EngineError, Seq
+from .tokenizer import chat_prompt
+
+CHAT_DEFAULT_MAX_TOKENS = 256
+
+
+def _sampling(body: dict, max_default: int, chat: bool) -> dict:
+    mt = body.get("max_completion_tokens") if chat else None
+    mt = mt if mt is not None else body.get("max_tokens")
+    d = {"max_new_tokens": max_default if mt is None else mt}
+    for k in ("temperature", "top_p", "top_k", "min_p", "stop", "seed", "ignore_eos",
+              "stop_token_ids", "skip_special_tokens"):
+        if body.get(k) is not None:
+            d[k] = body[k]
+    if not isinstance(d["max_new_tokens"], int) or isinstance(d["max_new_tokens"], bool):
+        raise BadRequest("max_tokens must be an integer", "max_tokens")
+    return d
+
+
+def _prompt_ids(tok, body: dict) -> list[list[int]]:
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return [tok.encode(p)]
+    if isinstance(p, list) and p:
+        if all(isinstance(x, str) for x in p):
+            return [tok.encode(x) for x in p]
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            return [p]
+        if all(isinstance(x, list) and x and all(isinstance(t, int) for t in x) for x in p):
+            return p
+    raise BadRequest("prompt must be a string, a list of strings, or token ids", "prompt")
+
+
+def _items(body: dict, prompts: list[list[int]], sp: dict, rid_base: str, lp: tuple[bool, int]):
+    n = body.get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
+        raise BadRequest("n must be an integer in [1, 64]", "n")
+    total = len(prompts) * n
+    kvp = kv_params(body, total)
+    items = []
+    for i in range(total):
+        pi, c = divmod(i, n)
+        d = dict(sp)
+        if "seed" in d and c:
+            d["seed"] = int(d["seed"]) + c
+        items.append(GenItem(rid=f"{rid_base}-{i}", input_ids=list(prompts[pi]),
+                             params=params_from_dict(d), return_logprob=lp[0], top_logprobs_num=lp[1],
+                             kv_transfer_params=kvp, **bootstrap_fields(body, i, total)))
+    return items, n
+
+
+def _rid_base(request: web.Request, prefix: str) -> str:
+    return f"{prefix}-{request.headers.get('X-Request-Id') or uuid.uuid4().hex}"
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, chat=True)
+
+
+def _parse(engine, request, body: dict, chat: bool):
+    tok = engine.tokenizer
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+            raise BadRequest("messages must be a non-empty list of objects", "messages")
+        prompts = [tok.encode(chat_prompt(msgs))]
+        top = body.get("top_logprobs") or 0
+        lp = (bool(body.get("logprobs")), int(top) if body.get("logprobs") else 0)
+        sp = _sampling(body, CHAT_DEFAULT_MAX_TOKENS, True)
+    else:
+        if body.get("echo"):
+            raise BadRequest("echo is not supported by the reference engine", "echo")
+        prompts = _prompt_ids(tok, body)
+        k = body.get("logprobs")
+        if k is not None and (not isinstance(k, int) or not 0 <= k <= 20):
+            raise BadRequest("logprobs must be an integer in [0, 20]", "logprobs")
+        lp = (k is not None, k or 0)
+        sp = _sampling(body, 16, False)
+    prefix = "chatcmpl" if chat else "cmpl"
+    return _items(body, prompts, sp, _rid_base(request, prefix), lp)
+
+
+async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
+    engine = request.app["engine"]
+    seqs: list[Seq] = []
+    try:
+        body = await read_json(request)
+        items, n = _parse(engine, request, body, chat)
+        seqs = [engine.submit(it) for it in items]
+        ctx = {"id": items[0].rid.rsplit("-", 1)[0], "created": int(time.time()),
+               "model": body.get("model") or engine.served_name, "chat": chat, "n": n}
+        if body.get("stream"):
+            return await _stream(request, engine, seqs, body, ctx)
+        await wait_all(seqs)
+        err = first_error(seqs)
+        if err is not None:
+            return error_response(err)
+        return web.json_response(_full(engine, seqs, ctx))
+    except (BadRequest, EngineError) as e:
+        return error_response(e)
+    finally:
+        for s in seqs:
+            engine.abort(s)
+
+
+def _logprobs(engine, seq: Seq, start: int, chat: bool):
+    if not seq.return_logprob:
+        return None
+    tok = engine.tokenizer
+    ids, lps, tops = seq.output_ids[start:], seq.output_logprobs[start:], seq.output_top[start:]
+    if chat:
+        def one(t, lp):
+            s = tok.token_text(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "replace"))}
+        return {"content": [dict(one(t, lp), top_logprobs=[one(tt, tl) for tl, tt in top])
+                            for t, lp, top in zip(ids, lps, tops)]}
+    return {"tokens": [tok.token_text(t) for t in ids], "token_logprobs": lps,
+            "top_logprobs": [{tok.token_text(tt): tl for tl, tt in top} for top in tops] if seq.top_logprobs_num else None,
+            "text_offset": []}
+
+
+def _full(engine, seqs: list[Seq], ctx: dict) -> dict:
+    chat, choices = ctx["chat"], []
+    for i, s in enumerate(seqs):
+        text = visible_text(engine.tokenizer, s, True)
+        c = {"index": i, "logprobs": _logprobs(engine, s, 0, chat), "finish_reason": finish_reason_openai(s)}
+        if chat:
+            c["message"] = {"role": "assistant", "content": text}
+        else:
+            c["text"] = text
+        choices.append(c)
+    out = {"id": ctx["id"], "object": "chat.completion" if chat else "text_completion",
+           "created": ctx["created"], "model": ctx["model"], "choices": choices,
+           "usage": usage(seqs, ctx["n"])}
+    if seqs[0].kv_transfer_params is not None:
+        out["kv_transfer_params"] = seqs[0].kv_transfer_params
+    return out
+
+
+async def _stream(request, engine, seqs: list[Seq], body: dict, ctx: dict):
+    sse, chat = SSE(request), ctx["chat"]
+    sent_text, sent_tok = [""] * len(seqs), [0] * len(seqs)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+    def chunk(choices: list, **extra) -> dict:
+        return {"id": ctx["id"], "object": obj, "created": ctx["created"], "model": ctx["model"],
+                "choices": choices, **extra}
+
+    role_sent = [False] * len(seqs)
+    async for i in watch(seqs):
+        s = seqs[i]
+        if s.error is not None:
+            if sse.resp is None and all(x.error is not None for x in seqs):
+                return error_response(s.error)
+            await sse.send({"error": {"message": str(s.error), "type": "server_error", "code": s.error.code}})
+            continue
+        text = visible_text(engine.tokenizer, s, False)
+        delta, lp = text[len(sent_text[i]):], _logprobs(engine, s, sent_tok[i], chat)
+        new_tokens = len(s.output_ids) > sent_tok[i]
+        if chat and not role_sent[i]:  # OpenAI order: the role first, before any content
+            role_sent[i] = True
+            await sse.send(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None}]))
+        sent_text[i], sent_tok[i] = text, len(s.output_ids)
+        reason = finish_reason_openai(s)
+        if delta or reason or (lp and new_tokens):
+            c = {"index": i, "logprobs": lp, "finish_reason": reason}
+            if chat:
+                c["delta"] = {"content": delta} if delta else {}
+            else:
+                c["text"] = delta
+            extra = {}
+            if reason and s.kv_transfer_params is not None:
+                extra["kv_transfer_params"] = s.kv_transfer_params
+            await sse.send(chunk([c], **extra))
+    if include_usage:
+        await sse.send(chunk([], usage=usage(seqs, ctx["n"])))
+    return await sse.finish()
+
+
+async def models(request: web.Request) -> web.Response:
+    e = request.app["engine"]
+    return web.json_response({"object": "list", "data": [{
+        "id": e.served_name, "object": "model", "created": int(e.started_at),
+        "owned_by": e.owned_by, "root": e.args.model, "max_model_len": e.cfg.max_position}]})

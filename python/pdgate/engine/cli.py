@@ -1,0 +1,107 @@
+"""Command line of a reference worker: SGLang-style flags plus vLLM's `--kv-transfer-config`.
+
+`add_arguments(parser)` and `run(args)` are what `pdgate engine` wires in;
+`python -m pdgate.engine` uses them directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "--model-path", dest="model", default="tiny",
+                   help="preset `tiny` or `small` (weights from --seed), or a local Hugging Face "
+                        "Llama directory (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--seed", type=int, default=0, help="weights seed of the presets")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--max-total-tokens", type=int, default=65536, help="KV pool size in tokens")
+    p.add_argument("--chunked-prefill-size", type=int, default=8192,
+                   help="prompt tokens per scheduler step; -1 = whole prompts")
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--queue-timeout", type=float, default=600.0,
+                   help="seconds a request may wait for KV memory before it fails with 503")
+    p.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default=None)
+    p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
+    p.add_argument("--disaggregation-transfer-backend", choices=["tcp", "mooncake", "nixl"], default="tcp")
+    p.add_argument("--kv-transfer-config", default=None,
+                   help='vLLM style, e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_producer"}\'')
+    p.add_argument("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail",
+                   help="vLLM decode: what a failed KV load does")
+    p.add_argument("--transfer-port", type=int,
+                   default=int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "0") or 0),
+                   help="TCP side channel port (0 = any free port)")
+    p.add_argument("--engine-id", default=None)
+    p.add_argument("--bootstrap-timeout", type=float,
+                   default=_env_float("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300.0),
+                   help="seconds for the PD rendezvous (env SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)")
+    p.add_argument("--waiting-timeout", type=float,
+                   default=_env_float("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300.0),
+                   help="seconds a registered decode waits for the first KV byte "
+                        "(env SGLANG_DISAGGREGATION_WAITING_TIMEOUT)")
+    p.add_argument("--transfer-timeout", type=float,
+                   default=_env_float("PDGATE_ENGINE_TRANSFER_TIMEOUT", 60.0),
+                   help="seconds without progress that fail a transfer in flight")
+    p.add_argument("--kv-lease-timeout", type=float,
+                   default=_env_float("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", 480.0),
+                   help="seconds a NIXL-style prefill holds pages nobody pulled "
+                        "(env VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
+    p.add_argument("--log-level", default="info")
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill what one flag implies for another; raise SystemExit on contradictions."""
+    cfg = args.kv_transfer_config
+    if isinstance(cfg, str):
+        try:
+            cfg = json.loads(cfg)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--kv-transfer-config is not JSON: {e}") from None
+        if not isinstance(cfg, dict) or "kv_connector" not in cfg:
+            raise SystemExit("--kv-transfer-config needs at least kv_connector")
+    args.kv_transfer_config = cfg
+    if args.disaggregation_mode is None:
+        role = (cfg or {}).get("kv_role")
+        args.disaggregation_mode = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(role, "null")
+    if cfg and cfg.get("engine_id") and not args.engine_id:
+        args.engine_id = str(cfg["engine_id"])
+    if args.disaggregation_transfer_backend != "tcp":
+        raise SystemExit(f"--disaggregation-transfer-backend {args.disaggregation_transfer_backend}: "
+                         "not available in this build of the reference engine; use tcp "
+                         "(see docs/engine.md, 'Not done')")
+    if args.page_size < 1 or args.max_total_tokens < args.page_size:
+        raise SystemExit("--page-size must be >= 1 and --max-total-tokens >= --page-size")
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    from .server import serve  # numpy and aiohttp load only when a worker really runs
+
+    args = resolve(args)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(serve(args))
+    except KeyboardInterrupt:
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pdgate.engine",
+                                description="pdgate reference engine worker")
+    add_arguments(p)
+    return run(p.parse_args(argv))

@@ -1,0 +1,64 @@
+"""Model presets and their shapes.
+
+A preset is a Llama-architecture shape plus a seed: weights are drawn from the seed, so every
+process that loads `tiny` with the same seed holds bit-identical weights (a PD pair must).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-style decoder."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position: int = 4096
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    tie_embeddings: bool = False
+    bos_id: int = 256
+    eos_ids: tuple[int, ...] = (257,)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """float32 K and V for every layer."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4
+
+    def num_params(self) -> int:
+        h, i, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * self.num_heads * hd * 2 + h * self.num_kv_heads * hd * 2
+        per_layer = attn + 3 * h * i + 2 * h
+        head = 0 if self.tie_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * per_layer + h + head
+
+    def fingerprint(self, weights_id: str) -> str:
+        """Identity of shape plus weights; a PD pair must agree on it before KV moves."""
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True) + weights_id
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# Byte-level vocabulary: 0..255 are bytes, 256 = BOS, 257 = EOS.
+BYTE_VOCAB = 258
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        name="tiny", vocab_size=BYTE_VOCAB, hidden_size=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, intermediate_size=128,
+    ),
+    "small": ModelConfig(
+        name="small", vocab_size=BYTE_VOCAB, hidden_size=512, num_layers=8, num_heads=8,
+        num_kv_heads=4, head_dim=64, intermediate_size=1536, max_position=8192,
+    ),
+}

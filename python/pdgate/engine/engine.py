@@ -1,0 +1,201 @@
+"""The engine: model, KV pool, scheduler and transfer wired together, and the per-item driver
+that picks the path (colocated, SGLang bootstrap, vLLM NIXL pull, vLLM Mooncake push)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+
+import aiohttp
+
+from .config import PRESETS
+from .items import FAKE_BOOTSTRAP_HOST, GenItem
+from .kv import KVPool, OutOfPages
+from .model import Model
+from .pd import PDDriver
+from .scheduler import Scheduler
+from .sequence import EngineError, Seq
+from .tokenizer import ByteTokenizer, HFTokenizer, load_hf_ids
+from .transfer.bootstrap import BootstrapServer
+from .transfer.context import Timeouts, TransferContext
+from .transfer.pull import PullSource
+from .transfer.push import PushSource
+from .transfer.server import TransferServer
+from .weights import hf_config, hf_weights, random_weights
+
+log = logging.getLogger("pdgate.engine")
+
+
+def load_model(name: str, seed: int):
+    """`tiny` / `small` presets (weights from `seed`) or a local Hugging Face Llama directory."""
+    if name in PRESETS:
+        cfg = PRESETS[name]
+        return cfg, random_weights(cfg, seed), ByteTokenizer(), f"seed={seed}"
+    if os.path.isdir(name):
+        cfg = hf_config(name)
+        bos, eos = load_hf_ids(name)
+        return cfg, hf_weights(name, cfg), HFTokenizer(name, bos, eos), os.path.abspath(name)
+    raise SystemExit(f"--model {name!r}: not a preset ({', '.join(PRESETS)}) nor a directory")
+
+
+class Engine:
+    def __init__(self, args):
+        self.args = args
+        cfg, weights, self.tokenizer, weights_id = load_model(args.model, args.seed)
+        self.cfg = cfg
+        self.model = Model(cfg, weights)
+        num_pages = max(2, args.max_total_tokens // args.page_size)
+        self.pool = KVPool(num_pages, args.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        self.scheduler = Scheduler(self.model, self.pool, self.tokenizer, args.chunked_prefill_size,
+                                   args.max_running_requests)
+        self.mode = args.disaggregation_mode
+        self.kv_transfer_config = args.kv_transfer_config
+        self.served_name = args.served_model_name or args.model
+        self.owned_by = "vllm" if self.kv_transfer_config else "sglang"
+        self.started_at = time.time()
+        self.engine_id = args.engine_id or uuid.uuid4().hex
+        layout = {"fingerprint": cfg.fingerprint(weights_id), "page_size": args.page_size,
+                  "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
+                  "head_dim": cfg.head_dim, "dtype": "float32"}
+        timeouts = Timeouts(args.bootstrap_timeout, args.waiting_timeout, args.transfer_timeout,
+                            args.kv_lease_timeout)
+        self.ctx = TransferContext(self.pool, layout, self.engine_id, args.host, timeouts,
+                                   self.reserve, self.run_prefill, self.release)
+        self.push = PushSource(self.ctx)
+        self.pull = PullSource(self.ctx)
+        self.tserver = TransferServer({"register": self.push.on_register, "pull": self.pull.on_pull})
+        self.bootstrap = BootstrapServer(args.page_size) if self.mode == "prefill" else None
+        self.pd = PDDriver(self)
+        self.live: dict[str, tuple[Seq, asyncio.Task]] = {}
+        self.ready = False
+        self.http: aiohttp.ClientSession | None = None
+        self.counters = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0,
+                         "local_recompute": 0, "aborted": 0}
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        self.ctx.port = await self.tserver.start(self.args.host, self.args.transfer_port)
+        self._tasks.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
+        if self.bootstrap is not None:
+            await self.bootstrap.start(self.args.host, self.args.disaggregation_bootstrap_port)
+            self.bootstrap.ranks[(0, 0, 0)] = {"role": "Prefill", "rank_ip": self.args.host,
+                                               "rank_port": self.ctx.port}
+            self.bootstrap.engines["0"] = {"engine_id": self.engine_id, "worker_addr": {
+                "host": self.args.host, "port": self.ctx.port, "transport": "tcp"}}
+        self.ready = True
+        log.info("engine ready: mode=%s side channel=%s:%d", self.mode, self.args.host, self.ctx.port)
+
+    async def stop(self) -> None:
+        self.ready = False
+        for seq, task in list(self.live.values()):
+            task.cancel()
+        await self.tserver.stop()
+        if self.bootstrap is not None:
+            await self.bootstrap.stop()
+        for t in self._tasks:
+            t.cancel()
+        if self.http is not None:
+            await self.http.close()
+
+    # ---- pages -------------------------------------------------------------------------
+    async def reserve(self, n: int, timeout: float) -> list[int]:
+        """Reserve n pages, waiting (FIFO by polling) up to `timeout` for others to free some."""
+        if n > self.pool.num_pages:
+            raise EngineError(f"request needs {n} KV pages, the pool has {self.pool.num_pages}",
+                              400, "context_length_exceeded")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                return self.pool.reserve(n)
+            except OutOfPages:
+                if loop.time() >= deadline:
+                    raise EngineError(f"no KV memory for {n} pages within {timeout:g}s", 503,
+                                      "kv_cache_full") from None
+                await asyncio.sleep(0.005)
+
+    def release(self, seq: Seq) -> None:
+        """Free `seq`'s pages unless the scheduler still holds it (then it frees them itself)."""
+        if seq.pages and not self.scheduler.owns(seq):
+            self.pool.free(seq.pages)
+            seq.pages = []
+
+    def pages_for_generation(self, seq: Seq) -> int:
+        return self.pool.pages_for(min(seq.prompt_len + seq.params.max_new_tokens + 1,
+                                       self.cfg.max_position))
+
+    async def run_prefill(self, seq: Seq) -> None:
+        """Compute a prefill-only sequence (prompt plus its first token); keep its pages."""
+        seq.pages = await self.reserve(self.pool.pages_for(seq.prompt_len), self.args.queue_timeout)
+        self.scheduler.add(seq)
+        try:
+            await asyncio.wait({seq.prefilled, seq.done}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            self.scheduler.abort(seq, EngineError("cancelled", 499, "cancelled"))
+            raise
+        if seq.error is not None:
+            raise seq.error
+
+    async def start_local(self, seq: Seq) -> None:
+        seq.pages = await self.reserve(self.pages_for_generation(seq), self.args.queue_timeout)
+        self.scheduler.add(seq)
+
+    # ---- requests ----------------------------------------------------------------------
+    def submit(self, item: GenItem) -> Seq:
+        if len(item.input_ids) == 0:
+            raise EngineError("the prompt is empty", 400, "empty_prompt")
+        if len(item.input_ids) >= self.cfg.max_position:
+            raise EngineError(f"prompt of {len(item.input_ids)} tokens exceeds the context "
+                              f"({self.cfg.max_position})", 400, "context_length_exceeded")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.cfg.vocab_size for t in item.input_ids):
+            raise EngineError(f"input_ids must be integers in [0, {self.cfg.vocab_size})", 400,
+                              "invalid_input_ids")
+        prefill_only = self.pd.is_prefill_leg(item)
+        seq = Seq(item.rid, item.input_ids, item.params, return_logprob=item.return_logprob,
+                  top_logprobs_num=item.top_logprobs_num, prefill_only=prefill_only)
+        task = asyncio.create_task(self._drive(item, seq))
+        self.live[seq.rid] = (seq, task)
+        seq.done.add_done_callback(lambda _f: self._done(seq))
+        self.counters["requests"] += 1
+        self.counters["prompt_tokens"] += seq.prompt_len
+        return seq
+
+    def _done(self, seq: Seq) -> None:
+        if self.live.get(seq.rid, (None,))[0] is seq:
+            del self.live[seq.rid]
+        self.counters["generation_tokens"] += len(seq.output_ids)
+
+    async def _drive(self, item: GenItem, seq: Seq) -> None:
+        try:
+            await self.pd.drive(item, seq)
+        except EngineError as e:
+            seq.fail(e)
+        except asyncio.CancelledError:
+            seq.fail(EngineError("request aborted", 499, "aborted"))
+        except Exception as e:  # a bug must end the request, not hang it
+            log.exception("request %s failed", seq.rid)
+            seq.fail(EngineError(f"internal error: {e}"))
+
+    def abort(self, seq: Seq, why: str = "aborted by client") -> None:
+        if seq.finished:
+            return
+        self.counters["aborted"] += 1
+        entry = self.live.get(seq.rid)
+        if entry is not None and not entry[1].done():
+            entry[1].cancel()
+        self.scheduler.abort(seq, EngineError(why, 499, "aborted"))
+
+    def abort_rid(self, rid: str) -> bool:
+        entry = self.live.get(rid)
+        if entry is None:
+            return False
+        self.abort(entry[0])
+        return True
+
+    def is_fake_host(self, item: GenItem) -> bool:
+        return item.bootstrap_host == FAKE_BOOTSTRAP_HOST

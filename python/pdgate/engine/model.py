@@ -1,0 +1,121 @@
+"""A Llama-architecture decoder in numpy: RMSNorm, RoPE, grouped-query attention over a page
+table, SwiGLU.
+
+`forward` takes a batch of segments. A segment is a run of consecutive tokens of one sequence
+(a prefill chunk, or the single newest token of a decode). Projections and MLPs run on all
+segments' tokens at once (the batching); attention runs per segment, reading K/V through that
+sequence's page table. New K/V are written into the pool before attention reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import ModelConfig
+from .kv import KVPool
+
+_Q_BLOCK = 256  # query rows per attention block: bounds the score matrix on long prompts
+
+
+@dataclass
+class Segment:
+    pages: list[int]       # the sequence's page table
+    start: int             # position of tokens[0]
+    tokens: list[int]
+    all_logits: bool = False  # logits for every row (input logprobs), else only the last
+
+
+class Model:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray]):
+        self.cfg = cfg
+        self.w = weights
+        hd = cfg.head_dim
+        inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+        ang = np.outer(np.arange(cfg.max_position, dtype=np.float64), inv)
+        self.cos = np.cos(ang).astype(np.float32)
+        self.sin = np.sin(ang).astype(np.float32)
+
+    def forward(self, pool: KVPool, segs: list[Segment]) -> list[np.ndarray]:
+        """Run the segments; returns per segment the logits ([rows, vocab])."""
+        cfg, w = self.cfg, self.w
+        toks = np.concatenate([np.asarray(s.tokens, dtype=np.int64) for s in segs])
+        pos = np.concatenate([np.arange(s.start, s.start + len(s.tokens)) for s in segs])
+        page_idx, slot = self._slots(pool, segs, pos)
+        x = w["embed"][toks]
+        for layer in range(cfg.num_layers):
+            x = x + self._attention(pool, layer, segs, x, pos, page_idx, slot)
+            x = x + self._mlp(layer, x)
+        x = _rms(x, w["final_norm"], cfg.rms_eps)
+        out, off = [], 0
+        for s in segs:
+            n = len(s.tokens)
+            rows = x[off:off + n] if s.all_logits else x[off + n - 1:off + n]
+            out.append(rows @ w["lm_head"])
+            off += n
+        return out
+
+    def _slots(self, pool: KVPool, segs: list[Segment], pos: np.ndarray):
+        ps = pool.page_size
+        pages = np.concatenate([
+            np.asarray(s.pages, dtype=np.int64)[np.arange(s.start, s.start + len(s.tokens)) // ps]
+            for s in segs])
+        return pages, pos % ps
+
+    def _attention(self, pool, layer, segs, x, pos, page_idx, slot) -> np.ndarray:
+        cfg, w, p = self.cfg, self.w, f"layers.{layer}."
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = _rms(x, w[p + "attn_norm"], cfg.rms_eps)
+        q = self._rope((h @ w[p + "wq"]).reshape(-1, nh, hd), pos)
+        k = self._rope((h @ w[p + "wk"]).reshape(-1, nkv, hd), pos)
+        v = (h @ w[p + "wv"]).reshape(-1, nkv, hd)
+        pool.k[layer, page_idx, slot] = k
+        pool.v[layer, page_idx, slot] = v
+        out = np.empty((len(pos), nh * hd), dtype=np.float32)
+        off = 0
+        for s in segs:
+            n = len(s.tokens)
+            out[off:off + n] = self._attend_segment(pool, layer, s, q[off:off + n])
+            off += n
+        return out @ w[p + "wo"]
+
+    def _attend_segment(self, pool: KVPool, layer: int, s: Segment, q: np.ndarray) -> np.ndarray:
+        cfg = self.cfg
+        nkv, hd, g = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+        total = s.start + len(s.tokens)
+        idx = np.asarray(s.pages[:pool.pages_for(total)], dtype=np.int64)
+        kk = pool.k[layer, idx].reshape(-1, nkv, hd)[:total].transpose(1, 2, 0)  # [nkv, hd, T]
+        vv = pool.v[layer, idx].reshape(-1, nkv, hd)[:total].transpose(1, 0, 2)  # [nkv, T, hd]
+        n = len(s.tokens)
+        qq = q.reshape(n, nkv, g, hd).transpose(1, 2, 0, 3)  # [nkv, g, n, hd]
+        res = np.empty((nkv, g, n, hd), dtype=np.float32)
+        keys = np.arange(total)
+        scale = np.float32(1.0 / np.sqrt(hd))
+        for b in range(0, n, _Q_BLOCK):
+            e = min(n, b + _Q_BLOCK)
+            sc = (qq[:, :, b:e] @ kk[:, None]) * scale  # [nkv, g, rows, T]
+            qpos = s.start + np.arange(b, e)
+            sc = np.where(keys[None, :] <= qpos[:, None], sc, np.float32(-np.inf))
+            sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
+            sc /= sc.sum(axis=-1, keepdims=True)
+            res[:, :, b:e] = sc @ vv[:, None]
+        return res.transpose(2, 0, 1, 3).reshape(n, -1)
+
+    def _mlp(self, layer: int, x: np.ndarray) -> np.ndarray:
+        w, p = self.w, f"layers.{layer}."
+        h = _rms(x, w[p + "mlp_norm"], self.cfg.rms_eps)
+        gate = h @ w[p + "w_gate"]
+        act = gate / (1.0 + np.exp(-gate)) * (h @ w[p + "w_up"])
+        return act @ w[p + "w_down"]
+
+    def _rope(self, t: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Rotate-half RoPE (the Hugging Face Llama convention)."""
+        half = t.shape[-1] // 2
+        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]
+        t1, t2 = t[..., :half], t[..., half:]
+        return np.concatenate([t1 * cos - t2 * sin, t2 * cos + t1 * sin], axis=-1)
+
+
+def _rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * weight

@@ -1,0 +1,193 @@
+"""The HTTP server: the surface of an SGLang worker (and a vLLM one) on aiohttp.
+
+aiohttp because one dependency gives the server, the client (bootstrap lookups) and streaming,
+and its handler cancellation turns a client disconnect into an abort of the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+from aiohttp import web
+
+from . import api_native, api_openai, metrics
+from .engine import Engine
+from .http_common import error_body, error_response, read_json
+from .items import GenItem
+from .sampling import BadRequest, params_from_dict
+from .sequence import EngineError
+
+log = logging.getLogger("pdgate.engine")
+
+
+def engine_app(engine: Engine) -> web.Application:
+    app = web.Application(client_max_size=256 << 20, middlewares=[_errors])
+    app["engine"] = engine
+    r = app.router
+    r.add_post("/generate", api_native.generate)
+    r.add_post("/v1/completions", api_openai.completions)
+    r.add_post("/v1/chat/completions", api_openai.chat_completions)
+    r.add_get("/v1/models", api_openai.models)
+    r.add_get("/health", health)
+    r.add_get("/health_generate", health_generate)
+    r.add_get("/server_info", server_info)
+    r.add_get("/get_server_info", server_info)
+    r.add_get("/model_info", model_info)
+    r.add_get("/get_model_info", model_info)
+    r.add_get("/v1/loads", loads)
+    r.add_get("/metrics", metrics_handler)
+    r.add_post("/abort_request", abort_request)
+    r.add_get("/debug/kv_transfers", debug_transfers)
+    return app
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """No request ever ends in an HTML 500: unknown paths and failures become JSON errors."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return web.json_response(error_body(e.reason, "invalid_request_error" if e.status < 500
+                                            else "server_error", e.status), status=e.status)
+    except (BadRequest, EngineError) as e:
+        return error_response(e)
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception as e:
+        log.exception("handler failed")
+        return error_response(e)
+
+
+async def health(request: web.Request) -> web.Response:
+    if not request.app["engine"].ready:
+        return web.json_response(error_body("starting", "server_error", 503), status=503)
+    return web.Response(text="")
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    e: Engine = request.app["engine"]
+    if not e.ready:
+        return web.json_response(error_body("starting", "server_error", 503), status=503)
+    item = GenItem(rid=f"health-{time.monotonic_ns()}", input_ids=e.tokenizer.encode("hi"),
+                   params=params_from_dict({"max_new_tokens": 1, "temperature": 0}))
+    seq = e.submit(item)
+    try:
+        await asyncio.wait_for(asyncio.shield(seq.done), 20)
+    except asyncio.TimeoutError:
+        e.abort(seq)
+        return web.json_response(error_body("generation timed out", "server_error", 503), status=503)
+    if seq.error is not None:
+        return web.json_response(error_body(str(seq.error), "server_error", 503), status=503)
+    return web.Response(text="")
+
+
+def info_dict(e: Engine) -> dict:
+    a = e.args
+    d = {k: v for k, v in vars(a).items() if not callable(v)}
+    d.update({
+        "model_path": a.model, "served_model_name": e.served_name, "tokenizer_path": a.model,
+        "disaggregation_mode": e.mode, "disaggregation_bootstrap_port": a.disaggregation_bootstrap_port,
+        "disaggregation_transfer_backend": a.disaggregation_transfer_backend,
+        "kv_transfer_config": e.kv_transfer_config, "engine_id": e.engine_id,
+        "page_size": a.page_size, "max_total_num_tokens": e.pool.num_pages * a.page_size,
+        "chunked_prefill_size": a.chunked_prefill_size, "tp_size": 1, "dp_size": 1, "pp_size": 1,
+        "context_length": e.cfg.max_position, "kv_side_channel_port": e.ctx.port,
+        "kv_layout": e.ctx.layout, "engine": "pdgate-reference", "version": "0.1.0",
+    })
+    return d
+
+
+async def server_info(request: web.Request) -> web.Response:
+    return web.json_response(info_dict(request.app["engine"]))
+
+
+async def model_info(request: web.Request) -> web.Response:
+    e: Engine = request.app["engine"]
+    c = e.cfg
+    return web.json_response({
+        "model_path": e.args.model, "tokenizer_path": e.args.model, "is_generation": True,
+        "preferred_sampling_params": None, "weight_version": e.ctx.layout["fingerprint"],
+        "has_image_understanding": False, "has_audio_understanding": False,
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+        "num_parameters": c.num_params(), "num_layers": c.num_layers, "hidden_size": c.hidden_size,
+        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim, "vocab_size": c.vocab_size, "max_position": c.max_position})
+
+
+def loads_dict(e: Engine) -> dict:
+    pool = e.pool.counters()
+    used_pages = pool["total"] - pool["free"]
+    total_tokens = pool["total"] * e.pool.page_size
+    st = e.ctx.stats
+    return {"loads": [{
+        "dp_rank": 0,
+        "num_running_reqs": len(e.scheduler.running),
+        "num_waiting_reqs": e.scheduler.num_waiting,
+        "num_live_reqs": len(e.live),
+        "num_used_tokens": used_pages * e.pool.page_size,
+        "max_total_num_tokens": total_tokens,
+        "token_usage": round(used_pages / pool["total"], 6),
+        "kv_pages": pool,
+        "disaggregation": {
+            "mode": e.mode, "transfer_backend": e.args.disaggregation_transfer_backend,
+            "kv_connector": (e.kv_transfer_config or {}).get("kv_connector"),
+            "transfers_in_flight": e.ctx.table.live_counts(),
+            "transfers_finished": dict(e.ctx.table.totals),
+            "held_for_pull": len(e.pull.holds),
+            "pending_registrations": len(e.push.pending),
+            "kv_bytes_sent": st.bytes_sent, "kv_bytes_received": st.bytes_received,
+            "kv_pages_sent": st.pages_sent, "kv_pages_received": st.pages_received,
+            "kv_page_bytes": e.pool.page_bytes,
+            "local_recompute": e.counters["local_recompute"],
+        },
+    }]}
+
+
+async def loads(request: web.Request) -> web.Response:
+    return web.json_response(loads_dict(request.app["engine"]))
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    body = metrics.render(request.app["engine"])
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    e: Engine = request.app["engine"]
+    if body.get("abort_all"):
+        for rid in list(e.live):
+            e.abort_rid(rid)
+        return web.json_response({"aborted": True})
+    rid = body.get("rid")
+    if not isinstance(rid, str):
+        raise BadRequest("rid (string) or abort_all is required", "rid")
+    return web.json_response({"aborted": e.abort_rid(rid)})
+
+
+async def debug_transfers(request: web.Request) -> web.Response:
+    return web.json_response({"transfers": request.app["engine"].ctx.table.snapshot()})
+
+
+async def serve(args) -> int:
+    """Run until SIGINT/SIGTERM. /health answers 503 until the engine is ready."""
+    engine = Engine(args)
+    app = engine_app(engine)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    log.info("listening on http://%s:%d", args.host, args.port)
+    await engine.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await engine.stop()
+    await runner.cleanup()
+    return 0

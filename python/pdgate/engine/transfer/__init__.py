@@ -1,0 +1,11 @@
+"""Moving KV pages between engine processes.
+
+- `wire`: framing on the built-in TCP transport.
+- `states`: the per-transfer poll states (Failed, Bootstrapping, WaitingForInput, Transferring,
+  Success) and the table that exposes them.
+- `server`: the TCP side channel every engine listens on.
+- `push`: the source writes into a destination the sink reserved and registered first
+  (SGLang bootstrap rooms and vLLM Mooncake transfer ids).
+- `pull`: the source holds pages under a lease until the sink reads them (vLLM NIXL).
+- `bootstrap`: the prefill's bootstrap HTTP server (`/route`, `/register`, `/query`).
+"""

@@ -1,0 +1,64 @@
+"""What the transfer code shares with the engine: the pool, timeouts, counters, identity."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from ..kv import KVPool
+from ..sequence import EngineError, Seq  # noqa: F401
+from .states import KVPoll, TransferTable
+
+
+@dataclass
+class Timeouts:
+    bootstrap: float = 300.0  # a peer must register / the prefill must be found within this
+    waiting: float = 300.0    # after registering, the first KV byte must arrive within this
+    transfer: float = 60.0    # no progress for this long during a transfer fails it
+    lease: float = 480.0      # a pull source holds pages this long at most
+
+
+@dataclass
+class TransferStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    pages_sent: int = 0
+    pages_received: int = 0
+    results: dict = field(default_factory=dict)  # (protocol, role, ok|failed) -> count
+
+    def count(self, protocol: str, role: str, ok: bool) -> None:
+        key = (protocol, role, "ok" if ok else "failed")
+        self.results[key] = self.results.get(key, 0) + 1
+
+
+@dataclass
+class TransferContext:
+    pool: KVPool
+    layout: dict                        # must match between the two sides, byte for byte
+    engine_id: str
+    host: str
+    timeouts: Timeouts
+    reserve: Callable[[int, float], Awaitable[list[int]]]
+    run_prefill: Callable[["Seq"], Awaitable[None]]  # reserve, compute, keep the pages
+    release: Callable[["Seq"], None]                   # free a sequence's pages (idempotent)
+    port: int = 0                       # the TCP side channel, known once it listens
+    table: TransferTable = field(default_factory=TransferTable)
+    stats: TransferStats = field(default_factory=TransferStats)
+
+    def check_layout(self, theirs: dict | None) -> None:
+        if theirs != self.layout:
+            raise EngineError(
+                f"KV layout mismatch: ours {self.layout}, theirs {theirs}", 500, "kv_layout_mismatch")
+
+
+def fail(ctx: TransferContext, key: tuple, msg: str) -> EngineError:
+    ctx.table.set(key, KVPoll.Failed, error=msg)
+    return EngineError(msg, 500, "kv_transfer_failed")
+
+
+async def with_timeout(aw, seconds: float, what: str):
+    try:
+        return await asyncio.wait_for(aw, seconds)
+    except asyncio.TimeoutError:
+        raise EngineError(f"timed out after {seconds:g}s {what}", 500, "kv_transfer_timeout") from None

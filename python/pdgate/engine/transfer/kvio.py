@@ -1,0 +1,67 @@
+"""Sending pages and receiving them into a reservation, with every frame checked."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+from ..sequence import EngineError
+from . import wire
+from .context import TransferContext, with_timeout
+
+
+async def send_kv(ctx: TransferContext, writer: asyncio.StreamWriter, src: list[int],
+                  dst: list[int], tag: dict) -> int:
+    """Write `src` pages into the sink's `dst` pages; returns payload bytes sent."""
+    if len(src) != len(dst):
+        raise EngineError(f"sink reserved {len(dst)} pages, source has {len(src)}", 500,
+                          "kv_transfer_failed")
+    per, sent = wire.pages_per_frame(ctx.pool.page_bytes), 0
+    for i in range(0, len(src), per):
+        payload = ctx.pool.read_pages(src[i:i + per])
+        await with_timeout(wire.send(writer, {"op": "kv", "dst": dst[i:i + per], **tag}, payload),
+                           ctx.timeouts.transfer, "sending KV")
+        sent += len(payload)
+    ctx.stats.bytes_sent += sent
+    ctx.stats.pages_sent += len(src)
+    return sent
+
+
+async def recv_kv(ctx: TransferContext, reader: asyncio.StreamReader, dst: list[int], tag: dict,
+                  on_first: Callable[[], None]) -> tuple[dict, int]:
+    """Receive frames into `dst` until `done`; returns (metadata row, bytes received).
+
+    Nothing is exposed before `done` has arrived and every destination page was written exactly
+    once; a frame for another key or attempt, or for a page outside the reservation, fails it.
+    """
+    allowed, got, nbytes = set(dst), set(), 0
+    timeout, what, started = ctx.timeouts.waiting, "waiting for the source's KV", False
+    max_payload = wire.pages_per_frame(ctx.pool.page_bytes) * ctx.pool.page_bytes
+    while True:
+        try:
+            hdr, payload = await with_timeout(wire.recv(reader, max_payload), timeout, what)
+        except wire.WireError as e:
+            raise EngineError(f"KV source lost: {e}", 500, "kv_transfer_failed") from e
+        if hdr["op"] == "error":
+            raise EngineError(f"KV source failed: {hdr.get('message')}", 500, "kv_transfer_failed")
+        if any(hdr.get(k) != v for k, v in tag.items()):
+            raise EngineError(f"frame for another transfer {hdr}", 500, "kv_transfer_failed")
+        if not started:
+            on_first()
+            started, timeout, what = True, ctx.timeouts.transfer, "during KV transfer"
+        if hdr["op"] == "kv":
+            pages = hdr.get("dst") or []
+            if not set(pages) <= allowed or got & set(pages):
+                raise EngineError("KV frame outside the reservation", 500, "kv_transfer_failed")
+            ctx.pool.write_pages(pages, payload)
+            got |= set(pages)
+            nbytes += len(payload)
+            ctx.stats.bytes_received += len(payload)
+            ctx.stats.pages_received += len(pages)
+        elif hdr["op"] == "done":
+            if got != allowed:
+                raise EngineError(f"transfer ended with {len(got)}/{len(allowed)} pages", 500,
+                                  "kv_transfer_failed")
+            return hdr.get("meta") or {}, nbytes
+        else:
+            raise EngineError(f"unexpected frame {hdr['op']!r}", 500, "kv_transfer_failed")

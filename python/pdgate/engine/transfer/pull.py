@@ -1,0 +1,134 @@
+"""Pull transfers (vLLM NIXL style): the source holds computed pages under a lease; the sink
+reads them by (engine id, request id, block ids); the source frees them once read and acked, or
+when the lease expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+
+from ..sequence import EngineError, Seq
+from . import wire
+from .context import TransferContext, with_timeout
+from .kvio import recv_kv, send_kv
+from .states import KVPoll
+
+log = logging.getLogger("pdgate.engine.transfer")
+PROTOCOL = "nixl"
+
+
+@dataclass
+class Hold:
+    seq: Seq
+    pages: list[int]
+    expiry: asyncio.TimerHandle | None = None
+
+
+class PullSource:
+    def __init__(self, ctx: TransferContext):
+        self.ctx = ctx
+        self.holds: dict[str, Hold] = {}
+
+    def hold(self, seq: Seq) -> dict:
+        """Pin a finished prefill's pages and publish them; returns `kv_transfer_params`."""
+        ctx = self.ctx
+        pages = seq.pages[:ctx.pool.pages_for(seq.prompt_len)]
+        ctx.pool.pin(seq.pages)
+        h = Hold(seq, pages)
+        h.expiry = asyncio.get_running_loop().call_later(ctx.timeouts.lease, self._expire, seq.rid)
+        self.holds[seq.rid] = h
+        ctx.table.set((PROTOCOL, seq.rid, "hold"), KVPoll.WaitingForInput, role="source")
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": pages,
+                "remote_engine_id": ctx.engine_id, "remote_request_id": seq.rid,
+                "remote_host": ctx.host, "remote_port": ctx.port, "tp_size": 1}
+
+    def _expire(self, rid: str) -> None:
+        h = self.holds.pop(rid, None)
+        if h is not None:
+            log.warning("lease expired for %s: freeing %d pages nobody pulled", rid, len(h.pages))
+            self.ctx.table.set((PROTOCOL, rid, "hold"), KVPoll.Failed, error="lease expired")
+            self.ctx.stats.count(PROTOCOL, "source", False)
+            self.ctx.release(h.seq)
+
+    async def on_pull(self, hdr: dict, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        ctx, rid = self.ctx, hdr.get("request_id")
+        h = self.holds.get(rid)
+        problem = None
+        if h is None:
+            problem = f"request {rid!r} is not held here (never prefilled, already pulled, or lease expired)"
+        elif hdr.get("engine_id") != ctx.engine_id:
+            problem = f"engine id {hdr.get('engine_id')!r} is not {ctx.engine_id!r}"
+        elif hdr.get("block_ids") != h.pages:
+            problem = "block ids do not match the held request"
+        elif hdr.get("layout") != ctx.layout:
+            problem = f"KV layout mismatch: ours {ctx.layout}, theirs {hdr.get('layout')}"
+        if problem:
+            await wire.send(writer, {"op": "error", "message": problem})
+            return
+        del self.holds[rid]
+        h.expiry.cancel()
+        tkey, tag = (PROTOCOL, rid, "hold"), {"protocol": PROTOCOL, "key": rid, "attempt": hdr.get("attempt")}
+        ok = False
+        try:
+            ctx.table.set(tkey, KVPoll.Transferring)
+            await send_kv(ctx, writer, h.pages, hdr.get("dst_pages") or [], tag)
+            meta = {"input_len": h.seq.prompt_len, **tag}
+            await wire.send(writer, {"op": "done", **tag, "meta": meta})
+            ack, _ = await with_timeout(wire.recv(reader, 0), ctx.timeouts.transfer, "waiting for the ack")
+            ok = ack["op"] == "ack"
+        except (EngineError, wire.WireError, ConnectionError, OSError) as e:
+            log.warning("pull of %s failed: %s", rid, e)
+        finally:
+            ctx.table.set(tkey, KVPoll.Success if ok else KVPoll.Failed)
+            ctx.stats.count(PROTOCOL, "source", ok)
+            await wire.close(writer)
+            ctx.release(h.seq)
+
+
+REQUIRED = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+
+
+async def pull_receive(ctx: TransferContext, params: dict, seq: Seq) -> int:
+    """Sink side: read the held pages into `seq`'s reservation. Returns bytes received."""
+    attempt = uuid.uuid4().hex
+    rid = params["remote_request_id"]
+    tag = {"protocol": PROTOCOL, "key": rid, "attempt": attempt}
+    tkey = (PROTOCOL, rid, attempt)
+    blocks = list(params["remote_block_ids"])
+    if len(blocks) != ctx.pool.pages_for(seq.prompt_len):
+        raise EngineError(f"{len(blocks)} remote blocks for a {seq.prompt_len}-token prompt "
+                          f"(page size {ctx.pool.page_size})", 500, "kv_transfer_failed")
+    dst = seq.pages[:len(blocks)]
+    addr = (params["remote_host"], int(params["remote_port"]))
+    writer = None
+    ctx.table.set(tkey, KVPoll.Bootstrapping, role="sink", rid=seq.rid)
+    try:
+        reader, writer = await with_timeout(asyncio.open_connection(*addr), ctx.timeouts.bootstrap,
+                                            f"connecting to the prefill at {addr}")
+        await wire.send(writer, {"op": "pull", "request_id": rid, "attempt": attempt,
+                                 "engine_id": params["remote_engine_id"], "block_ids": blocks,
+                                 "dst_pages": dst, "layout": ctx.layout})
+        ctx.table.set(tkey, KVPoll.WaitingForInput)
+
+        def first() -> None:
+            ctx.table.set(tkey, KVPoll.Transferring)
+            ctx.pool.pin(dst)
+
+        _, nbytes = await recv_kv(ctx, reader, dst, tag, first)
+        await wire.send(writer, {"op": "ack", **tag})
+        ctx.pool.unpin(dst)
+        ctx.table.set(tkey, KVPoll.Success)
+        ctx.stats.count(PROTOCOL, "sink", True)
+        return nbytes
+    except BaseException as e:
+        ctx.table.set(tkey, KVPoll.Failed, error=str(e) or type(e).__name__)
+        ctx.stats.count(PROTOCOL, "sink", False)
+        if isinstance(e, OSError):
+            raise EngineError(f"cannot reach the prefill at {addr}: {e}", 500, "kv_transfer_failed") from e
+        raise
+    finally:
+        await wire.close(writer)

@@ -1,0 +1,152 @@
+"""`ReferenceWorker`: one `python -m pdgate.engine` subprocess on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+
+_CONNECTORS = ("NixlConnector", "MooncakeConnector")
+
+
+class WorkerStartError(RuntimeError):
+    """The worker exited or did not become healthy in time; the message ends with its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ReferenceWorker:
+    """A reference engine worker process.
+
+    mode: "prefill" | "decode" | "null". kv_connector: None for SGLang bootstrap style, or
+    "NixlConnector" / "MooncakeConnector" for vLLM style (`--kv-transfer-config`).
+    port / bootstrap_port: None picks free ports (bootstrap only for prefill workers).
+    """
+
+    def __init__(self, mode: str = "null", model: str = "tiny", port: int | None = None,
+                 bootstrap_port: int | None = None, transfer_backend: str = "tcp",
+                 kv_connector: str | None = None, extra_args: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None, log_path: str | None = None,
+                 host: str = "127.0.0.1"):
+        if mode not in ("prefill", "decode", "null"):
+            raise ValueError(f"mode must be prefill, decode or null, not {mode!r}")
+        if kv_connector is not None and kv_connector not in _CONNECTORS:
+            raise ValueError(f"kv_connector must be None or one of {_CONNECTORS}")
+        self.mode, self.model, self.host = mode, model, host
+        self.port = port or free_port(host)
+        self.bootstrap_port = (bootstrap_port or free_port(host)) if mode == "prefill" else bootstrap_port
+        self.transfer_backend = transfer_backend
+        self.kv_connector = kv_connector
+        self.extra_args = list(extra_args)
+        self.env = dict(env or {})
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self._log_file = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "pdgate.engine", "--model", self.model, "--host", self.host,
+               "--port", str(self.port), "--disaggregation-mode", self.mode,
+               "--disaggregation-transfer-backend", self.transfer_backend]
+        if self.bootstrap_port is not None:
+            cmd += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+        if self.kv_connector is not None:
+            role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(self.mode, "kv_both")
+            cmd += ["--kv-transfer-config",
+                    json.dumps({"kv_connector": self.kv_connector, "kv_role": role})]
+        return cmd + self.extra_args
+
+    def start(self, timeout: float = 60) -> "ReferenceWorker":
+        """Spawn and wait until GET /health is 200; raise WorkerStartError with the log tail."""
+        if self.proc is not None:
+            raise RuntimeError("worker already started")
+        env = dict(os.environ)
+        env.setdefault("OPENBLAS_NUM_THREADS", "1")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.update(self.env)
+        src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        if self.log_path is None:
+            fd, self.log_path = tempfile.mkstemp(prefix=f"pdgate-engine-{self.mode}-", suffix=".log")
+            os.close(fd)
+        self._log_file = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.command(), stdout=self._log_file, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._fail(f"worker exited with code {self.proc.returncode}")
+            if self._healthy():
+                return self
+            time.sleep(0.1)
+        self._fail(f"worker not healthy within {timeout:g}s")
+        return self
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def _fail(self, why: str) -> None:
+        tail = self.log_tail()
+        self.stop()
+        raise WorkerStartError(f"{why}: {' '.join(self.command())}\n--- log tail ---\n{tail}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        if not self.log_path or not os.path.exists(self.log_path):
+            return ""
+        with open(self.log_path, "rb") as f:
+            return b"\n".join(f.read().splitlines()[-lines:]).decode("utf-8", "replace")
+
+    def stop(self, timeout: float = 10) -> None:
+        """SIGTERM, then SIGKILL after `timeout`. Safe to call twice."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def kill(self) -> None:
+        """SIGKILL at once (fault tests: a worker that dies mid-transfer)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def __enter__(self) -> "ReferenceWorker":
+        if self.proc is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"ReferenceWorker(mode={self.mode!r}, url={self.url!r}, bootstrap_port={self.bootstrap_port})"
