@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Callable
 
 from ..sequence import EngineError
 from . import wire
 from .context import TransferContext, with_timeout
+
+# Fault injection for tests only: slow a source down so it can be killed mid-transfer.
+_FAULT_DELAY = float(os.environ.get("PDGATE_ENGINE_FAULT_SEND_DELAY", "0") or 0)
+_FAULT_FRAME_PAGES = int(os.environ.get("PDGATE_ENGINE_FAULT_FRAME_PAGES", "0") or 0)
 
 
 async def send_kv(ctx: TransferContext, writer: asyncio.StreamWriter, src: list[int],
@@ -16,8 +21,10 @@ async def send_kv(ctx: TransferContext, writer: asyncio.StreamWriter, src: list[
     if len(src) != len(dst):
         raise EngineError(f"sink reserved {len(dst)} pages, source has {len(src)}", 500,
                           "kv_transfer_failed")
-    per, sent = wire.pages_per_frame(ctx.pool.page_bytes), 0
+    per, sent = _FAULT_FRAME_PAGES or wire.pages_per_frame(ctx.pool.page_bytes), 0
     for i in range(0, len(src), per):
+        if _FAULT_DELAY:
+            await asyncio.sleep(_FAULT_DELAY)
         payload = ctx.pool.read_pages(src[i:i + per])
         await with_timeout(wire.send(writer, {"op": "kv", "dst": dst[i:i + per], **tag}, payload),
                            ctx.timeouts.transfer, "sending KV")

@@ -1,0 +1,55 @@
+"""A minimal router that follows PROTOCOLS.md, written with plain httpx: the engine must work
+behind any such router, not only behind pdgate."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+
+import httpx
+
+NIXL_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                       "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def bootstrap_body(body: dict, prefill, room: int | list[int]) -> dict:
+    return dict(body, bootstrap_host="127.0.0.1", bootstrap_port=prefill.bootstrap_port,
+                bootstrap_room=room)
+
+
+async def bootstrap(c: httpx.AsyncClient, p, d, path: str, body: dict, rng: random.Random):
+    """Same body to P and D concurrently; the client gets D's answer. Returns (P resp, D resp)."""
+    b = bootstrap_body(body, p, rng.randrange(2**63))
+    return await asyncio.gather(c.post(p.url + path, json=b), c.post(d.url + path, json=b))
+
+
+def _prefill_leg(body: dict, params: dict) -> dict:
+    pb = dict(body, stream=False, max_tokens=1, kv_transfer_params=params)
+    if "messages" in pb:
+        pb["max_completion_tokens"] = 1
+    for k in ("stream_options", "min_tokens", "min_completion_tokens"):
+        pb.pop(k, None)
+    return pb
+
+
+async def nixl(c: httpx.AsyncClient, p, d, path: str, body: dict):
+    """P with max_tokens 1 and empty params, then D with P's params verbatim."""
+    hdr = {"X-Request-Id": uuid.uuid4().hex}
+    rp = await c.post(p.url + path, json=_prefill_leg(body, dict(NIXL_PREFILL_PARAMS)), headers=hdr)
+    rp.raise_for_status()
+    params = rp.json()["kv_transfer_params"]
+    rd = await c.post(d.url + path, json=dict(body, kv_transfer_params=params), headers=hdr)
+    return rp, rd
+
+
+async def mooncake(c: httpx.AsyncClient, p, d, path: str, body: dict):
+    """Mint a transfer id, learn P's engine id from its bootstrap /query, run both legs at once."""
+    q = (await c.get(f"http://127.0.0.1:{p.bootstrap_port}/query")).json()
+    engine_id = next(iter(q.values()))["engine_id"]
+    tid = f"xfer-{uuid.uuid4()}"
+    pb = _prefill_leg(body, {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid})
+    db = dict(body, kv_transfer_params={
+        "do_remote_decode": False, "do_remote_prefill": True, "transfer_id": tid,
+        "remote_engine_id": engine_id, "remote_bootstrap_addr": f"http://127.0.0.1:{p.bootstrap_port}"})
+    return await asyncio.gather(c.post(p.url + path, json=pb), c.post(d.url + path, json=db))
