@@ -158,3 +158,8 @@ def openai_choice(api: str, index: int, text: str, finish: str | None, chunk: bo
 def new_id(api: str) -> str:
     prefix = {"completions": "cmpl", "chat": "chatcmpl", "generate": ""}[api]
     return f"{prefix}-{uuid.uuid4().hex}" if prefix else uuid.uuid4().hex
+
+
+def expected_text(api: str, body: dict[str, Any]) -> list[str]:
+    """What any correct path (regular or PD) returns for `body`, one string per item."""
+    return ["".join(s for _, s in item.tokens()) for item in parse_items(api, body)]

@@ -1,0 +1,105 @@
+"""The option schema is declared once (Rust); the Python API, `pdgate launch` and the Rust
+binary must all be views of it."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+import pdgate
+from pdgate import _core
+
+SCHEMA = pdgate.config_schema()
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def sample_argv(option: dict) -> list[str]:
+    """A valid command line that sets just this option (plus what it depends on)."""
+    flag, name = option["flag"], option["name"]
+    if not option["takes_value"]:
+        return [flag]
+    if option["choices"]:
+        return [flag, option["choices"][-1]]
+    if name in ("prefill", "decode"):
+        return ["--pd-disaggregation", flag, "http://127.0.0.1:9"]
+    if name == "worker_urls":
+        return [flag, "http://127.0.0.1:9"]
+    default = option["default"]
+    if isinstance(default, bool):
+        return [flag]
+    if isinstance(default, int):
+        return [flag, str(default + 1)]
+    return [flag, "info" if name == "log_level" else "/x"]
+
+
+def test_exported_names_are_sorted_and_real() -> None:
+    assert pdgate.__all__ == sorted(pdgate.__all__)
+    for name in pdgate.__all__:
+        assert hasattr(pdgate, name)
+
+
+def test_error_hierarchy() -> None:
+    assert issubclass(pdgate.ConfigError, ValueError) and issubclass(pdgate.ConfigError, pdgate.PdgateError)
+    assert issubclass(pdgate.CommandLineError, pdgate.ConfigError)
+    assert issubclass(pdgate.GatewayStartError, pdgate.GatewayError)
+    assert issubclass(pdgate.GatewayStateError, pdgate.GatewayError)
+
+
+def test_schema_names_and_flags_correspond() -> None:
+    assert SCHEMA, "empty schema"
+    for option in SCHEMA:
+        assert option["flag"] == "--" + option["name"].replace("_", "-")
+        assert option["help"], f"{option['flag']} has no help text"
+
+
+@pytest.mark.parametrize("option", SCHEMA, ids=[o["name"] for o in SCHEMA])
+def test_every_flag_parses_and_maps_to_its_kwarg(option: dict) -> None:
+    argv = sample_argv(option)
+    from_cli = pdgate.Gateway.from_cli_args(argv).config
+    assert from_cli[option["name"]] != option["default"], f"{argv} did not change {option['name']}"
+    # The same value given as a keyword builds the same configuration.
+    from_kwargs = pdgate.Gateway(**{k: v for k, v in from_cli.items()}).config
+    assert from_kwargs == from_cli
+
+
+def test_launch_help_lists_every_flag() -> None:
+    with pytest.raises(pdgate.CommandLineError) as info:
+        _core.parse_cli(["--help"])
+    assert info.value.exit_code == 0
+    for option in SCHEMA:
+        assert option["flag"] in info.value.text
+
+
+def test_bad_flag_is_a_command_line_error() -> None:
+    with pytest.raises(pdgate.CommandLineError) as info:
+        pdgate.Gateway.from_cli_args(["--no-such-flag"])
+    assert info.value.exit_code == 2 and "--no-such-flag" in info.value.text
+
+
+def test_pdgate_launch_help_exits_zero() -> None:
+    out = subprocess.run([sys.executable, "-m", "pdgate.cli", "launch", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--pd-disaggregation" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "pdgate.cli", "launch", "--port", "x"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--port" in bad.stderr
+
+
+def rust_binary() -> pathlib.Path | None:
+    target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
+    found = [p for p in (target / "release" / "pdgate-gateway", target / "debug" / "pdgate-gateway") if p.exists()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def test_rust_binary_takes_the_same_flags() -> None:
+    binary = rust_binary()
+    if binary is None:
+        pytest.skip("pdgate-gateway binary not built (cargo build -p pdgate-gateway)")
+    out = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    flags = set(re.findall(r"--[a-z][a-z0-9-]+", out.stdout)) - {"--help", "--version"}
+    assert flags == {o["flag"] for o in SCHEMA}

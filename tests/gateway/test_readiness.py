@@ -1,0 +1,39 @@
+"""/readiness in PD mode: 503 until a healthy prefill AND a healthy decode exist."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from tests.conftest import Processes
+from tests.gateway.stacks import pd_stack
+from tests.mock_workers import MockHost
+
+
+def wait_status(url: str, status: int, timeout: float = 15.0) -> int:
+    deadline = time.monotonic() + timeout
+    last = -1
+    while time.monotonic() < deadline:
+        try:
+            last = httpx.get(url, timeout=2).status_code
+        except httpx.HTTPError:
+            last = -1
+        if last == status:
+            break
+        time.sleep(0.05)
+    return last
+
+
+def test_readiness_follows_worker_health(mocks: MockHost, processes: Processes) -> None:
+    stack = pd_stack(mocks, processes, "bootstrap", decode_knobs={"healthy": False}, wait_ready=False)
+    ready = stack.url + "/readiness"
+    # No healthy decode yet: not ready, though the process is alive.
+    assert wait_status(ready, 503) == 503
+    assert httpx.get(stack.url + "/liveness", timeout=5).status_code == 200
+    mocks.set_knobs(stack.decode, healthy=True)
+    assert wait_status(ready, 200) == 200
+    mocks.set_knobs(stack.prefill, healthy=False)
+    assert wait_status(ready, 503) == 503
+    mocks.set_knobs(stack.prefill, healthy=True)
+    assert wait_status(ready, 200) == 200
