@@ -60,13 +60,20 @@ class PushSource:
         reg = Registration(hdr, writer)
         fut.set_result(reg)
         watch = asyncio.create_task(self._watch(reg, reader))
+        claimed = asyncio.ensure_future(reg.claimed.wait())
         try:
-            await asyncio.wait_for(reg.claimed.wait(), self.ctx.timeouts.bootstrap)
-            await reg.ended.wait()
-        except asyncio.TimeoutError:
-            msg = f"no prefill request for {key} within {self.ctx.timeouts.bootstrap:g}s"
-            await _send_error(writer, msg)
+            # until a prefill request claims it, the sink leaves, or the bootstrap deadline
+            await asyncio.wait({claimed, reg.ack}, timeout=self.ctx.timeouts.bootstrap,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if reg.claimed.is_set():
+                await reg.ended.wait()
+            elif not reg.ack.done():
+                msg = f"no prefill request for {key} within {self.ctx.timeouts.bootstrap:g}s"
+                await _send_error(writer, msg)
         finally:
+            claimed.cancel()
+            if reg.ack.done() and not reg.ack.cancelled():
+                reg.ack.exception()  # retrieved: the sink's end is handled above
             watch.cancel()
             if self.pending.get(key) is fut:
                 del self.pending[key]

@@ -1,0 +1,213 @@
+"""Faults end with a clean error within their deadline, and afterwards no page is reserved,
+in use or pinned on either engine (checked through /v1/loads).
+
+The workers here run with short deadlines (conftest.FAULT_ARGS: bootstrap 3 s, waiting 4 s,
+transfer 3 s, lease 3 s)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+import engine_router as router
+from conftest import FAULT_ARGS, assert_clean, loads, start_all, wait_until
+from pdgate.workers import ReferenceWorker, free_port
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def body(n_tokens: int = 40, max_new: int = 6, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    return {"input_ids": [256] + [rng.randrange(256) for _ in range(n_tokens - 1)],
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+
+
+def post(url: str, b: dict, timeout: float = 30) -> httpx.Response:
+    return httpx.post(url, json=b, timeout=timeout)
+
+
+def assert_error(r: httpx.Response, status: int = 500) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["code"]
+    return err
+
+
+@pytest.fixture(scope="module")
+def pair():
+    p = ReferenceWorker(mode="prefill", extra_args=FAULT_ARGS)
+    d = ReferenceWorker(mode="decode", extra_args=FAULT_ARGS)
+    start_all(p, d)
+    yield p, d
+    p.stop()
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def nixl_pair():
+    p = ReferenceWorker(mode="prefill", kv_connector="NixlConnector", extra_args=FAULT_ARGS)
+    d = ReferenceWorker(mode="decode", kv_connector="NixlConnector", extra_args=FAULT_ARGS)
+    start_all(p, d)
+    yield p, d
+    p.stop()
+    d.stop()
+
+
+def test_decode_never_comes(pair):
+    p, d = pair
+    t0 = time.monotonic()
+    r = post(p.url + "/generate", router.bootstrap_body(body(), p, 11))
+    assert_error(r)
+    assert time.monotonic() - t0 < 3 + 5  # the bootstrap deadline, plus slack for a busy host
+    assert_clean(p, d)
+
+
+def test_prefill_request_never_comes(pair):
+    p, d = pair
+    r = post(d.url + "/generate", router.bootstrap_body(body(), p, 12))
+    err = assert_error(r)
+    assert "no prefill request" in err["message"] or "timed out" in err["message"]
+    assert_clean(p, d)
+
+
+def test_bootstrap_server_unreachable(pair):
+    p, d = pair
+    b = dict(body(), bootstrap_host="127.0.0.1", bootstrap_port=free_port(), bootstrap_room=13)
+    assert_error(post(d.url + "/generate", b))
+    assert_clean(p, d)
+
+
+def test_fake_bootstrap_host_is_a_no_transfer_path(pair):
+    p, d = pair
+    b = dict(body(), bootstrap_host="2.2.2.2", bootstrap_port=None, bootstrap_room=0)
+    rp, rd = post(p.url + "/generate", b), post(d.url + "/generate", b)
+    assert rp.status_code == 200 and rd.status_code == 200
+    assert rp.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert len(rd.json()["output_ids"]) == 6
+    assert "kv_bytes_received" not in rd.json()["meta_info"]
+    assert_clean(p, d)
+
+
+def test_client_disconnects_while_decode_reserved(pair):
+    p, d = pair
+    b = router.bootstrap_body(body(), p, 14)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(d.url + "/generate", json=b, timeout=httpx.Timeout(10, read=1.0))
+    assert_clean(d)  # the reservation is released
+    # the prefill leg that arrives late finds no decode and fails within its deadline
+    assert_error(post(p.url + "/generate", b))
+    assert_clean(p, d)
+
+
+def test_room_reuse_after_failure_and_duplicate_registration(pair, colocated):
+    p, d = pair
+    room = 15
+    assert_error(post(d.url + "/generate", router.bootstrap_body(body(seed=1), p, room)))
+    want = post(colocated.url + "/generate", body(seed=1)).json()["output_ids"]
+
+    async def run():
+        b = router.bootstrap_body(body(seed=1), p, room)
+        async with httpx.AsyncClient(timeout=30) as c:
+            d1 = asyncio.ensure_future(c.post(d.url + "/generate", json=b))
+            await asyncio.sleep(0.5)  # d1 registered first; a duplicate for the live room follows
+            d2 = asyncio.ensure_future(c.post(d.url + "/generate", json=b))
+            await asyncio.sleep(0.5)
+            rp = await c.post(p.url + "/generate", json=b)
+            return rp, await d1, await d2
+
+    rp, r1, r2 = asyncio.run(run())
+    assert rp.status_code == 200 and r1.status_code == 200, (rp.text, r1.text)
+    assert r1.json()["output_ids"] == want
+    assert r1.json()["meta_info"]["cached_tokens"] == 40
+    assert "duplicate" in assert_error(r2)["message"]
+    assert_clean(p, d)
+
+
+def test_decode_killed_while_reserved(colocated):
+    p = ReferenceWorker(mode="prefill", extra_args=FAULT_ARGS)
+    d = ReferenceWorker(mode="decode", extra_args=FAULT_ARGS)
+    start_all(p, d)
+    try:
+        b = router.bootstrap_body(body(), p, 16)
+        t = threading.Thread(target=lambda: _swallow(post, d.url + "/generate", b), daemon=True)
+        t.start()
+        wait_until(lambda: loads(d)["kv_pages"]["reserved"] > 0 and loads(p)["disaggregation"]
+                   ["pending_registrations"] == 1, 15, "decode reservation and registration")
+        d.kill()
+        assert_error(post(p.url + "/generate", b))
+        assert_clean(p)
+        t.join(10)
+    finally:
+        p.stop()
+        d.stop()
+
+
+def test_prefill_killed_mid_transfer():
+    slow = {"PDGATE_ENGINE_FAULT_SEND_DELAY": "0.3", "PDGATE_ENGINE_FAULT_FRAME_PAGES": "1"}
+    p = ReferenceWorker(mode="prefill", extra_args=FAULT_ARGS, env=slow)
+    d = ReferenceWorker(mode="decode", extra_args=FAULT_ARGS)
+    start_all(p, d)
+    try:
+        b = router.bootstrap_body(body(n_tokens=320), p, 17)  # 20 pages, 0.3 s each
+        res = {}
+        t = threading.Thread(target=lambda: res.setdefault("d", post(d.url + "/generate", b)))
+        t.start()
+        threading.Thread(target=lambda: _swallow(post, p.url + "/generate", b), daemon=True).start()
+        wait_until(lambda: loads(d)["disaggregation"]["transfers_in_flight"]["Transferring"] == 1
+                   and loads(d)["kv_pages"]["pinned"] > 0, 20, "a transfer in flight")
+        p.kill()
+        t.join(15)
+        assert "kv_transfer" in assert_error(res["d"])["code"]
+        assert_clean(d)
+    finally:
+        p.stop()
+        d.stop()
+
+
+def test_pull_never_comes_lease_expires(nixl_pair):
+    p, d = nixl_pair
+    b = {"prompt": body()["input_ids"], "max_tokens": 1, "temperature": 0,
+         "kv_transfer_params": dict(router.NIXL_PREFILL_PARAMS)}
+    rp = httpx.post(p.url + "/v1/completions", json=b, timeout=30)
+    params = rp.json()["kv_transfer_params"]
+    assert loads(p)["kv_pages"]["pinned"] == len(params["remote_block_ids"]) == 3
+    assert_clean(p, timeout=3 + 5)  # lease 3 s
+    late = dict(b, max_tokens=5, kv_transfer_params=params)
+    assert "not held" in assert_error(httpx.post(d.url + "/v1/completions", json=late, timeout=30))["message"]
+    assert_clean(p, d)
+
+
+def test_duplicate_pull_fails_cleanly(nixl_pair):
+    p, d = nixl_pair
+    b = {"prompt": body()["input_ids"], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=30) as c:
+            return await router.nixl(c, p, d, "/v1/completions", b)
+
+    rp, rd = asyncio.run(run())
+    assert rd.status_code == 200 and rd.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 39
+    again = dict(b, kv_transfer_params=rp.json()["kv_transfer_params"])
+    assert_error(httpx.post(d.url + "/v1/completions", json=again, timeout=30))
+    assert_clean(p, d)
+
+
+def test_mooncake_prefill_without_decode(nixl_pair):
+    p, d = nixl_pair
+    b = {"prompt": body()["input_ids"], "max_tokens": 1, "temperature": 0,
+         "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                "transfer_id": "xfer-never"}}
+    assert_error(httpx.post(p.url + "/v1/completions", json=b, timeout=30))
+    assert_clean(p, d)
+
+
+def _swallow(fn, *a):
+    try:
+        fn(*a)
+    except httpx.HTTPError:
+        pass
