@@ -8,6 +8,7 @@
 pub mod config;
 mod config_serde;
 pub mod error;
+pub mod health;
 pub mod policy;
 pub mod retry;
 pub mod route;
@@ -16,6 +17,7 @@ pub mod worker;
 
 pub use config::{ConfigError, GatewayConfig, PolicyName};
 pub use error::{ErrorKind, GatewayError, Leg, Source};
+pub use health::HealthState;
 pub use policy::{make_policy, Policy, RouteInput, Selection};
 pub use snapshot::{PoolSnapshot, WorkerView};
 pub use worker::{KvConnector, WorkerRole, WorkerSpec};

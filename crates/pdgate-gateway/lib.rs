@@ -1,0 +1,26 @@
+//! pdgate-gateway: the running gateway. HTTP front, upstream client, the PD executors, health
+//! checks, metrics. Decisions are delegated to `pdgate-core`; wire formats to
+//! `pdgate-protocol`. This crate does the IO and keeps it thin.
+
+mod exec;
+mod front;
+mod health;
+mod metrics;
+mod record;
+mod registry;
+mod render;
+mod server;
+mod state;
+mod upstream;
+
+pub use pdgate_core::GatewayConfig;
+pub use record::ROUTE_HEADER;
+pub use server::{start, RunningGateway, StartError};
+
+/// Installs the tracing subscriber once; later calls are no-ops.
+pub fn init_logging(filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .or_else(|_| tracing_subscriber::EnvFilter::try_new(filter))
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_target(false).try_init();
+}

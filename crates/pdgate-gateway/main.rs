@@ -1,0 +1,43 @@
+//! `pdgate-gateway`: the gateway as a standalone binary. Same options as `pdgate launch`.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use pdgate_gateway::{init_logging, start, GatewayConfig};
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let config = GatewayConfig::parse();
+    init_logging(&config.log_level);
+    let gateway = match start(config).await {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("pdgate-gateway: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    println!("pdgate listening on http://{}", gateway.local_addr());
+    wait_for_signal().await;
+    gateway.shutdown().await;
+    ExitCode::SUCCESS
+}
+
+async fn wait_for_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

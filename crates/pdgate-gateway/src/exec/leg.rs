@@ -1,0 +1,79 @@
+//! One leg of a request: send to a worker, get a success response or a classified error, all
+//! under the request's deadline.
+
+use bytes::{Bytes, BytesMut};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::Response;
+use pdgate_core::{GatewayError, Leg};
+use tokio::time::{timeout_at, Instant};
+
+use crate::upstream::Upstream;
+
+/// Error bodies from workers are kept for the client up to this size.
+const ERROR_BODY_LIMIT: usize = 64 * 1024;
+/// A non-streamed worker answer larger than this is treated as broken.
+pub const RESPONSE_LIMIT: usize = 256 * 1024 * 1024;
+
+pub fn deadline_error(leg: Leg) -> GatewayError {
+    GatewayError::timeout(format!("request deadline passed while waiting for the {} worker", leg.as_str())).on(leg)
+}
+
+/// Sends one leg and waits for a 2xx response head. A non-2xx answer becomes an error carrying
+/// the worker's error body (read within the deadline).
+pub async fn send(
+    upstream: &Upstream,
+    url: &str,
+    path: &str,
+    body: Bytes,
+    request_id: &str,
+    leg: Leg,
+    deadline: Instant,
+) -> Result<Response<Incoming>, GatewayError> {
+    let resp = timeout_at(deadline, upstream.post_json(url, path, body, request_id, leg))
+        .await
+        .map_err(|_| deadline_error(leg))??;
+    let status = resp.status();
+    if status.is_success() {
+        return Ok(resp);
+    }
+    let body = read_limited(resp.into_body(), ERROR_BODY_LIMIT, leg, deadline).await.ok();
+    let text = body.map(|b| String::from_utf8_lossy(&b).into_owned()).filter(|t| !t.is_empty());
+    Err(GatewayError::worker_status(leg, status.as_u16(), text))
+}
+
+/// Reads a whole body, failing on a broken connection, the size limit or the deadline.
+pub async fn read_limited(mut body: Incoming, limit: usize, leg: Leg, deadline: Instant) -> Result<Bytes, GatewayError> {
+    let mut buf = BytesMut::new();
+    loop {
+        let frame = timeout_at(deadline, body.frame()).await.map_err(|_| deadline_error(leg))?;
+        match frame {
+            None => return Ok(buf.freeze()),
+            Some(Err(e)) => {
+                return Err(GatewayError::unreachable(leg, format!("{} worker's response broke off: {e}", leg.as_str())));
+            }
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    if buf.len() + data.len() > limit {
+                        return Err(GatewayError::protocol(leg, format!("{} worker's response exceeds {limit} bytes", leg.as_str())));
+                    }
+                    buf.extend_from_slice(&data);
+                }
+            }
+        }
+    }
+}
+
+/// Sends a leg and reads its whole answer.
+pub async fn send_and_read(
+    upstream: &Upstream,
+    url: &str,
+    path: &str,
+    body: Bytes,
+    request_id: &str,
+    leg: Leg,
+    deadline: Instant,
+) -> Result<Bytes, GatewayError> {
+    let resp = send(upstream, url, path, body, request_id, leg, deadline).await?;
+    read_limited(resp.into_body(), RESPONSE_LIMIT, leg, deadline).await
+}

@@ -1,0 +1,105 @@
+//! The request as a transaction: select → prepare legs → relay → finish, with retries on a
+//! fresh worker/pair only before any byte reached the client, all under one deadline.
+//!
+//! ```text
+//!   attempt n:  select (snapshot, policy)  →  legs (regular | bootstrap | nixl | mooncake)
+//!                  │ error before commit         │ first byte ready = commit
+//!                  ▼                             ▼
+//!              retry? (error, n, deadline)    relay to client (errors → SSE error event)
+//! ```
+
+pub mod leg;
+mod pd;
+pub mod relay;
+mod single;
+
+use std::sync::Arc;
+
+use axum::http::HeaderValue;
+use axum::response::Response;
+use bytes::Bytes;
+use pdgate_core::GatewayError;
+use pdgate_protocol::ParsedRequest;
+use tokio::time::Instant;
+
+use crate::record::{Record, ROUTE_HEADER};
+use crate::render::error_response;
+use crate::state::AppState;
+
+/// One client request on its way through the gateway.
+pub struct Ctx {
+    pub state: Arc<AppState>,
+    pub req: ParsedRequest,
+    /// The client's body as received; forwarded unchanged where no rewrite is needed.
+    pub raw: Bytes,
+    pub request_id: String,
+    pub deadline: Instant,
+    pub started: std::time::Instant,
+    pub route: &'static str,
+}
+
+/// An attempt's failure and the worker to avoid on the next attempt.
+pub struct AttemptFailure {
+    pub error: GatewayError,
+    pub worker: Option<String>,
+}
+
+impl From<GatewayError> for AttemptFailure {
+    fn from(error: GatewayError) -> Self {
+        AttemptFailure { error, worker: None }
+    }
+}
+
+pub async fn execute(ctx: Ctx) -> Response {
+    let mut record = Record::default();
+    let mut failed: Vec<String> = Vec::new();
+    let response = loop {
+        record.attempts += 1;
+        let result = if ctx.state.config.pd_disaggregation {
+            pd::attempt(&ctx, &failed, &mut record).await
+        } else {
+            single::regular_attempt(&ctx, &failed, &mut record).await
+        };
+        let failure = match result {
+            Ok(resp) => break resp,
+            Err(f) => f,
+        };
+        let err = &failure.error;
+        let metrics = &ctx.state.metrics;
+        if let Some(leg) = err.leg {
+            metrics.leg_errors.with_label_values(&[leg.as_str(), &err.code()]).inc();
+        }
+        let left = ctx.deadline.saturating_duration_since(Instant::now());
+        tracing::debug!(attempt = record.attempts, error = %err, route = %record.header_value(), "attempt failed");
+        if !ctx.state.retry.should_retry(err, record.attempts, false, left) {
+            tracing::warn!(error = %err, code = %err.code(), route = %record.header_value(), "request failed");
+            break error_response(err);
+        }
+        metrics.retries.with_label_values(&[err.reason()]).inc();
+        if let Some(w) = failure.worker {
+            failed.push(w);
+        }
+        // ThreadRng is not Send: take it only for this call, never across an await.
+        let backoff = ctx.state.retry.backoff(record.attempts, &mut rand::rng());
+        tokio::time::sleep(backoff.min(left)).await;
+    };
+    finish(&ctx, response, &record)
+}
+
+fn finish(ctx: &Ctx, mut response: Response, record: &Record) -> Response {
+    let value = record.header_value();
+    tracing::debug!(request_id = %ctx.request_id, route = %value, status = response.status().as_u16(), "routed");
+    let headers = response.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&value) {
+        headers.insert(ROUTE_HEADER, v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&ctx.request_id) {
+        headers.insert("x-request-id", v);
+    }
+    let status = response.status();
+    ctx.state.metrics.requests.with_label_values(&[ctx.route, status.as_str()]).inc();
+    if !status.is_success() {
+        ctx.state.metrics.duration.with_label_values(&[ctx.route]).observe(ctx.started.elapsed().as_secs_f64());
+    }
+    response
+}

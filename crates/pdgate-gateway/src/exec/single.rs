@@ -1,0 +1,136 @@
+//! Relaying one worker's answer (the regular mode, and the decode leg of every PD mode).
+
+use axum::body::Body;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::Response;
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use pdgate_core::route::select_regular;
+use pdgate_core::{GatewayError, Leg, RouteInput, WorkerRole};
+use pdgate_protocol::logprobs::PrefillLogprobs;
+use std::future::Future;
+use tokio::time::{timeout_at, Instant};
+
+use super::leg::{self, deadline_error, RESPONSE_LIMIT};
+use super::relay::{drain_prefill, wait_prefill, Finish, PrefillFuture, Rewriter, StreamRelay};
+use super::{AttemptFailure, Ctx};
+use crate::metrics::InflightGuard;
+use crate::record::Record;
+
+pub async fn regular_attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Result<Response, AttemptFailure> {
+    let snap = ctx.state.registry.snapshot();
+    let exclude: Vec<usize> = failed.iter().filter_map(|u| snap.workers().iter().position(|w| &w.spec.url == u)).collect();
+    let input = RouteInput { text: None, sequence: ctx.state.next_sequence() };
+    let choice = select_regular(&snap, ctx.state.regular_policy.as_ref(), &input, &exclude, &mut rand::rng())?;
+    let url = snap.worker(choice.worker).spec.url.clone();
+    record.protocol = "regular";
+    record.worker = Some(url.clone());
+    record.policy = Some(choice.reason);
+    let finish = Finish {
+        state: ctx.state.clone(),
+        route: ctx.route,
+        protocol: "regular",
+        started: ctx.started,
+        guards: vec![InflightGuard::new(&ctx.state.metrics, &url, WorkerRole::Regular.as_str())],
+    };
+    relay_leg(ctx, &url, Leg::Regular, ctx.raw.clone(), None, false, finish)
+        .await
+        .map_err(|error| AttemptFailure { error, worker: Some(url) })
+}
+
+/// Runs `fut` while watching the prefill leg: a prefill failure aborts `fut` (which drops the
+/// decode connection) and becomes the result; a prefill success is kept in `p_out`.
+async fn race<T>(
+    p: &mut Option<PrefillFuture>,
+    p_out: &mut Option<Bytes>,
+    fut: impl Future<Output = Result<T, GatewayError>>,
+) -> Result<T, GatewayError> {
+    tokio::pin!(fut);
+    loop {
+        let prefill = tokio::select! {
+            r = &mut fut => return r,
+            pr = wait_prefill(p) => pr,
+        };
+        *p = None;
+        *p_out = Some(prefill?);
+    }
+}
+
+/// The first non-empty data frame of a stream: the commit point.
+async fn first_data(body: &mut Incoming, leg: Leg, deadline: Instant) -> Result<Bytes, GatewayError> {
+    loop {
+        match timeout_at(deadline, body.frame()).await.map_err(|_| deadline_error(leg))? {
+            None => return Err(GatewayError::protocol(leg, format!("{} worker ended its stream without data", leg.as_str()))),
+            Some(Err(e)) => return Err(GatewayError::unreachable(leg, format!("{} worker's stream broke off: {e}", leg.as_str()))),
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    if !data.is_empty() {
+                        return Ok(data);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Prefill input logprobs for the merge: from the finished prefill, or by waiting for it.
+async fn prefill_logprobs(p: &mut Option<PrefillFuture>, p_out: &mut Option<Bytes>, deadline: Instant) -> Result<PrefillLogprobs, GatewayError> {
+    if p_out.is_none() {
+        if let Some(f) = p.take() {
+            *p_out = Some(timeout_at(deadline, f).await.map_err(|_| deadline_error(Leg::Prefill))??);
+        }
+    }
+    Ok(p_out.as_deref().map(PrefillLogprobs::from_prefill_body).unwrap_or_default())
+}
+
+/// Sends `body` to `url` and relays the answer; with `prefill` set, watches that leg too.
+/// `merge_logprobs`: put the prefill's input logprobs into the answer (SGLang bootstrap).
+pub async fn relay_leg(
+    ctx: &Ctx,
+    url: &str,
+    leg: Leg,
+    body: Bytes,
+    mut prefill: Option<PrefillFuture>,
+    merge_logprobs: bool,
+    finish: Finish,
+) -> Result<Response, GatewayError> {
+    let deadline = ctx.deadline;
+    let mut p_out = None;
+    let resp = race(&mut prefill, &mut p_out, leg::send(&ctx.state.upstream, url, ctx.req.endpoint.path(), body, &ctx.request_id, leg, deadline)).await?;
+    let status = resp.status();
+    let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
+    let scan_usage = leg == Leg::Decode;
+    let mut body = resp.into_body();
+    if ctx.req.stream {
+        let first = race(&mut prefill, &mut p_out, first_data(&mut body, leg, deadline)).await?;
+        let logprobs = if merge_logprobs { Some(prefill_logprobs(&mut prefill, &mut p_out, deadline).await?) } else { None };
+        observe_ttfb(ctx);
+        let relay = StreamRelay::new(first, body, deadline, prefill, Rewriter::new(logprobs, scan_usage), finish);
+        let ct = content_type.unwrap_or_else(|| HeaderValue::from_static("text/event-stream"));
+        return Ok(build(status, ct, relay.into_body()));
+    }
+    let bytes = race(&mut prefill, &mut p_out, leg::read_limited(body, RESPONSE_LIMIT, leg, deadline)).await?;
+    let logprobs = if merge_logprobs { Some(prefill_logprobs(&mut prefill, &mut p_out, deadline).await?) } else { None };
+    drain_prefill(prefill, deadline);
+    observe_ttfb(ctx);
+    let mut rewriter = Rewriter::new(logprobs, scan_usage);
+    let out = match rewriter.as_mut() {
+        Some(r) => r.process_json(bytes),
+        None => bytes,
+    };
+    finish.done(rewriter.and_then(|r| r.cache));
+    let ct = content_type.unwrap_or_else(|| HeaderValue::from_static("application/json"));
+    Ok(build(status, ct, Body::from(out)))
+}
+
+fn observe_ttfb(ctx: &Ctx) {
+    ctx.state.metrics.ttfb.with_label_values(&[ctx.route]).observe(ctx.started.elapsed().as_secs_f64());
+}
+
+fn build(status: StatusCode, content_type: HeaderValue, body: Body) -> Response {
+    let mut resp = Response::new(body);
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(header::CONTENT_TYPE, content_type);
+    resp
+}

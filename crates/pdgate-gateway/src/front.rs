@@ -1,0 +1,134 @@
+//! The client-facing HTTP surface: OpenAI and SGLang routes, health, readiness, models, metrics.
+//! Handlers only admit (size limit, validation) and hand over to `exec`.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use pdgate_core::{GatewayError, WorkerRole};
+use pdgate_protocol::{parse_request, Endpoint};
+use serde_json::json;
+use tokio::time::Instant;
+
+use crate::exec::{execute, Ctx};
+use crate::render::error_response;
+use crate::state::AppState;
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/generate", post(generate))
+        .route("/v1/models", get(models))
+        .route("/health", get(liveness))
+        .route("/liveness", get(liveness))
+        .route("/readiness", get(readiness))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    admit(s, Endpoint::Completions, headers, body).await
+}
+
+async fn chat_completions(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    admit(s, Endpoint::ChatCompletions, headers, body).await
+}
+
+async fn generate(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    admit(s, Endpoint::Generate, headers, body).await
+}
+
+fn client_error(state: &AppState, route: &'static str, err: &GatewayError) -> Response {
+    let resp = error_response(err);
+    state.metrics.requests.with_label_values(&[route, resp.status().as_str()]).inc();
+    resp
+}
+
+/// Admission: body within the limit, valid JSON of the right shape, then execution.
+async fn admit(state: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
+    let started = std::time::Instant::now();
+    let route = endpoint.path();
+    let limit = state.config.max_payload_size;
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return client_error(&state, route, &GatewayError::payload_too_large(limit));
+    }
+    let raw = match axum::body::to_bytes(body, limit).await {
+        Ok(b) => b,
+        Err(e) => {
+            let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+            let err = if too_large {
+                GatewayError::payload_too_large(limit)
+            } else {
+                GatewayError::invalid(None, format!("could not read the request body: {e}"))
+            };
+            return client_error(&state, route, &err);
+        }
+    };
+    let req = match parse_request(endpoint, &raw) {
+        Ok(r) => r,
+        Err(e) => return client_error(&state, route, &GatewayError::invalid(e.param.as_deref(), e.message)),
+    };
+    let request_id = headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 256)
+        .map(str::to_string)
+        .unwrap_or_else(|| format!("pdgate-{}", uuid::Uuid::new_v4().simple()));
+    let deadline = Instant::now() + state.request_timeout();
+    execute(Ctx { state, req, raw, request_id, deadline, started, route }).await
+}
+
+async fn liveness() -> Response {
+    Json(json!({"status": "ok"})).into_response()
+}
+
+/// Ready when a request could be served now: PD mode needs a healthy prefill with a compatible
+/// healthy decode; regular mode a healthy worker.
+async fn readiness(State(state): State<Arc<AppState>>) -> Response {
+    let snap = state.registry.snapshot();
+    let (ready, detail) = if state.config.pd_disaggregation {
+        let p = snap.eligible(WorkerRole::Prefill).len();
+        let d = snap.eligible(WorkerRole::Decode).len();
+        (snap.pd_ready(), json!({"healthy_prefill": p, "healthy_decode": d, "pairable_prefill": snap.pairable_prefills().len()}))
+    } else {
+        let r = snap.eligible(WorkerRole::Regular).len();
+        (r > 0, json!({"healthy_workers": r}))
+    };
+    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let mut body = json!({"status": if ready { "ready" } else { "not_ready" }});
+    if let (Some(b), Some(d)) = (body.as_object_mut(), detail.as_object()) {
+        b.extend(d.clone());
+    }
+    (status, Json(body)).into_response()
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Response {
+    let data: Vec<_> = state
+        .registry
+        .snapshot()
+        .models()
+        .into_iter()
+        .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "pdgate"}))
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
+}
+
+async fn not_found(uri: Uri) -> Response {
+    error_response(&GatewayError::not_found(uri.path()))
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    error_response(&GatewayError::method_not_allowed(method.as_str(), uri.path()))
+}

@@ -1,0 +1,92 @@
+//! Prometheus metrics, registered once per gateway (not globally, so several gateways can run in
+//! one process, e.g. embedded from Python and in tests).
+
+use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+
+const LATENCY_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0];
+
+pub struct Metrics {
+    registry: Registry,
+    pub requests: IntCounterVec,
+    pub duration: HistogramVec,
+    pub ttfb: HistogramVec,
+    pub leg_duration: HistogramVec,
+    pub retries: IntCounterVec,
+    pub leg_errors: IntCounterVec,
+    pub inflight: IntGaugeVec,
+    pub worker_healthy: IntGaugeVec,
+    pub silent_recompute: IntCounterVec,
+}
+
+fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).unwrap_or_else(|e| panic!("metric {name}: {e}"));
+    r.register(Box::new(c.clone())).unwrap_or_else(|e| panic!("metric {name}: {e}"));
+    c
+}
+
+fn gauge(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    let g = IntGaugeVec::new(Opts::new(name, help), labels).unwrap_or_else(|e| panic!("metric {name}: {e}"));
+    r.register(Box::new(g.clone())).unwrap_or_else(|e| panic!("metric {name}: {e}"));
+    g
+}
+
+fn histogram(r: &Registry, name: &str, help: &str, labels: &[&str]) -> HistogramVec {
+    let opts = HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec());
+    let h = HistogramVec::new(opts, labels).unwrap_or_else(|e| panic!("metric {name}: {e}"));
+    r.register(Box::new(h.clone())).unwrap_or_else(|e| panic!("metric {name}: {e}"));
+    h
+}
+
+impl Metrics {
+    /// Metric names and labels are constants: a failure here is a programming error caught by
+    /// every test, hence the panics.
+    pub fn new() -> Self {
+        let r = Registry::new();
+        Metrics {
+            requests: counter(&r, "pdgate_requests_total", "Client requests by route and HTTP status", &["route", "status"]),
+            duration: histogram(&r, "pdgate_request_duration_seconds", "End-to-end request latency", &["route"]),
+            ttfb: histogram(&r, "pdgate_time_to_first_byte_seconds", "Time until the first response byte was ready", &["route"]),
+            leg_duration: histogram(&r, "pdgate_pd_leg_duration_seconds", "Duration of one PD leg", &["leg", "protocol"]),
+            retries: counter(&r, "pdgate_retries_total", "Attempts retried, by reason", &["reason"]),
+            leg_errors: counter(&r, "pdgate_worker_errors_total", "Failed worker legs by leg and error code", &["leg", "code"]),
+            inflight: gauge(&r, "pdgate_worker_inflight", "Requests in flight per worker", &["worker", "role"]),
+            worker_healthy: gauge(&r, "pdgate_worker_healthy", "1 when the worker passes health checks", &["worker", "role"]),
+            silent_recompute: counter(
+                &r,
+                "pdgate_pd_silent_recompute_total",
+                "PD requests whose decode recomputed the prompt because no (or not all) KV arrived",
+                &["protocol", "cause"],
+            ),
+            registry: r,
+        }
+    }
+
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Counts one request in flight on a worker for as long as it lives.
+pub struct InflightGuard(prometheus::IntGauge);
+
+impl InflightGuard {
+    pub fn new(metrics: &Metrics, worker: &str, role: &str) -> Self {
+        let g = metrics.inflight.with_label_values(&[worker, role]);
+        g.inc();
+        InflightGuard(g)
+    }
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}

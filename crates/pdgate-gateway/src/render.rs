@@ -1,0 +1,36 @@
+//! The one place where a `GatewayError` becomes an HTTP response.
+
+use axum::body::Body;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::Response;
+use pdgate_core::{ErrorKind, GatewayError};
+use pdgate_protocol::openai::error_body;
+use serde_json::Value;
+
+pub fn error_response(err: &GatewayError) -> Response {
+    let status = StatusCode::from_u16(err.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let body = match &err.kind {
+        // A worker's own OpenAI-style client error is the most precise message: pass it on.
+        ErrorKind::WorkerStatus { status: s, body: Some(text) } if (400..500).contains(s) => {
+            match serde_json::from_str::<Value>(text) {
+                Ok(v) if v.get("error").is_some() => v,
+                _ => error_body(&format!("{}: {}", err.message, truncate(text)), err.error_type(), &err.code(), None),
+            }
+        }
+        ErrorKind::WorkerStatus { body: Some(text), .. } => {
+            error_body(&format!("{}: {}", err.message, truncate(text)), err.error_type(), &err.code(), None)
+        }
+        _ => error_body(&err.message, err.error_type(), &err.code(), err.param()),
+    };
+    let mut resp = Response::new(Body::from(body.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}
+
+fn truncate(s: &str) -> &str {
+    match s.char_indices().nth(500) {
+        Some((i, _)) => &s[..i],
+        None => s,
+    }
+}

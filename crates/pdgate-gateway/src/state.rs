@@ -1,0 +1,70 @@
+//! Everything a request handler shares: config, registry, client, metrics, policies.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use pdgate_core::retry::RetryPolicy;
+use pdgate_core::{make_policy, GatewayConfig, Policy};
+
+use crate::metrics::Metrics;
+use crate::registry::Registry;
+use crate::upstream::Upstream;
+
+pub struct AppState {
+    pub config: GatewayConfig,
+    pub registry: Registry,
+    pub upstream: Upstream,
+    pub metrics: Metrics,
+    pub regular_policy: Box<dyn Policy>,
+    pub prefill_policy: Box<dyn Policy>,
+    pub decode_policy: Box<dyn Policy>,
+    pub retry: RetryPolicy,
+    sequence: AtomicU64,
+    /// Mooncake: prefill URL → engine id learned from its bootstrap server's `/query`.
+    engine_ids: Mutex<HashMap<String, String>>,
+}
+
+impl AppState {
+    pub fn new(config: GatewayConfig, registry: Registry) -> Self {
+        AppState {
+            upstream: Upstream::new(Duration::from_millis(config.worker_connect_timeout_ms)),
+            metrics: Metrics::new(),
+            regular_policy: make_policy(config.policy),
+            prefill_policy: make_policy(config.effective_prefill_policy()),
+            decode_policy: make_policy(config.effective_decode_policy()),
+            retry: RetryPolicy {
+                max_retries: config.retry_max_retries,
+                initial_backoff: Duration::from_millis(config.retry_initial_backoff_ms),
+                max_backoff: Duration::from_millis(config.retry_max_backoff_ms),
+            },
+            sequence: AtomicU64::new(0),
+            engine_ids: Mutex::new(HashMap::new()),
+            registry,
+            config,
+        }
+    }
+
+    /// One step of the round-robin sequence.
+    pub fn next_sequence(&self) -> u64 {
+        self.sequence.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_secs(self.config.request_timeout_secs)
+    }
+
+    pub fn cached_engine_id(&self, prefill_url: &str) -> Option<String> {
+        self.engine_ids.lock().unwrap_or_else(|p| p.into_inner()).get(prefill_url).cloned()
+    }
+
+    pub fn store_engine_id(&self, prefill_url: &str, id: String) {
+        self.engine_ids.lock().unwrap_or_else(|p| p.into_inner()).insert(prefill_url.to_string(), id);
+    }
+
+    /// Forget a prefill's engine id (it may have restarted with a new one).
+    pub fn forget_engine_id(&self, prefill_url: &str) {
+        self.engine_ids.lock().unwrap_or_else(|p| p.into_inner()).remove(prefill_url);
+    }
+}
