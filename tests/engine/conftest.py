@@ -71,12 +71,13 @@ def _pair(mode_args, **kw):
 def workers():
     """One colocated worker plus a prefill/decode pair per protocol (default timeouts)."""
     n = ReferenceWorker(mode="null")
+    chunked = ReferenceWorker(mode="null", extra_args=["--chunked-prefill-size", "24"])
     sp, sd = _pair([])
     np_, nd = _pair([], kv_connector="NixlConnector")
     mp, md = _pair([], kv_connector="MooncakeConnector")
-    ws = start_all(n, sp, sd, np_, nd, mp, md)
+    ws = start_all(n, chunked, sp, sd, np_, nd, mp, md)
     try:
-        yield {"null": n, "sglang": (sp, sd), "nixl": (np_, nd), "mooncake": (mp, md)}
+        yield {"null": n, "chunked": chunked, "sglang": (sp, sd), "nixl": (np_, nd), "mooncake": (mp, md)}
     finally:
         for w in ws:
             w.stop()

@@ -127,3 +127,17 @@ def test_vllm_protocols_equal_colocated(workers, protocol):
     assert sent1 - sent0 == expected and recv1 - recv0 == expected
     assert loads(d)["disaggregation"]["local_recompute"] == 0
     assert_clean(p, d)
+
+
+@pytest.mark.timeout(120)
+def test_chunked_prefill_equals_whole_prefill(workers):
+    """Colocated with --chunked-prefill-size 24: long prompts run in chunks interleaved with
+    other requests' decodes, and the output is unchanged."""
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return (await _colocated(c, workers["null"].url, "/generate", _gen_body),
+                    await _colocated(c, workers["chunked"].url, "/generate", _gen_body))
+
+    whole, chunked = asyncio.run(run())
+    assert [r["output_ids"] for r in chunked] == [r["output_ids"] for r in whole]
+    assert_clean(workers["chunked"])

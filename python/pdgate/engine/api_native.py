@@ -42,8 +42,11 @@ def parse_generate(tok, body: dict) -> tuple[list[GenItem], bool]:
     sp = body.get("sampling_params") or {}
     if isinstance(sp, list) and len(sp) != len(prompts):
         raise BadRequest("sampling_params list must match the prompts", "sampling_params")
-    if not isinstance(sp, (dict, list)):
+    if not isinstance(sp, (dict, list)) or (isinstance(sp, list) and not all(isinstance(x, dict) for x in sp)):
         raise BadRequest("sampling_params must be an object", "sampling_params")
+    top = body.get("top_logprobs_num") or 0
+    if not _is_int(top) or not 0 <= top <= 20:
+        raise BadRequest("top_logprobs_num must be an integer in [0, 20]", "top_logprobs_num")
     n = (sp[0] if isinstance(sp, list) else sp).get("n", 1) if sp else 1
     if not _is_int(n) or not 1 <= n <= 64:
         raise BadRequest("n must be an integer in [1, 64]", "n")
@@ -55,14 +58,14 @@ def parse_generate(tok, body: dict) -> tuple[list[GenItem], bool]:
     for i in range(total):
         pd, c = divmod(i, n)
         d = dict(sp[pd] if isinstance(sp, list) else sp)
-        if "seed" in d and c:
-            d["seed"] = int(d["seed"]) + c
+        if _is_int(d.get("seed")) and c:
+            d["seed"] += c
         rid = rids[i] if isinstance(rids, list) and i < len(rids) else (
             rids if isinstance(rids, str) and total == 1 else f"{base}-{i}" if total > 1 else base)
         items.append(GenItem(
             rid=str(rid), input_ids=list(prompts[pd]), params=params_from_dict(d),
             return_logprob=bool(body.get("return_logprob", False)),
-            top_logprobs_num=int(body.get("top_logprobs_num") or 0),
+            top_logprobs_num=top,
             kv_transfer_params=kvp, **bootstrap_fields(body, i, total)))
     return items, batch or total > 1
 

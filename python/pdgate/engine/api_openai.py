@@ -54,8 +54,8 @@ def _items(body: dict, prompts: list[list[int]], sp: dict, rid_base: str, lp: tu
     for i in range(total):
         pi, c = divmod(i, n)
         d = dict(sp)
-        if "seed" in d and c:
-            d["seed"] = int(d["seed"]) + c
+        if isinstance(d.get("seed"), int) and c:
+            d["seed"] += c
         items.append(GenItem(rid=f"{rid_base}-{i}", input_ids=list(prompts[pi]),
                              params=params_from_dict(d), return_logprob=lp[0], top_logprobs_num=lp[1],
                              kv_transfer_params=kvp, **bootstrap_fields(body, i, total)))
@@ -82,7 +82,9 @@ def _parse(engine, request, body: dict, chat: bool):
             raise BadRequest("messages must be a non-empty list of objects", "messages")
         prompts = [tok.encode(chat_prompt(msgs))]
         top = body.get("top_logprobs") or 0
-        lp = (bool(body.get("logprobs")), int(top) if body.get("logprobs") else 0)
+        if not isinstance(top, int) or not 0 <= top <= 20:
+            raise BadRequest("top_logprobs must be an integer in [0, 20]", "top_logprobs")
+        lp = (bool(body.get("logprobs")), top if body.get("logprobs") else 0)
         sp = _sampling(body, CHAT_DEFAULT_MAX_TOKENS, True)
     else:
         if body.get("echo"):

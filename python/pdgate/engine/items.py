@@ -35,7 +35,9 @@ def pick(value, i: int, n: int, name: str, step_room: bool = False):
             raise BadRequest(f"{name} has {len(value)} entries for {n} items", name)
         return value[i]
     if step_room and value is not None:
-        return int(value) + i
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise BadRequest(f"{name} must be a non-negative integer", name)
+        return value + i
     return value
 
 

@@ -42,6 +42,10 @@ class SamplingParams:
     def validate(self) -> "SamplingParams":
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             raise BadRequest("max_new_tokens must be a non-negative integer", "max_new_tokens")
+        for name in ("temperature", "top_p", "min_p"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise BadRequest(f"{name} must be a number", name)
         if not 0.0 <= float(self.temperature) <= 100.0:
             raise BadRequest("temperature must be in [0, 100]", "temperature")
         if not 0.0 < float(self.top_p) <= 1.0:
@@ -50,9 +54,11 @@ class SamplingParams:
             raise BadRequest("top_k must be -1 (off) or a positive integer", "top_k")
         if not 0.0 <= float(self.min_p) <= 1.0:
             raise BadRequest("min_p must be in [0, 1]", "min_p")
-        if not all(isinstance(s, str) for s in self.stop):
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise BadRequest("seed must be an integer", "seed")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise BadRequest("stop must be a string or a list of strings", "stop")
-        if not all(isinstance(t, int) for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list) or not all(isinstance(t, int) for t in self.stop_token_ids):
             raise BadRequest("stop_token_ids must be integers", "stop_token_ids")
         return self
 
@@ -63,9 +69,9 @@ _FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "
 
 def params_from_dict(d: dict | None, default_max: int = 128) -> SamplingParams:
     """SGLang's `sampling_params` object; unknown keys are ignored like SGLang ignores them."""
-    d = dict(d or {})
-    if not isinstance(d, dict):
+    if d is not None and not isinstance(d, dict):
         raise BadRequest("sampling_params must be an object", "sampling_params")
+    d = dict(d or {})
     if "sampling_seed" in d and "seed" not in d:
         d["seed"] = d["sampling_seed"]
     kw = {k: v for k, v in d.items() if k in _FIELDS and v is not None}

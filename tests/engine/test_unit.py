@@ -1,0 +1,165 @@
+"""In-process tests of the model, KV pool, sampler and transfer framing (no subprocesses)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from pdgate.engine.config import PRESETS
+from pdgate.engine.kv import KVPool, OutOfPages
+from pdgate.engine.model import Model, Segment
+from pdgate.engine.sampling import SamplingParams, sample
+from pdgate.engine.sequence import EngineError
+from pdgate.engine.transfer import wire
+from pdgate.engine.transfer.context import Timeouts, TransferContext
+from pdgate.engine.transfer.kvio import recv_kv, send_kv
+from pdgate.engine.weights import random_weights
+
+CFG = PRESETS["tiny"]
+pytestmark = pytest.mark.timeout(60)
+
+
+def make(num_pages=64, page=4, seed=0):
+    pool = KVPool(num_pages, page, CFG.num_layers, CFG.num_kv_heads, CFG.head_dim)
+    return Model(CFG, random_weights(CFG, seed)), pool
+
+
+def dense_logits(model: Model, tokens: list[int]) -> np.ndarray:
+    """Reference: the same network without pages or caching, straight from the definition."""
+    w, c = model.w, model.cfg
+    pos = np.arange(len(tokens))
+    x = w["embed"][np.asarray(tokens)]
+    g = c.num_heads // c.num_kv_heads
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        h = x / np.sqrt((x * x).mean(-1, keepdims=True) + c.rms_eps) * w[p + "attn_norm"]
+        q = model._rope((h @ w[p + "wq"]).reshape(len(tokens), c.num_heads, c.head_dim), pos)
+        k = model._rope((h @ w[p + "wk"]).reshape(len(tokens), c.num_kv_heads, c.head_dim), pos)
+        v = (h @ w[p + "wv"]).reshape(len(tokens), c.num_kv_heads, c.head_dim)
+        out = np.zeros_like(q)
+        for head in range(c.num_heads):
+            kv = head // g
+            s = q[:, head] @ k[:, kv].T / np.sqrt(c.head_dim)
+            s = np.where(np.tril(np.ones_like(s)) > 0, s, -np.inf)
+            s = np.exp(s - s.max(-1, keepdims=True))
+            out[:, head] = (s / s.sum(-1, keepdims=True)) @ v[:, kv]
+        x = x + out.reshape(len(tokens), -1) @ w[p + "wo"]
+        h = x / np.sqrt((x * x).mean(-1, keepdims=True) + c.rms_eps) * w[p + "mlp_norm"]
+        gate = h @ w[p + "w_gate"]
+        x = x + (gate / (1 + np.exp(-gate)) * (h @ w[p + "w_up"])) @ w[p + "w_down"]
+    x = x / np.sqrt((x * x).mean(-1, keepdims=True) + c.rms_eps) * w["final_norm"]
+    return x @ w["lm_head"]
+
+
+def test_paged_prefill_chunked_and_decode_match_dense():
+    model, pool = make()
+    rng = np.random.default_rng(3)
+    tokens = [256] + rng.integers(0, 256, 29).tolist()
+    want = dense_logits(model, tokens)
+    pages = pool.reserve(8)
+    rng.shuffle(pages)  # a scattered page table must not matter
+    whole = model.forward(pool, [Segment(pages, 0, tokens, all_logits=True)])[0]
+    np.testing.assert_allclose(whole, want, atol=2e-4)
+    pages2 = pool.reserve(8)
+    got = []
+    for start, end in [(0, 7), (7, 8), (8, 21), (21, 30)]:  # chunks, then one token at a time
+        got.append(model.forward(pool, [Segment(pages2, start, tokens[start:end], all_logits=True)])[0])
+    np.testing.assert_allclose(np.concatenate(got), want, atol=2e-4)
+
+
+def test_batched_segments_match_single():
+    model, pool = make()
+    a, b = [256, 1, 2, 3, 4, 5, 6], [256, 9, 8]
+    pa, pb = pool.reserve(4), pool.reserve(4)
+    la, lb = model.forward(pool, [Segment(pa, 0, a), Segment(pb, 0, b)])
+    np.testing.assert_allclose(la[-1], dense_logits(model, a)[-1], atol=2e-4)
+    np.testing.assert_allclose(lb[-1], dense_logits(model, b)[-1], atol=2e-4)
+
+
+def test_weights_are_deterministic_per_seed():
+    w1, w2, w3 = random_weights(CFG, 5), random_weights(CFG, 5), random_weights(CFG, 6)
+    assert all(np.array_equal(w1[k], w2[k]) for k in w1)
+    assert not np.array_equal(w1["embed"], w3["embed"])
+
+
+def test_small_preset_is_tens_of_millions():
+    assert 10e6 < PRESETS["small"].num_params() < 100e6
+
+
+def test_pool_counters_are_exact():
+    pool = KVPool(10, 4, 1, 1, 2)
+    a = pool.reserve(4)
+    assert pool.counters() | {} == {"free": 6, "reserved": 4, "in_use": 0, "pinned": 0, "total": 10, "page_size": 4}
+    pool.commit(a[:2])
+    pool.pin(a[2:])
+    assert (pool.counters()["in_use"], pool.counters()["pinned"]) == (2, 2)
+    pool.unpin(a[2:])
+    assert pool.counters()["in_use"] == 4
+    with pytest.raises(OutOfPages):
+        pool.reserve(7)
+    pool.free(a)
+    assert pool.counters()["free"] == 10
+    with pytest.raises(RuntimeError):
+        pool.free(a)  # double free is a bug, never silent
+
+
+def test_page_bytes_roundtrip():
+    src = KVPool(4, 2, 2, 1, 3)
+    src.k[:] = np.arange(src.k.size, dtype=np.float32).reshape(src.k.shape)
+    src.v[:] = -src.k
+    dst = KVPool(4, 2, 2, 1, 3)
+    dst.write_pages([3, 0], src.read_pages([1, 2]))
+    np.testing.assert_array_equal(dst.k[:, [3, 0]], src.k[:, [1, 2]])
+    np.testing.assert_array_equal(dst.v[:, [3, 0]], src.v[:, [1, 2]])
+    with pytest.raises(ValueError):
+        dst.write_pages([0], b"\0" * 8)
+
+
+def test_sampling_greedy_and_seeded():
+    logits = np.random.default_rng(0).standard_normal(50).astype(np.float32)
+    tok, lp, _ = sample(logits, SamplingParams(temperature=0), 0)
+    assert tok == int(np.argmax(logits)) and lp < 0
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=42)
+    draws = [sample(logits, p, i)[0] for i in range(20)]
+    assert draws == [sample(logits, p, i)[0] for i in range(20)]  # keyed by (seed, index)
+    assert len(set(draws)) > 1
+    assert sample(logits, SamplingParams(temperature=1.0, top_k=1, seed=1), 0)[0] == tok
+
+
+def _ctx(pool):
+    async def nope(*a):
+        raise AssertionError
+    return TransferContext(pool, {"x": 1}, "e", "127.0.0.1", Timeouts(1, 1, 1, 1), nope, nope, lambda s: None)
+
+
+def test_sink_rejects_frames_of_another_attempt_and_outside_reservation():
+    async def run(tamper):
+        src, dst = KVPool(8, 2, 1, 1, 2), KVPool(8, 2, 1, 1, 2)
+        src.k[:] = 1.0
+        got = {}
+
+        async def source(reader, writer):
+            tag = {"protocol": "bootstrap", "key": 1, "attempt": "a"}
+            frames = tamper(tag)
+            await send_kv(_ctx(src), writer, [0, 1], frames["dst"], frames["tag"])
+            await wire.send(writer, {"op": "done", **frames["tag"], "meta": {}})
+
+        server = await asyncio.start_server(source, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            got["meta"] = await recv_kv(_ctx(dst), reader, [4, 5],
+                                        {"protocol": "bootstrap", "key": 1, "attempt": "a"}, lambda: None)
+        finally:
+            writer.close()
+            server.close()
+        return got, dst
+
+    got, dst = asyncio.run(run(lambda t: {"tag": t, "dst": [4, 5]}))
+    assert dst.k[:, [4, 5]].min() == 1.0
+    with pytest.raises(EngineError, match="another transfer"):
+        asyncio.run(run(lambda t: {"tag": dict(t, attempt="old"), "dst": [4, 5]}))
+    with pytest.raises(EngineError, match="outside the reservation"):
+        asyncio.run(run(lambda t: {"tag": t, "dst": [4, 6]}))
