@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Callable
 
 from ..sequence import EngineError
@@ -25,8 +26,11 @@ async def send_kv(ctx: TransferContext, writer: asyncio.StreamWriter, src: list[
     for i in range(0, len(src), per):
         if _FAULT_DELAY:
             await asyncio.sleep(_FAULT_DELAY)
+        hdr = {"op": "kv", "dst": dst[i:i + per], **tag}
+        if i == 0:
+            hdr["t0"] = time.time()  # lets the sink time the whole transfer (same-host clocks)
         payload = ctx.pool.read_pages(src[i:i + per])
-        await with_timeout(wire.send(writer, {"op": "kv", "dst": dst[i:i + per], **tag}, payload),
+        await with_timeout(wire.send(writer, hdr, payload),
                            ctx.timeouts.transfer, "sending KV")
         sent += len(payload)
     ctx.stats.bytes_sent += sent
@@ -54,6 +58,7 @@ async def recv_kv(ctx: TransferContext, reader: asyncio.StreamReader, dst: list[
         if any(hdr.get(k) != v for k, v in tag.items()):
             raise EngineError(f"frame for another transfer {hdr}", 500, "kv_transfer_failed")
         if not started:
+            t_first = float(hdr.get("t0") or time.time())
             on_first()
             started, timeout, what = True, ctx.timeouts.transfer, "during KV transfer"
         if hdr["op"] == "kv":
@@ -69,6 +74,8 @@ async def recv_kv(ctx: TransferContext, reader: asyncio.StreamReader, dst: list[
             if got != allowed:
                 raise EngineError(f"transfer ended with {len(got)}/{len(allowed)} pages", 500,
                                   "kv_transfer_failed")
-            return hdr.get("meta") or {}, nbytes
+            meta = dict(hdr.get("meta") or {})
+            meta["_seconds"] = max(0.0, time.time() - t_first)
+            return meta, nbytes
         else:
             raise EngineError(f"unexpected frame {hdr['op']!r}", 500, "kv_transfer_failed")

@@ -118,7 +118,8 @@ async def pull_receive(ctx: TransferContext, params: dict, seq: Seq) -> int:
             ctx.table.set(tkey, KVPoll.Transferring)
             ctx.pool.pin(dst)
 
-        _, nbytes = await recv_kv(ctx, reader, dst, tag, first)
+        meta, nbytes = await recv_kv(ctx, reader, dst, tag, first)
+        seq.meta_extra["kv_transfer_seconds"] = round(meta.get("_seconds", 0.0), 6)
         await wire.send(writer, {"op": "ack", **tag})
         ctx.pool.unpin(dst)
         ctx.table.set(tkey, KVPoll.Success)

@@ -193,6 +193,7 @@ async def push_receive(ctx: TransferContext, protocol: str, key, seq: Seq,
         ctx.table.set(tkey, KVPoll.Success)
         ctx.stats.count(protocol, "sink", True)
         seq.meta_extra["kv_bytes_received"] = nbytes
+        seq.meta_extra["kv_transfer_seconds"] = round(meta.pop("_seconds", 0.0), 6)
         return meta
     except BaseException as e:
         ctx.table.set(tkey, KVPoll.Failed, error=str(e) or type(e).__name__)
