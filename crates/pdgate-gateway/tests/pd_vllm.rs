@@ -1,0 +1,79 @@
+//! vLLM-style PD: NIXL params relayed verbatim (the mock decode pulls with them), Mooncake
+//! transfer ids and engine-id discovery, and silent-recompute accounting.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::mocks::{spawn, spawn_mooncake_bootstrap, Fault, Rendezvous};
+use common::{client, gateway, wait_ready};
+use serde_json::json;
+
+async fn metric(url: &str, needle: &str) -> bool {
+    client().get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap().contains(needle)
+}
+
+#[tokio::test]
+async fn nixl_prefill_params_reach_the_decode_verbatim() {
+    let rdv = Arc::new(Rendezvous::default());
+    let p = spawn("nixl_prefill", rdv.clone(), Fault::None).await;
+    let d = spawn("nixl_decode", rdv, Fault::None).await;
+    let (_gw, url) = gateway(json!({"pd_disaggregation": true, "kv_connector": "nixl", "prefill": [p.url], "decode": [d.url]})).await;
+    wait_ready(&url).await;
+    let r = client()
+        .post(format!("{url}/v1/chat/completions"))
+        .header("x-request-id", "req-abc")
+        .json(&json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "stream": true, "stream_options": {"include_usage": true}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    assert!(text.contains("\"cached_tokens\":5"), "decode pulled the blocks: {text}");
+    let pb = &p.log().bodies()[0];
+    assert_eq!((pb["stream"].clone(), pb["max_tokens"].clone(), pb["max_completion_tokens"].clone()), (json!(false), json!(1), json!(1)));
+    assert!(pb.get("stream_options").is_none());
+    let db = &d.log().bodies()[0];
+    assert_eq!(db["max_tokens"], 20, "decode gets the original request");
+    assert_eq!(db["stream"], true);
+    assert_eq!(db["kv_transfer_params"]["remote_block_ids"], json!([7, 8, 9]));
+    assert_eq!(db["kv_transfer_params"]["tp_size"], 1, "params relayed verbatim, extra fields too");
+    assert_eq!(*p.log().request_ids.lock().unwrap(), vec!["req-abc".to_string()]);
+    assert_eq!(*d.log().request_ids.lock().unwrap(), vec!["req-abc".to_string()], "same X-Request-Id on both legs");
+    assert!(!metric(&url, "pdgate_pd_silent_recompute_total{").await);
+}
+
+#[tokio::test]
+async fn a_decode_that_recomputed_is_counted() {
+    // The prefill is a plain worker: it returns no kv_transfer_params.
+    let rdv = Arc::new(Rendezvous::default());
+    let p = spawn("regular", rdv.clone(), Fault::None).await;
+    let d = spawn("nixl_decode", rdv, Fault::None).await;
+    let (_gw, url) = gateway(json!({"pd_disaggregation": true, "kv_connector": "nixl", "prefill": [p.url], "decode": [d.url]})).await;
+    wait_ready(&url).await;
+    let r = client().post(format!("{url}/v1/completions")).json(&json!({"prompt": "x"})).send().await.unwrap();
+    assert_eq!(r.status(), 200, "still succeeds");
+    assert!(metric(&url, r#"pdgate_pd_silent_recompute_total{cause="no_params",protocol="nixl"} 1"#).await);
+    assert!(metric(&url, r#"pdgate_pd_silent_recompute_total{cause="decode_reported",protocol="nixl"} 1"#).await);
+}
+
+#[tokio::test]
+async fn mooncake_legs_share_a_transfer_id_and_the_engine_id_is_discovered_once() {
+    let (bport, qlog) = spawn_mooncake_bootstrap("engine-mc").await;
+    let rdv = Arc::new(Rendezvous::default());
+    let p = spawn("mooncake_prefill", rdv.clone(), Fault::None).await;
+    let d = spawn("mooncake_decode", rdv, Fault::None).await;
+    let (_gw, url) = gateway(json!({"pd_disaggregation": true, "kv_connector": "mooncake", "prefill": [[p.url, bport]], "decode": [d.url]})).await;
+    wait_ready(&url).await;
+    for _ in 0..3 {
+        let r = client().post(format!("{url}/v1/completions")).json(&json!({"prompt": "x", "max_tokens": 5})).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    }
+    let (pb, db) = (p.log().bodies(), d.log().bodies());
+    for (a, b) in pb.iter().zip(&db) {
+        assert_eq!(a["kv_transfer_params"]["transfer_id"], b["kv_transfer_params"]["transfer_id"]);
+        assert_eq!(b["kv_transfer_params"]["remote_bootstrap_addr"], format!("http://127.0.0.1:{bport}"));
+    }
+    assert_ne!(pb[0]["kv_transfer_params"]["transfer_id"], pb[1]["kv_transfer_params"]["transfer_id"], "fresh id per request");
+    assert_eq!(qlog.count(), 1, "engine id is cached");
+}
