@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The README's test command: builds and installs pdgate from this checkout, then runs every tier:
+# Rust unit + component tests (cargo), then Python unit, engine and end-to-end tests (pytest).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# One target dir outside the checkout, so a rebuild after a fresh clone reuses compiled crates.
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/pdgate/target}"
+PY="${PYTHON:-python3}"
+
+echo "== building and installing pdgate (maturin, release)"
+"$PY" -m pip install -q --disable-pip-version-check ".[test]"
+
+echo "== cargo test"
+# The pyo3 extension crate links against libpython only when loaded by Python: test it there.
+cargo test -q --workspace --exclude pdgate-python
+
+echo "== pytest"
+# Run from a directory where `import pdgate` finds the installed wheel, not the source tree.
+"$PY" -m pytest -q -p no:cacheprovider tests "$@"
