@@ -81,26 +81,31 @@ class Model:
         return out @ w[p + "wo"]
 
     def _attend_segment(self, pool: KVPool, layer: int, s: Segment, q: np.ndarray) -> np.ndarray:
+        """Causal GQA attention of one segment's queries over its pages.
+
+        The g query heads that share a KV head are folded into the rows, so each block is one
+        contiguous batched matmul per KV head; a block only reads keys up to its last position.
+        """
         cfg = self.cfg
         nkv, hd, g = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
-        total = s.start + len(s.tokens)
+        n, total = len(s.tokens), s.start + len(s.tokens)
         idx = np.asarray(s.pages[:pool.pages_for(total)], dtype=np.int64)
-        kk = pool.k[layer, idx].reshape(-1, nkv, hd)[:total].transpose(1, 2, 0)  # [nkv, hd, T]
-        vv = pool.v[layer, idx].reshape(-1, nkv, hd)[:total].transpose(1, 0, 2)  # [nkv, T, hd]
-        n = len(s.tokens)
-        qq = q.reshape(n, nkv, g, hd).transpose(1, 2, 0, 3)  # [nkv, g, n, hd]
-        res = np.empty((nkv, g, n, hd), dtype=np.float32)
-        keys = np.arange(total)
+        kk = np.ascontiguousarray(pool.k[layer, idx].reshape(-1, nkv, hd)[:total].transpose(1, 2, 0))
+        vv = np.ascontiguousarray(pool.v[layer, idx].reshape(-1, nkv, hd)[:total].transpose(1, 0, 2))
+        qq = q.reshape(n, nkv, g, hd).transpose(1, 0, 2, 3)  # [nkv, n, g, hd]
+        res = np.empty((nkv, n, g, hd), dtype=np.float32)
         scale = np.float32(1.0 / np.sqrt(hd))
         for b in range(0, n, _Q_BLOCK):
             e = min(n, b + _Q_BLOCK)
-            sc = (qq[:, :, b:e] @ kk[:, None]) * scale  # [nkv, g, rows, T]
-            qpos = s.start + np.arange(b, e)
-            sc = np.where(keys[None, :] <= qpos[:, None], sc, np.float32(-np.inf))
+            kmax = s.start + e
+            qb = np.ascontiguousarray(qq[:, b:e]).reshape(nkv, (e - b) * g, hd)
+            sc = (qb @ kk[:, :, :kmax]) * scale  # [nkv, rows*g, kmax]
+            if e - b > 1:  # causal mask, only on the diagonal square; a single newest token sees every key
+                sc[:, :, s.start + b:kmax] += _causal_bias(e - b, g)
             sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
             sc /= sc.sum(axis=-1, keepdims=True)
-            res[:, :, b:e] = sc @ vv[:, None]
-        return res.transpose(2, 0, 1, 3).reshape(n, -1)
+            res[:, b:e] = (sc @ vv[:, :kmax]).reshape(nkv, e - b, g, hd)
+        return res.transpose(1, 0, 2, 3).reshape(n, -1)
 
     def _mlp(self, layer: int, x: np.ndarray) -> np.ndarray:
         w, p = self.w, f"layers.{layer}."
@@ -115,6 +120,12 @@ class Model:
         cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]
         t1, t2 = t[..., :half], t[..., half:]
         return np.concatenate([t1 * cos - t2 * sin, t2 * cos + t1 * sin], axis=-1)
+
+
+def _causal_bias(rows: int, g: int) -> np.ndarray:
+    """[rows*g, rows]: 0 where query row r//g may see key k (k <= r//g), -inf elsewhere."""
+    r = np.repeat(np.arange(rows), g)
+    return np.where(np.arange(rows)[None, :] <= r[:, None], np.float32(0), np.float32(-np.inf))
 
 
 def _rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

@@ -46,6 +46,7 @@ class ReferenceWorker:
         if kv_connector is not None and kv_connector not in _CONNECTORS:
             raise ValueError(f"kv_connector must be None or one of {_CONNECTORS}")
         self.mode, self.model, self.host = mode, model, host
+        self._auto_port, self._auto_bootstrap = port is None, bootstrap_port is None
         self.port = port or free_port(host)
         self.bootstrap_port = (bootstrap_port or free_port(host)) if mode == "prefill" else bootstrap_port
         self.transfer_backend = transfer_backend
@@ -73,9 +74,34 @@ class ReferenceWorker:
         return cmd + self.extra_args
 
     def start(self, timeout: float = 60) -> "ReferenceWorker":
-        """Spawn and wait until GET /health is 200; raise WorkerStartError with the log tail."""
+        """Spawn and wait until GET /health is 200; raise WorkerStartError with the log tail.
+
+        Ports picked here can be taken by another process before the worker binds them; then
+        the worker is restarted on fresh ports (up to 3 tries)."""
         if self.proc is not None:
             raise RuntimeError("worker already started")
+        deadline = time.monotonic() + timeout
+        for attempt in range(3):
+            self._spawn()
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    break
+                if self._healthy():
+                    return self
+                time.sleep(0.1)
+            else:
+                self._fail(f"worker not healthy within {timeout:g}s")
+            if attempt < 2 and "address already in use" in self.log_tail().lower() and (
+                    self._auto_port or (self.mode == "prefill" and self._auto_bootstrap)):
+                self.proc = None
+                self.port = free_port(self.host) if self._auto_port else self.port
+                if self.mode == "prefill" and self._auto_bootstrap:
+                    self.bootstrap_port = free_port(self.host)
+                continue
+            self._fail(f"worker exited with code {self.proc.returncode}")
+        return self
+
+    def _spawn(self) -> None:
         env = dict(os.environ)
         env.setdefault("OPENBLAS_NUM_THREADS", "1")
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -85,18 +111,10 @@ class ReferenceWorker:
         if self.log_path is None:
             fd, self.log_path = tempfile.mkstemp(prefix=f"pdgate-engine-{self.mode}-", suffix=".log")
             os.close(fd)
-        self._log_file = open(self.log_path, "ab")
+        if self._log_file is None:
+            self._log_file = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(), stdout=self._log_file, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self._fail(f"worker exited with code {self.proc.returncode}")
-            if self._healthy():
-                return self
-            time.sleep(0.1)
-        self._fail(f"worker not healthy within {timeout:g}s")
-        return self
 
     def _healthy(self) -> bool:
         try:

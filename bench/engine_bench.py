@@ -1,0 +1,252 @@
+"""Benchmarks of the pdgate reference engine. One run measures everything:
+
+  model     prefill and decode tokens/s of `tiny` and `small` (in-process, 1 BLAS thread)
+  transfer  KV transfer GB/s through the engine's SGLang bootstrap path (two worker processes,
+            built-in TCP) next to raw loopback TCP through the same library (asyncio streams)
+            and plain sockets, in the same run
+  itl       inter-token latency of in-flight decodes while long prompts arrive: colocated with
+            chunked prefill vs disaggregated (prefill on another worker)
+
+Usage: PYTHONPATH=python python bench/engine_bench.py [model|transfer|itl|all] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import random  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pdgate.engine.config import PRESETS  # noqa: E402
+from pdgate.engine.kv import KVPool  # noqa: E402
+from pdgate.engine.model import Model, Segment  # noqa: E402
+from pdgate.engine.weights import random_weights  # noqa: E402
+from pdgate.workers import ReferenceWorker  # noqa: E402
+
+
+# ---- model throughput ----------------------------------------------------------------------
+def bench_model(name: str, prompt_len: int, batch: int, ctx: int, steps: int) -> dict:
+    cfg = PRESETS[name]
+    model, page = Model(cfg, random_weights(cfg, 0)), 16
+    pool = KVPool((prompt_len + batch * (ctx + steps)) // page + batch + 8, page,
+                  cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    rng = np.random.default_rng(0)
+    best = float("inf")
+    for _ in range(2):
+        pages = pool.reserve(pool.pages_for(prompt_len))
+        toks = rng.integers(0, 256, prompt_len).tolist()
+        t0 = time.perf_counter()
+        model.forward(pool, [Segment(pages, 0, toks)])
+        best = min(best, time.perf_counter() - t0)
+        pool.free(pages)
+    seqs = []
+    for _ in range(batch):
+        pages = pool.reserve(pool.pages_for(ctx + steps))
+        model.forward(pool, [Segment(pages, 0, rng.integers(0, 256, ctx).tolist())])
+        seqs.append(pages)
+    t0 = time.perf_counter()
+    for s in range(steps):
+        model.forward(pool, [Segment(p, ctx + s, [1]) for p in seqs])
+    dt = time.perf_counter() - t0
+    return {"model": name, "params_M": round(cfg.num_params() / 1e6, 1),
+            "prefill_tokens": prompt_len, "prefill_tok_s": round(prompt_len / best),
+            "decode_batch": batch, "decode_ctx": ctx, "decode_tok_s": round(batch * steps / dt),
+            "decode_step_ms": round(dt / steps * 1e3, 2)}
+
+
+# ---- raw loopback ------------------------------------------------------------------------
+def _asyncio_sink(port_q, nbytes: int) -> None:
+    async def main():
+        done = asyncio.Event()
+
+        async def handle(reader, writer):
+            left = nbytes
+            while left:
+                chunk = await reader.read(min(left, 1 << 22))
+                left -= len(chunk)
+            writer.write(b"k")
+            await writer.drain()
+            writer.close()
+            done.set()
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port_q.put(srv.sockets[0].getsockname()[1])
+        await done.wait()
+    asyncio.run(main())
+
+
+def _socket_sink(port_q, nbytes: int) -> None:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    port_q.put(s.getsockname()[1])
+    c, _ = s.accept()
+    buf, left = bytearray(1 << 22), nbytes
+    view = memoryview(buf)
+    while left:
+        left -= c.recv_into(view[:min(left, len(buf))])
+    c.sendall(b"k")
+    c.close()
+
+
+def raw_loopback(nbytes: int, kind: str) -> float:
+    """GB/s moving nbytes to another process over loopback TCP; best of 3."""
+    best = float("inf")
+    payload = np.ones(1 << 22, dtype=np.uint8).tobytes()
+    for _ in range(3):
+        q = mp.Queue()
+        proc = mp.Process(target=_asyncio_sink if kind == "asyncio" else _socket_sink, args=(q, nbytes))
+        proc.start()
+        port = q.get(timeout=30)
+        if kind == "asyncio":
+            async def send():
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                t0 = time.perf_counter()
+                for _ in range(nbytes // len(payload)):
+                    writer.write(payload)
+                    await writer.drain()
+                await reader.readexactly(1)
+                writer.close()
+                return time.perf_counter() - t0
+            dt = asyncio.run(send())
+        else:
+            s = socket.create_connection(("127.0.0.1", port))
+            t0 = time.perf_counter()
+            for _ in range(nbytes // len(payload)):
+                s.sendall(payload)
+            s.recv(1)
+            dt = time.perf_counter() - t0
+            s.close()
+        proc.join(10)
+        best = min(best, dt)
+    return nbytes / best / 1e9
+
+
+def bench_transfer(prompt_len: int = 2048) -> dict:
+    with ReferenceWorker("prefill", model="small") as p, ReferenceWorker("decode", model="small") as d:
+        rng = random.Random(0)
+        results = []
+        with httpx.Client(timeout=300) as c:
+            for i in range(4):
+                b = {"input_ids": [256] + [rng.randrange(256) for _ in range(prompt_len - 1)],
+                     "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                     "bootstrap_host": "127.0.0.1", "bootstrap_port": p.bootstrap_port,
+                     "bootstrap_room": i}
+                with httpx.Client(timeout=300) as c2:
+                    import threading
+                    t = threading.Thread(target=lambda: c2.post(p.url + "/generate", json=b))
+                    t.start()
+                    m = c.post(d.url + "/generate", json=b).json()["meta_info"]
+                    t.join()
+                results.append((m["kv_bytes_received"], m["kv_transfer_seconds"]))
+        nbytes = results[0][0]
+        gbps = [n / s / 1e9 for n, s in results[1:]]  # the first one warms up
+    aio = raw_loopback(nbytes - nbytes % (1 << 22), "asyncio")
+    sock = raw_loopback(nbytes - nbytes % (1 << 22), "socket")
+    med = statistics.median(gbps)
+    return {"kv_bytes": nbytes, "engine_tcp_GBps": round(med, 3),
+            "raw_asyncio_GBps": round(aio, 3), "raw_socket_GBps": round(sock, 3),
+            "engine_vs_raw_asyncio": round(med / aio, 2)}
+
+
+# ---- inter-token latency -----------------------------------------------------------------
+async def _stream(c, url, body, arrivals: list) -> None:
+    async with c.stream("POST", url, json=dict(body, stream=True)) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                arrivals.append(time.perf_counter())
+
+
+async def _itl_run(decode_url, prefill=None, long_len=2000, n_streams=4, n_long=2) -> list[float]:
+    rng = random.Random(1)
+    streams = [[] for _ in range(n_streams)]
+    room = iter(range(10**6))
+
+    def body(n, max_new):
+        b = {"input_ids": [256] + [rng.randrange(256) for _ in range(n - 1)],
+             "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+        if prefill is not None:
+            b.update(bootstrap_host="127.0.0.1", bootstrap_port=prefill.bootstrap_port, bootstrap_room=next(room))
+        return b
+
+    async def send(b, stream_to=None):
+        if prefill is not None:
+            legs = [c.post(prefill.url + "/generate", json=b)]
+        else:
+            legs = []
+        if stream_to is not None:
+            legs.append(_stream(c, decode_url + "/generate", b, stream_to))
+        else:
+            legs.append(c.post(decode_url + "/generate", json=b))
+        await asyncio.gather(*legs)
+
+    async with httpx.AsyncClient(timeout=600) as c:
+        decodes = [asyncio.ensure_future(send(body(32, 400), s)) for s in streams]
+        await asyncio.sleep(1.0)
+        for _ in range(n_long):
+            await send(body(long_len, 1))
+            await asyncio.sleep(0.3)
+        await asyncio.gather(*decodes)
+    return [(b - a) * 1e3 for s in streams for a, b in zip(s[1:], s[2:])]
+
+
+def _summary(itl: list[float]) -> dict:
+    q = np.percentile(itl, [50, 90, 99]) if itl else [0, 0, 0]
+    return {"n": len(itl), "p50_ms": round(q[0], 2), "p90_ms": round(q[1], 2),
+            "p99_ms": round(q[2], 2), "max_ms": round(max(itl), 2) if itl else 0}
+
+
+def bench_itl(chunk: int = 512) -> dict:
+    with ReferenceWorker("null", model="small", extra_args=["--chunked-prefill-size", str(chunk)]) as n:
+        colo = asyncio.run(_itl_run(n.url))
+    with ReferenceWorker("prefill", model="small", extra_args=["--chunked-prefill-size", str(chunk)]) as p, \
+            ReferenceWorker("decode", model="small") as d:
+        disagg = asyncio.run(_itl_run(d.url, prefill=p))
+    return {"chunked_prefill_size": chunk, "colocated": _summary(colo), "disaggregated": _summary(disagg),
+            "colocated_itl_ms": [round(x, 3) for x in colo], "disaggregated_itl_ms": [round(x, 3) for x in disagg]}
+
+
+def histogram(values: list[float], edges: list[float]) -> list[int]:
+    return np.histogram(values, bins=edges)[0].tolist()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", nargs="?", default="all", choices=["model", "transfer", "itl", "all"])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    out: dict = {"cpu_count": os.cpu_count(), "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS")}
+    if args.what in ("model", "all"):
+        out["model"] = [bench_model("tiny", 2048, 16, 256, 32), bench_model("small", 2048, 16, 256, 16)]
+        print(json.dumps(out["model"], indent=1))
+    if args.what in ("transfer", "all"):
+        out["transfer"] = bench_transfer()
+        print(json.dumps(out["transfer"], indent=1))
+    if args.what in ("itl", "all"):
+        out["itl"] = bench_itl()
+        print(json.dumps({k: v for k, v in out["itl"].items() if not k.endswith("_itl_ms")}, indent=1))
+        edges = [0, 5, 10, 20, 40, 80, 160, 320, 640, 1280, 5000]
+        for k in ("colocated", "disaggregated"):
+            print(k, list(zip(edges[:-1], histogram(out["itl"][f"{k}_itl_ms"], edges))))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
