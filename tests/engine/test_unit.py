@@ -78,6 +78,19 @@ def test_batched_segments_match_single():
     np.testing.assert_allclose(lb[-1], dense_logits(model, b)[-1], atol=2e-4)
 
 
+def test_batched_decode_matches_dense():
+    """Several sequences of different lengths each adding one token in one batched step."""
+    model, pool = make(num_pages=128)
+    rng = np.random.default_rng(5)
+    seqs = [[256] + rng.integers(0, 256, n).tolist() for n in (3, 9, 17, 30)]
+    tables = [pool.reserve(9) for _ in seqs]
+    for t, s in zip(tables, seqs):
+        model.forward(pool, [Segment(t, 0, s[:-1])])
+    got = model.forward(pool, [Segment(t, len(s) - 1, [s[-1]]) for t, s in zip(tables, seqs)])
+    for g, s in zip(got, seqs):
+        np.testing.assert_allclose(g[-1], dense_logits(model, s)[-1], atol=2e-4)
+
+
 def test_weights_are_deterministic_per_seed():
     w1, w2, w3 = random_weights(CFG, 5), random_weights(CFG, 5), random_weights(CFG, 6)
     assert all(np.array_equal(w1[k], w2[k]) for k in w1)

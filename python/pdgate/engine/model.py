@@ -73,12 +73,32 @@ class Model:
         pool.k[layer, page_idx, slot] = k
         pool.v[layer, page_idx, slot] = v
         out = np.empty((len(pos), nh * hd), dtype=np.float32)
-        off = 0
-        for s in segs:
-            n = len(s.tokens)
-            out[off:off + n] = self._attend_segment(pool, layer, s, q[off:off + n])
-            off += n
+        offs = np.cumsum([0] + [len(s.tokens) for s in segs])
+        single = [i for i, s in enumerate(segs) if len(s.tokens) == 1]
+        if len(single) > 1:  # decode tokens: one padded, batched attention
+            rows = offs[single]
+            out[rows] = self._attend_decode(pool, layer, [segs[i] for i in single], q[rows])
+        for i, s in enumerate(segs):
+            if len(single) <= 1 or len(s.tokens) > 1:
+                out[offs[i]:offs[i + 1]] = self._attend_segment(pool, layer, s, q[offs[i]:offs[i + 1]])
         return out @ w[p + "wo"]
+
+    def _attend_decode(self, pool: KVPool, layer: int, segs: list[Segment], q: np.ndarray) -> np.ndarray:
+        """Attention of B newest tokens over their own pages, padded to the longest context."""
+        cfg = self.cfg
+        nkv, hd, g = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+        lens = np.array([s.start + 1 for s in segs])
+        npg = pool.pages_for(int(lens.max()))
+        idx = np.array([(s.pages[:npg] + [s.pages[0]] * npg)[:npg] for s in segs], dtype=np.int64)
+        b, t = len(segs), npg * pool.page_size
+        kk = pool.k[layer, idx].reshape(b, t, nkv, hd).transpose(0, 2, 3, 1)  # [B, nkv, hd, T]
+        vv = pool.v[layer, idx].reshape(b, t, nkv, hd).transpose(0, 2, 1, 3)  # [B, nkv, T, hd]
+        sc = (q.reshape(b, nkv, g, hd) @ kk) * np.float32(1.0 / np.sqrt(hd))  # [B, nkv, g, T]
+        visible = (np.arange(t)[None, :] < lens[:, None])[:, None, None, :]
+        sc = np.where(visible, sc, np.float32(-np.inf))
+        sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
+        sc /= sc.sum(axis=-1, keepdims=True)
+        return (sc @ vv).reshape(b, -1)
 
     def _attend_segment(self, pool: KVPool, layer: int, s: Segment, q: np.ndarray) -> np.ndarray:
         """Causal GQA attention of one segment's queries over its pages.
