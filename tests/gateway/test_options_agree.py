@@ -24,7 +24,8 @@ def sample_argv(option: dict) -> list[str]:
     if not option["takes_value"]:
         return [flag]
     if option["choices"]:
-        return [flag, option["choices"][-1]]
+        spelled = lambda c: c.replace("-", "_")  # noqa: E731 - compare across the two spellings
+        return [flag, next(c for c in option["choices"] if spelled(c) != option["default"])]
     if name in ("prefill", "decode"):
         return ["--pd-disaggregation", flag, "http://127.0.0.1:9"]
     if name == "worker_urls":
@@ -34,7 +35,7 @@ def sample_argv(option: dict) -> list[str]:
         return [flag]
     if isinstance(default, int):
         return [flag, str(default + 1)]
-    return [flag, "info" if name == "log_level" else "/x"]
+    return [flag, "debug" if name == "log_level" else "/x"]
 
 
 def test_exported_names_are_sorted_and_real() -> None:
@@ -65,6 +66,17 @@ def test_every_flag_parses_and_maps_to_its_kwarg(option: dict) -> None:
     # The same value given as a keyword builds the same configuration.
     from_kwargs = pdgate.Gateway(**{k: v for k, v in from_cli.items()}).config
     assert from_kwargs == from_cli
+
+
+CHOICE_OPTIONS = [o for o in SCHEMA if o["choices"] and o["takes_value"]]
+
+
+@pytest.mark.parametrize("option", CHOICE_OPTIONS, ids=[o["name"] for o in CHOICE_OPTIONS])
+def test_choices_are_spelled_the_same_everywhere(option: dict) -> None:
+    for choice in option["choices"]:
+        from_cli = pdgate.Gateway.from_cli_args(sample_argv(option)[:-1] + [choice]).config
+        from_kwargs = pdgate.Gateway(**{option["name"]: choice}).config
+        assert from_cli[option["name"]] == from_kwargs[option["name"]] == choice
 
 
 def test_launch_help_lists_every_flag() -> None:

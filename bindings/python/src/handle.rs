@@ -28,7 +28,8 @@ impl Running {
     fn shutdown(self) {
         let Running { runtime, gateway, .. } = self;
         // A request that outlives the grace period is dropped with the runtime.
-        let _ = runtime.block_on(tokio::time::timeout(SHUTDOWN_GRACE, gateway.shutdown()));
+        // The timer must be created inside the runtime, hence the async block.
+        let _ = runtime.block_on(async move { tokio::time::timeout(SHUTDOWN_GRACE, gateway.shutdown()).await });
         runtime.shutdown_timeout(Duration::from_secs(1));
     }
 }
