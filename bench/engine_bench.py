@@ -224,6 +224,32 @@ def histogram(values: list[float], edges: list[float]) -> list[int]:
     return np.histogram(values, bins=edges)[0].tolist()
 
 
+def itl_svg(data: dict, path: str) -> None:
+    """Two ITL histograms (log-spaced bins) as a dependency-free SVG."""
+    edges = [2 ** (i / 2) for i in range(4, 24)]  # 4 ms .. ~2.9 s
+    w, h, pad, bar = 760, 260, 40, 0
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{2 * h}" font-family="sans-serif" font-size="11">']
+    for row, key in enumerate(("colocated", "disaggregated")):
+        counts = histogram(data[f"{key}_itl_ms"], edges)
+        top, peak = row * h, max(counts) or 1
+        bar = (w - 2 * pad) / len(counts)
+        s = data[key]
+        parts.append(f'<text x="{pad}" y="{top + 18}" font-size="13">{key}: p50 {s["p50_ms"]} ms, '
+                     f'p99 {s["p99_ms"]} ms, max {s["max_ms"]} ms (n={s["n"]})</text>')
+        for i, c in enumerate(counts):
+            bh = (h - 2 * pad - 10) * c / peak
+            x, y = pad + i * bar, top + h - pad - bh
+            parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar - 2:.1f}" height="{bh:.1f}" fill="#4a7ab5"/>')
+            if c:
+                parts.append(f'<text x="{x:.1f}" y="{y - 2:.1f}">{c}</text>')
+            if i % 2 == 0:
+                parts.append(f'<text x="{x:.1f}" y="{top + h - pad + 14}">{edges[i]:.0f}</text>')
+        parts.append(f'<text x="{w - pad - 120}" y="{top + h - pad + 28}">inter-token latency, ms (log bins)</text>')
+    parts.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(parts))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("what", nargs="?", default="all", choices=["model", "transfer", "itl", "all"])
@@ -242,6 +268,7 @@ def main() -> int:
         edges = [0, 5, 10, 20, 40, 80, 160, 320, 640, 1280, 5000]
         for k in ("colocated", "disaggregated"):
             print(k, list(zip(edges[:-1], histogram(out["itl"][f"{k}_itl_ms"], edges))))
+        itl_svg(out["itl"], os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_itl.svg"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f)

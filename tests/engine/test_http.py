@@ -13,6 +13,7 @@ from openai import OpenAI
 
 import engine_router as router
 from conftest import assert_clean
+from pdgate.workers import ReferenceWorker
 
 pytestmark = pytest.mark.timeout(60)
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -189,3 +190,19 @@ def test_abort_request(colocated):
     r = asyncio.run(run())
     assert r.status_code == 499 and r.json()["error"]["code"] == "aborted"
     assert_clean(colocated)
+
+
+def test_out_of_kv_memory_is_rejected_or_queued():
+    """A request larger than the whole pool is a 400; requests that fit only one at a time queue."""
+    with ReferenceWorker(mode="null", extra_args=["--max-total-tokens", "256", "--page-size", "16"]) as w:
+        big = httpx.post(w.url + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 1000}})
+        assert big.status_code == 400 and big.json()["error"]["code"] == "context_length_exceeded"
+
+        async def run():
+            b = {"input_ids": [256] * 100, "sampling_params": dict(GREEDY, max_new_tokens=60)}  # 11 of 16 pages
+            async with httpx.AsyncClient(timeout=30) as c:
+                return await asyncio.gather(*(c.post(w.url + "/generate", json=b) for _ in range(3)))
+        rs = asyncio.run(run())
+        assert [r.status_code for r in rs] == [200] * 3
+        assert len({tuple(r.json()["output_ids"]) for r in rs}) == 1
+        assert_clean(w)
