@@ -47,6 +47,7 @@ class MockWorker:
 
     role = "null"  # SGLang's disaggregation_mode
     owned_by = "sglang"
+    native_generate = True  # SGLang serves /generate; vLLM does not
     prefill_only = False  # answers one token (a prefill leg)
     logprob_side = "prefill"  # which half of input_token_logprobs this worker knows
 
@@ -71,7 +72,8 @@ class MockWorker:
         gen = self.generation_handler
         app.router.add_post("/v1/completions", functools.partial(gen, api="completions"))
         app.router.add_post("/v1/chat/completions", functools.partial(gen, api="chat"))
-        app.router.add_post("/generate", functools.partial(gen, api="generate"))
+        if self.native_generate:
+            app.router.add_post("/generate", functools.partial(gen, api="generate"))
         app.router.add_get("/health", self.health)
         app.router.add_get("/health_generate", self.health)
         app.router.add_get("/v1/models", self.models)

@@ -22,6 +22,7 @@ from .nixl import check_prefill_leg
 class MooncakePrefill(MockWorker):
     role = "prefill"
     owned_by = "vllm"
+    native_generate = False
     prefill_only = True
 
     def __init__(self, **kwargs: Any) -> None:
@@ -77,6 +78,7 @@ class MooncakePrefill(MockWorker):
 class MooncakeDecode(MockWorker):
     role = "decode"
     owned_by = "vllm"
+    native_generate = False
 
     async def prepare(self, api: str, body: dict[str, Any], items: list[Item], request: web.Request) -> None:
         params = body.get("kv_transfer_params")

@@ -38,6 +38,7 @@ def check_prefill_leg(worker: MockWorker, api: str, body: dict[str, Any]) -> dic
 class NixlPrefill(MockWorker):
     role = "prefill"
     owned_by = "vllm"
+    native_generate = False
     prefill_only = True
 
     def __init__(self, **kwargs: Any) -> None:
@@ -67,7 +68,7 @@ class NixlPrefill(MockWorker):
         request_id = f"cmpl-{x_request_id}-0"
         blocks = [hash((request_id, i)) % 100000 for i in range(1 + len(items[0].prompt_ids) // 4)]
         self.published[request_id] = {"blocks": blocks, "x_request_id": request.headers.get("X-Request-Id"), "items": items}
-        body["_published"] = {
+        items[0].extra["kv_transfer_params"] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": blocks,
@@ -79,7 +80,7 @@ class NixlPrefill(MockWorker):
         }
 
     def response_extra(self, api: str, body: dict[str, Any], items: list[Item]) -> dict[str, Any]:
-        return {"kv_transfer_params": body.pop("_published")}
+        return {"kv_transfer_params": items[0].extra["kv_transfer_params"]}
 
     async def pull(self, request: web.Request) -> web.Response:
         want = await request.json()
@@ -95,6 +96,7 @@ class NixlPrefill(MockWorker):
 class NixlDecode(MockWorker):
     role = "decode"
     owned_by = "vllm"
+    native_generate = False
 
     def __init__(self, *, on_missing_params: str = "fail", **kwargs: Any) -> None:
         super().__init__(**kwargs)
