@@ -1,0 +1,76 @@
+"""The `pdgate` command: dispatch, and `pdgate quickstart` end to end with reference workers."""
+
+from __future__ import annotations
+
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+
+from tests.conftest import Processes
+
+PDGATE = [sys.executable, "-m", "pdgate.cli"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*PDGATE, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_top_level_usage_and_unknown_command() -> None:
+    out = run("--help")
+    assert out.returncode == 0
+    for command in ("launch", "quickstart", "engine"):
+        assert command in out.stdout
+    bad = run("lunch")
+    assert bad.returncode == 2 and "unknown command" in bad.stderr
+
+
+def test_launch_rejects_contradicting_options() -> None:
+    out = run("launch", "--worker-urls", "http://127.0.0.1:9", "--prefill", "http://127.0.0.1:8")
+    assert out.returncode != 0 and "pd-disaggregation" in (out.stderr + out.stdout)
+
+
+def test_engine_help_comes_from_the_engine() -> None:
+    pytest.importorskip("pdgate.engine.cli")
+    out = run("engine", "--help")
+    assert out.returncode == 0 and "usage: pdgate engine" in out.stdout
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("connector", ["bootstrap", "nixl", "mooncake"])
+def test_quickstart_serves_through_reference_workers(connector: str, processes: Processes) -> None:
+    pytest.importorskip("pdgate.workers")
+    proc = processes.popen([*PDGATE, "quickstart", "--port", "0", "--kv-connector", connector, "--log-level", "warn"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: "queue.Queue[str]" = queue.Queue()
+    output: list[str] = []
+
+    def pump() -> None:
+        for line in iter(proc.stdout.readline, ""):
+            output.append(line)
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    url = None
+    deadline = time.monotonic() + 180
+    while url is None and time.monotonic() < deadline and proc.poll() is None:
+        try:
+            line = lines.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if "gateway ready at " in line:
+            url = line.rsplit("gateway ready at ", 1)[1].strip()
+    assert url, "quickstart did not come up:\n" + "".join(output)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    out = client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=4)
+    assert out.usage.completion_tokens == 4
+    # The KV really moved: the decode reports the prompt as cached.
+    assert out.usage.prompt_tokens_details.cached_tokens >= out.usage.prompt_tokens - 1
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+    assert "stopping" in "".join(output)
