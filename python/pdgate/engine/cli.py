@@ -79,10 +79,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         args.disaggregation_mode = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(role, "null")
     if cfg and cfg.get("engine_id") and not args.engine_id:
         args.engine_id = str(cfg["engine_id"])
-    if args.disaggregation_transfer_backend != "tcp":
-        raise SystemExit(f"--disaggregation-transfer-backend {args.disaggregation_transfer_backend}: "
-                         "not available in this build of the reference engine; use tcp "
-                         "(see docs/engine.md, 'Not done')")
+    if args.disaggregation_transfer_backend == "nixl":
+        raise SystemExit("--disaggregation-transfer-backend nixl: not available in the reference "
+                         "engine yet; use tcp or mooncake (see docs/engine.md, 'Not done')")
     if args.page_size < 1 or args.max_total_tokens < args.page_size:
         raise SystemExit("--page-size must be >= 1 and --max-total-tokens >= --page-size")
     return args

@@ -64,6 +64,10 @@ class Engine:
                             args.kv_lease_timeout)
         self.ctx = TransferContext(self.pool, layout, self.engine_id, args.host, timeouts,
                                    self.reserve, self.run_prefill, self.release)
+        if args.disaggregation_transfer_backend == "mooncake":
+            from .transfer.mooncake_te import MooncakeBackend
+
+            self.ctx.backend = MooncakeBackend(self.pool, args.host)
         self.push = PushSource(self.ctx)
         self.pull = PullSource(self.ctx)
         self.tserver = TransferServer({"register": self.push.on_register, "pull": self.pull.on_pull})

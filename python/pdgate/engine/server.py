@@ -143,6 +143,8 @@ def loads_dict(e: Engine) -> dict:
             "kv_bytes_sent": st.bytes_sent, "kv_bytes_received": st.bytes_received,
             "kv_pages_sent": st.pages_sent, "kv_pages_received": st.pages_received,
             "kv_page_bytes": e.pool.page_bytes,
+            "kv_bytes_via_backend": st.backend_bytes,
+            "data_plane": (e.ctx.backend.name if e.ctx.backend is not None else "tcp"),
             "local_recompute": e.counters["local_recompute"],
         },
     }]}

@@ -25,6 +25,7 @@ class TransferStats:
     bytes_received: int = 0
     pages_sent: int = 0
     pages_received: int = 0
+    backend_bytes: int = 0  # of the above, bytes moved by the optional backend (Mooncake TE)
     results: dict = field(default_factory=dict)  # (protocol, role, ok|failed) -> count
 
     def count(self, protocol: str, role: str, ok: bool) -> None:
@@ -43,6 +44,10 @@ class TransferContext:
     run_prefill: Callable[["Seq"], Awaitable[None]]  # reserve, compute, keep the pages
     release: Callable[["Seq"], None]                   # free a sequence's pages (idempotent)
     port: int = 0                       # the TCP side channel, known once it listens
+    backend: object | None = None       # optional data plane (MooncakeBackend) or None
+
+    def data_plane(self) -> dict | None:
+        return self.backend.describe() if self.backend is not None else None
     table: TransferTable = field(default_factory=TransferTable)
     stats: TransferStats = field(default_factory=TransferStats)
 

@@ -17,11 +17,16 @@ _FAULT_FRAME_PAGES = int(os.environ.get("PDGATE_ENGINE_FAULT_FRAME_PAGES", "0") 
 
 
 async def send_kv(ctx: TransferContext, writer: asyncio.StreamWriter, src: list[int],
-                  dst: list[int], tag: dict) -> int:
-    """Write `src` pages into the sink's `dst` pages; returns payload bytes sent."""
+                  dst: list[int], tag: dict, peer: dict | None = None) -> int:
+    """Write `src` pages into the sink's `dst` pages; returns payload bytes sent.
+
+    `peer` is the sink's data-plane description; when both sides run the same optional
+    backend (Mooncake TE) the pages go through it, otherwise as TCP frames."""
     if len(src) != len(dst):
         raise EngineError(f"sink reserved {len(dst)} pages, source has {len(src)}", 500,
                           "kv_transfer_failed")
+    if ctx.backend is not None and peer and peer.get("backend") == ctx.backend.name and src:
+        return await _send_via_backend(ctx, writer, src, dst, tag, peer)
     per, sent = _FAULT_FRAME_PAGES or wire.pages_per_frame(ctx.pool.page_bytes), 0
     for i in range(0, len(src), per):
         if _FAULT_DELAY:
@@ -36,6 +41,26 @@ async def send_kv(ctx: TransferContext, writer: asyncio.StreamWriter, src: list[
     ctx.stats.bytes_sent += sent
     ctx.stats.pages_sent += len(src)
     return sent
+
+
+async def _send_via_backend(ctx, writer, src, dst, tag, peer) -> int:
+    t0 = time.time()
+    fut = asyncio.get_running_loop().run_in_executor(None, ctx.backend.write, peer, src, dst)
+    try:
+        nbytes = await with_timeout(asyncio.shield(fut), ctx.timeouts.transfer,
+                                    f"writing KV through {ctx.backend.name}")
+    except RuntimeError as e:
+        raise EngineError(str(e), 500, "kv_transfer_failed") from e
+    finally:
+        if not fut.done():  # drain: the sink's pages are not released while a write may land
+            await asyncio.gather(fut, return_exceptions=True)
+    await with_timeout(wire.send(writer, {"op": "kv_written", "dst": dst, "bytes": nbytes,
+                                          "backend": ctx.backend.name, "t0": t0, **tag}),
+                       ctx.timeouts.transfer, "sending KV")
+    ctx.stats.bytes_sent += nbytes
+    ctx.stats.pages_sent += len(src)
+    ctx.stats.backend_bytes += nbytes
+    return nbytes
 
 
 async def recv_kv(ctx: TransferContext, reader: asyncio.StreamReader, dst: list[int], tag: dict,
@@ -61,14 +86,22 @@ async def recv_kv(ctx: TransferContext, reader: asyncio.StreamReader, dst: list[
             t_first = float(hdr.get("t0") or time.time())
             on_first()
             started, timeout, what = True, ctx.timeouts.transfer, "during KV transfer"
-        if hdr["op"] == "kv":
+        if hdr["op"] in ("kv", "kv_written"):
             pages = hdr.get("dst") or []
             if not set(pages) <= allowed or got & set(pages):
                 raise EngineError("KV frame outside the reservation", 500, "kv_transfer_failed")
-            ctx.pool.write_pages(pages, payload)
+            if hdr["op"] == "kv":
+                ctx.pool.write_pages(pages, payload)
+                size = len(payload)
+            else:  # the source already wrote them into our registered pool
+                size = len(pages) * ctx.pool.page_bytes
+                if ctx.backend is None or hdr.get("bytes") != size:
+                    raise EngineError("backend write does not match the reservation", 500,
+                                      "kv_transfer_failed")
+                ctx.stats.backend_bytes += size
             got |= set(pages)
-            nbytes += len(payload)
-            ctx.stats.bytes_received += len(payload)
+            nbytes += size
+            ctx.stats.bytes_received += size
             ctx.stats.pages_received += len(pages)
         elif hdr["op"] == "done":
             if got != allowed:

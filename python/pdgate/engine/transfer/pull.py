@@ -75,7 +75,7 @@ class PullSource:
         ok = False
         try:
             ctx.table.set(tkey, KVPoll.Transferring)
-            await send_kv(ctx, writer, h.pages, hdr.get("dst_pages") or [], tag)
+            await send_kv(ctx, writer, h.pages, hdr.get("dst_pages") or [], tag, hdr.get("data_plane"))
             meta = {"input_len": h.seq.prompt_len, **tag}
             await wire.send(writer, {"op": "done", **tag, "meta": meta})
             ack, _ = await with_timeout(wire.recv(reader, 0), ctx.timeouts.transfer, "waiting for the ack")
@@ -111,7 +111,7 @@ async def pull_receive(ctx: TransferContext, params: dict, seq: Seq) -> int:
                                             f"connecting to the prefill at {addr}")
         await wire.send(writer, {"op": "pull", "request_id": rid, "attempt": attempt,
                                  "engine_id": params["remote_engine_id"], "block_ids": blocks,
-                                 "dst_pages": dst, "layout": ctx.layout})
+                                 "dst_pages": dst, "layout": ctx.layout, "data_plane": ctx.data_plane()})
         ctx.table.set(tkey, KVPoll.WaitingForInput)
 
         def first() -> None:

@@ -113,7 +113,8 @@ class PushSource:
             ctx.table.set(tkey, KVPoll.Transferring)
             ctx.pool.pin(seq.pages)
             src = seq.pages[:ctx.pool.pages_for(seq.prompt_len)]
-            nbytes = await send_kv(ctx, reg.writer, src, reg.hdr["dst_pages"], reg.tag)
+            nbytes = await send_kv(ctx, reg.writer, src, reg.hdr["dst_pages"], reg.tag,
+                                   reg.hdr.get("data_plane"))
             await wire.send(reg.writer, {"op": "done", **reg.tag, "meta": _meta(seq, reg, nbytes)})
             await with_timeout(asyncio.shield(reg.ack), ctx.timeouts.transfer, "waiting for the decode's ack")
             ctx.table.set(tkey, KVPoll.Success)
@@ -178,7 +179,7 @@ async def push_receive(ctx: TransferContext, protocol: str, key, seq: Seq,
         reader, writer = await with_timeout(asyncio.open_connection(*addr), ctx.timeouts.bootstrap,
                                             f"connecting to the prefill at {addr}")
         await wire.send(writer, {"op": "register", **tag, "num_tokens": seq.prompt_len,
-                                 "dst_pages": dst, "layout": ctx.layout})
+                                 "dst_pages": dst, "layout": ctx.layout, "data_plane": ctx.data_plane()})
         ctx.table.set(tkey, KVPoll.WaitingForInput, role="sink", rid=seq.rid)
 
         def first() -> None:

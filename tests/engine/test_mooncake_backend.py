@@ -1,0 +1,88 @@
+"""The optional Mooncake Transfer Engine data plane (skipped where it is not installed): the
+same equality and byte-count checks as test_pd_equality, with every KV byte moved by Mooncake."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+import pytest
+
+import engine_router as router
+from conftest import assert_clean, loads, start_all
+from pdgate.workers import ReferenceWorker
+
+pytest.importorskip("mooncake.engine")
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def mc_workers():
+    kw = {"transfer_backend": "mooncake"}
+    ws = {"sglang": (ReferenceWorker("prefill", **kw), ReferenceWorker("decode", **kw)),
+          "nixl": (ReferenceWorker("prefill", kv_connector="NixlConnector", **kw),
+                   ReferenceWorker("decode", kv_connector="NixlConnector", **kw)),
+          "mixed": (ReferenceWorker("prefill", **kw), ReferenceWorker("decode"))}
+    flat = [w for pair in ws.values() for w in pair]
+    start_all(*flat)
+    yield ws
+    for w in flat:
+        w.stop()
+
+
+def _prompts():
+    rng = random.Random(99)
+    return [[256] + [rng.randrange(256) for _ in range(n - 1)] for n in (1, 15, 16, 17, 33, 64, 100, 257)]
+
+
+def _body(ids):
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+
+
+@pytest.mark.parametrize("pair,via_backend", [("sglang", True), ("mixed", False)])
+def test_bootstrap_over_mooncake(mc_workers, colocated, pair, via_backend):
+    p, d = mc_workers[pair]
+    ps = _prompts()
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as c:
+            ref = [(await c.post(colocated.url + "/generate", json=_body(ids))).json() for ids in ps]
+            rng = random.Random(3)
+            got = [await router.bootstrap(c, p, d, "/generate", _body(ids), rng) for ids in ps]
+            return ref, got
+
+    before = loads(d)["disaggregation"]
+    ref, got = asyncio.run(run())
+    page_bytes = before["kv_page_bytes"]
+    for ids, want, (rp, rd) in zip(ps, ref, got):
+        assert rp.status_code == rd.status_code == 200, (rp.text, rd.text)
+        assert rd.json()["output_ids"] == want["output_ids"]
+        assert rd.json()["meta_info"]["cached_tokens"] == len(ids)
+    after = loads(d)["disaggregation"]
+    expected = sum(-(-len(ids) // 16) for ids in ps) * page_bytes
+    assert after["kv_bytes_received"] - before["kv_bytes_received"] == expected
+    moved = after["kv_bytes_via_backend"] - before["kv_bytes_via_backend"]
+    assert moved == (expected if via_backend else 0)
+    assert_clean(p, d)
+
+
+def test_nixl_pull_over_mooncake(mc_workers, colocated):
+    p, d = mc_workers["nixl"]
+    ps = _prompts()
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as c:
+            out = []
+            for ids in ps:
+                b = {"prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+                ref = (await c.post(colocated.url + "/v1/completions", json=b)).json()
+                out.append((ref, await router.nixl(c, p, d, "/v1/completions", b)))
+            return out
+
+    before = loads(d)["disaggregation"]["kv_bytes_via_backend"]
+    for ref, (rp, rd) in asyncio.run(run()):
+        assert rd.status_code == 200, rd.text
+        assert rd.json()["choices"][0]["logprobs"]["tokens"] == ref["choices"][0]["logprobs"]["tokens"]
+    assert loads(d)["disaggregation"]["kv_bytes_via_backend"] > before
+    assert_clean(p, d)
