@@ -103,6 +103,38 @@ def _socket_sink(port_q, nbytes: int) -> None:
     c.close()
 
 
+def _mooncake_sink(q, done, nbytes: int) -> None:
+    from mooncake.engine import TransferEngine
+    te = TransferEngine()
+    te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    te.register_memory(buf.ctypes.data, buf.nbytes)
+    q.put((f"127.0.0.1:{te.get_rpc_port()}", buf.ctypes.data))
+    done.wait(120)
+
+
+def raw_mooncake(nbytes: int) -> float:
+    """GB/s of one Mooncake TE (TCP) write of nbytes into another process; best of 3."""
+    from mooncake.engine import TransferEngine
+    te = TransferEngine()
+    te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    src = np.ones(nbytes, dtype=np.uint8)
+    te.register_memory(src.ctypes.data, src.nbytes)
+    q, done = mp.Queue(), mp.Event()
+    proc = mp.Process(target=_mooncake_sink, args=(q, done, nbytes))
+    proc.start()
+    session, addr = q.get(timeout=60)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        rc = te.transfer_sync_write(session, src.ctypes.data, addr, nbytes)
+        best = min(best, time.perf_counter() - t0)
+        assert rc == 0, rc
+    done.set()
+    proc.join(30)
+    return nbytes / best / 1e9
+
+
 def raw_loopback(nbytes: int, kind: str) -> float:
     """GB/s moving nbytes to another process over loopback TCP; best of 3."""
     best = float("inf")
@@ -136,31 +168,44 @@ def raw_loopback(nbytes: int, kind: str) -> float:
     return nbytes / best / 1e9
 
 
-def bench_transfer(prompt_len: int = 2048) -> dict:
-    with ReferenceWorker("prefill", model="small") as p, ReferenceWorker("decode", model="small") as d:
+def _engine_transfer(backend: str, prompt_len: int) -> tuple[int, float]:
+    """Median GB/s of the bootstrap path between two `small` workers; returns (bytes, GB/s)."""
+    import threading
+    kw = {"model": "small", "transfer_backend": backend}
+    with ReferenceWorker("prefill", **kw) as p, ReferenceWorker("decode", **kw) as d:
         rng = random.Random(0)
         results = []
-        with httpx.Client(timeout=300) as c:
+        with httpx.Client(timeout=300) as c, httpx.Client(timeout=300) as c2:
             for i in range(4):
                 b = {"input_ids": [256] + [rng.randrange(256) for _ in range(prompt_len - 1)],
                      "sampling_params": {"max_new_tokens": 1, "temperature": 0},
                      "bootstrap_host": "127.0.0.1", "bootstrap_port": p.bootstrap_port,
                      "bootstrap_room": i}
-                with httpx.Client(timeout=300) as c2:
-                    import threading
-                    t = threading.Thread(target=lambda: c2.post(p.url + "/generate", json=b))
-                    t.start()
-                    m = c.post(d.url + "/generate", json=b).json()["meta_info"]
-                    t.join()
+                t = threading.Thread(target=lambda: c2.post(p.url + "/generate", json=b))
+                t.start()
+                m = c.post(d.url + "/generate", json=b).json()["meta_info"]
+                t.join()
                 results.append((m["kv_bytes_received"], m["kv_transfer_seconds"]))
-        nbytes = results[0][0]
-        gbps = [n / s / 1e9 for n, s in results[1:]]  # the first one warms up
-    aio = raw_loopback(nbytes - nbytes % (1 << 22), "asyncio")
-    sock = raw_loopback(nbytes - nbytes % (1 << 22), "socket")
-    med = statistics.median(gbps)
-    return {"kv_bytes": nbytes, "engine_tcp_GBps": round(med, 3),
-            "raw_asyncio_GBps": round(aio, 3), "raw_socket_GBps": round(sock, 3),
-            "engine_vs_raw_asyncio": round(med / aio, 2)}
+    return results[0][0], statistics.median(n / s / 1e9 for n, s in results[1:])  # 1st warms up
+
+
+def bench_transfer(prompt_len: int = 2048) -> dict:
+    nbytes, tcp = _engine_transfer("tcp", prompt_len)
+    raw = nbytes - nbytes % (1 << 22)
+    out = {"kv_bytes": nbytes, "engine_tcp_GBps": round(tcp, 3),
+           "raw_asyncio_GBps": round(raw_loopback(raw, "asyncio"), 3),
+           "raw_socket_GBps": round(raw_loopback(raw, "socket"), 3)}
+    out["engine_tcp_vs_raw_asyncio"] = round(tcp / out["raw_asyncio_GBps"], 2)
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError:
+        out["mooncake"] = "not installed"
+        return out
+    _, mc = _engine_transfer("mooncake", prompt_len)
+    out["engine_mooncake_GBps"] = round(mc, 3)
+    out["raw_mooncake_GBps"] = round(raw_mooncake(nbytes), 3)
+    out["engine_mooncake_vs_raw"] = round(mc / out["raw_mooncake_GBps"], 2)
+    return out
 
 
 # ---- inter-token latency -----------------------------------------------------------------
