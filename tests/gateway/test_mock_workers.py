@@ -167,3 +167,19 @@ def test_streaming_generate_and_chat(mocks: MockHost) -> None:
     chat = {"model": "mock-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     resp = httpx.post(worker.url + "/v1/chat/completions", json=chat, timeout=5).json()
     assert resp["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_mock_runs_as_a_process(processes) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import subprocess
+    import sys
+
+    proc = processes.popen([sys.executable, "-m", "tests.mock_workers", "bootstrap-prefill", "--knob", "delay_s=0.01"],
+                           stdout=subprocess.PIPE, text=True)
+    info = json.loads(proc.stdout.readline())  # printed once serving
+    assert info["bootstrap_port"]
+    assert httpx.get(info["url"] + "/health", timeout=5).status_code == 200
+    state = httpx.get(info["url"] + "/_mock/state", timeout=5).json()
+    assert state["knobs"]["delay_s"] == 0.01 and state["pending"] == 0
+    proc.terminate()
+    assert proc.wait(timeout=10) == 0

@@ -51,13 +51,16 @@ class MockWorker:
     prefill_only = False  # answers one token (a prefill leg)
     logprob_side = "prefill"  # which half of input_token_logprobs this worker knows
 
+    extra_knobs: dict[str, Any] = {}  # role-specific knobs with their defaults
+
     def __init__(self, *, model_name: str = "mock-model", host: str = "127.0.0.1", **knobs: Any) -> None:
-        unknown = set(knobs) - set(DEFAULT_KNOBS)
+        defaults = {**DEFAULT_KNOBS, **self.extra_knobs}
+        unknown = set(knobs) - set(defaults)
         if unknown:
             raise TypeError(f"unknown knobs {sorted(unknown)}")
         self.model_name = model_name
         self.host = host
-        self.knobs = {**DEFAULT_KNOBS, **knobs}
+        self.knobs = {**defaults, **knobs}
         self.received: list[dict[str, Any]] = []
         self.violations: list[str] = []
         self.pending = 0

@@ -40,6 +40,8 @@ class NixlPrefill(MockWorker):
     owned_by = "vllm"
     native_generate = False
     prefill_only = True
+    # omit_kv_params: answer without kv_transfer_params, like a prefill without a connector
+    extra_knobs = {"omit_kv_params": False}
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -80,6 +82,8 @@ class NixlPrefill(MockWorker):
         }
 
     def response_extra(self, api: str, body: dict[str, Any], items: list[Item]) -> dict[str, Any]:
+        if self.knobs["omit_kv_params"]:
+            return {}
         return {"kv_transfer_params": items[0].extra["kv_transfer_params"]}
 
     async def pull(self, request: web.Request) -> web.Response:
