@@ -21,14 +21,17 @@ class Processes:
         return proc
 
     def kill_all(self) -> None:
+        # SIGTERM first so a process can stop its own children (e.g. quickstart's workers),
+        # then SIGKILL whatever is still there.
         for proc in self.procs:
             if proc.poll() is None:
-                proc.kill()
+                proc.terminate()
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                pass
+                proc.kill()
+                proc.wait(timeout=10)
             for stream in (proc.stdout, proc.stderr, proc.stdin):
                 if stream is not None:
                     stream.close()

@@ -139,3 +139,17 @@ def test_mooncake_engine_id_comes_from_query(mocks: MockHost, processes: Process
     assert d["remote_engine_id"] == stack.prefill.engine_id
     assert d["remote_bootstrap_addr"] == f"http://{stack.prefill.host}:{stack.prefill.bootstrap_port}"
     assert_clean(mocks, stack)
+
+
+@pytest.mark.parametrize("shape", ["n", "prompt_list"])
+def test_bootstrap_completions_batches_get_one_room_per_item(shape: str, mocks: MockHost, processes: Processes) -> None:
+    stack = pd_stack(mocks, processes, "bootstrap")
+    body = {"model": "mock-model", "max_tokens": 3}
+    body.update({"prompt": PROMPT, "n": 2} if shape == "n" else {"prompt": ["first one", "second one", "third"]})
+    resp = httpx.post(stack.url + "/v1/completions", json=body, timeout=10)
+    assert resp.status_code == 200, resp.text
+    choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
+    assert [c["text"] for c in choices] == expected_text("completions", body)
+    rooms = mocks.state(stack.decode)["received"][-1]["body"]["bootstrap_room"]
+    assert isinstance(rooms, list) and len(set(rooms)) == len(choices)
+    assert_clean(mocks, stack)

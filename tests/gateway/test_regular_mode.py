@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import httpx
 import pytest
 
@@ -73,6 +75,12 @@ def test_models_health_metrics_and_route_header(stack: Stack) -> None:
     assert "# TYPE" in metrics.text
 
 
-def test_sigterm_stops_cleanly(stack: Stack) -> None:
-    assert stack.gateway.stop() == 0
+def test_sigterm_stops_cleanly_and_lets_requests_finish(stack: Stack, mocks: MockHost) -> None:
+    mocks.set_knobs(stack.workers["regular"][0], delay_s=1.0)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        body = {"model": "mock-model", "prompt": PROMPT, "max_tokens": 2}
+        in_flight = pool.submit(httpx.post, stack.url + "/v1/completions", json=body, timeout=15)
+        assert mocks.wait_pending(stack.workers["regular"][0], 1, timeout=10)  # it reached the worker
+        assert stack.gateway.stop() == 0
+        assert in_flight.result().status_code == 200
     assert "stopped" in "".join(stack.gateway.output)

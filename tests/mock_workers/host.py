@@ -45,14 +45,18 @@ class MockHost:
     def set_knobs(self, worker: MockWorker, **knobs: Any) -> None:
         self.call(lambda: worker.knobs.update(knobs))
 
-    def wait_idle(self, worker: MockWorker, timeout: float = 5.0) -> bool:
-        """Wait until no request is in flight on `worker`; False when the deadline passes first."""
+    def wait_pending(self, worker: MockWorker, count: int, timeout: float = 5.0) -> bool:
+        """Wait until exactly `count` requests are in flight on `worker`; False on deadline."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.call(lambda: worker.pending) == 0:
+            if self.call(lambda: worker.pending) == count:
                 return True
             time.sleep(0.02)
         return False
+
+    def wait_idle(self, worker: MockWorker, timeout: float = 5.0) -> bool:
+        """Wait until no request is in flight on `worker`; False when the deadline passes first."""
+        return self.wait_pending(worker, 0, timeout)
 
     def close(self) -> None:
         for worker in reversed(self.workers):
