@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ..sequence import EngineError, Seq
 from . import wire
-from .context import TransferContext, fail, with_timeout
+from .context import TransferContext, with_timeout
 from .kvio import recv_kv, send_kv
 from .states import KVPoll
 
