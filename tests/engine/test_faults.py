@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import time
 
 import httpx
 import pytest
@@ -60,10 +59,8 @@ def nixl_pair():
 
 def test_decode_never_comes(pair):
     p, d = pair
-    t0 = time.monotonic()
     r = post(p.url + "/generate", router.bootstrap_body(body(), p, 11))
-    assert_error(r)
-    assert time.monotonic() - t0 < 3 + 5  # the bootstrap deadline, plus slack for a busy host
+    assert "waiting for the decode to register" in assert_error(r)["message"]
     assert_clean(p, d)
 
 
@@ -114,11 +111,13 @@ def test_room_reuse_after_failure_and_duplicate_registration(pair, colocated):
         b = router.bootstrap_body(body(seed=1), p, room)
         async with httpx.AsyncClient(timeout=30) as c:
             d1 = asyncio.ensure_future(c.post(d.url + "/generate", json=b))
-            await asyncio.sleep(0.5)  # d1 registered first; a duplicate for the live room follows
-            d2 = asyncio.ensure_future(c.post(d.url + "/generate", json=b))
-            await asyncio.sleep(0.5)
+            for _ in range(300):  # until d1 has registered the room with the prefill
+                if (await c.get(p.url + "/v1/loads")).json()["loads"][0]["disaggregation"]["pending_registrations"]:
+                    break
+                await asyncio.sleep(0.05)
+            r2 = await c.post(d.url + "/generate", json=b)  # a duplicate for the live room
             rp = await c.post(p.url + "/generate", json=b)
-            return rp, await d1, await d2
+            return rp, await d1, r2
 
     rp, r1, r2 = asyncio.run(run())
     assert rp.status_code == 200 and r1.status_code == 200, (rp.text, r1.text)

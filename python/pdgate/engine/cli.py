@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 
 
 def _env_float(name: str, default: float) -> float:
@@ -27,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--advertise-host", default=None,
+                   help="address peers use to reach this worker's side channel and bootstrap "
+                        "server (default: --host, or this machine's address when --host is a wildcard)")
     p.add_argument("--seed", type=int, default=0, help="weights seed of the presets")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--max-total-tokens", type=int, default=65536, help="KV pool size in tokens")
@@ -82,6 +86,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.disaggregation_transfer_backend == "nixl":
         raise SystemExit("--disaggregation-transfer-backend nixl: not available in the reference "
                          "engine yet; use tcp or mooncake (see docs/engine.md, 'Not done')")
+    if not args.advertise_host:
+        wildcard = args.host in ("0.0.0.0", "::", "")
+        args.advertise_host = socket.gethostbyname(socket.gethostname()) if wildcard else args.host
     if args.page_size < 1 or args.max_total_tokens < args.page_size:
         raise SystemExit("--page-size must be >= 1 and --max-total-tokens >= --page-size")
     return args

@@ -62,12 +62,12 @@ class Engine:
                   "head_dim": cfg.head_dim, "dtype": "float32"}
         timeouts = Timeouts(args.bootstrap_timeout, args.waiting_timeout, args.transfer_timeout,
                             args.kv_lease_timeout)
-        self.ctx = TransferContext(self.pool, layout, self.engine_id, args.host, timeouts,
+        self.ctx = TransferContext(self.pool, layout, self.engine_id, args.advertise_host, timeouts,
                                    self.reserve, self.run_prefill, self.release)
         if args.disaggregation_transfer_backend == "mooncake":
             from .transfer.mooncake_te import MooncakeBackend
 
-            self.ctx.backend = MooncakeBackend(self.pool, args.host)
+            self.ctx.backend = MooncakeBackend(self.pool, args.advertise_host)
         self.push = PushSource(self.ctx)
         self.pull = PullSource(self.ctx)
         self.tserver = TransferServer({"register": self.push.on_register, "pull": self.pull.on_pull})
@@ -87,10 +87,11 @@ class Engine:
         self._tasks.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
         if self.bootstrap is not None:
             await self.bootstrap.start(self.args.host, self.args.disaggregation_bootstrap_port)
-            self.bootstrap.ranks[(0, 0, 0)] = {"role": "Prefill", "rank_ip": self.args.host,
+            host = self.args.advertise_host
+            self.bootstrap.ranks[(0, 0, 0)] = {"role": "Prefill", "rank_ip": host,
                                                "rank_port": self.ctx.port}
             self.bootstrap.engines["0"] = {"engine_id": self.engine_id, "worker_addr": {
-                "host": self.args.host, "port": self.ctx.port, "transport": "tcp"}}
+                "host": host, "port": self.ctx.port, "transport": "tcp"}}
         self.ready = True
         log.info("engine ready: mode=%s side channel=%s:%d", self.mode, self.args.host, self.ctx.port)
 
