@@ -206,3 +206,12 @@ def test_out_of_kv_memory_is_rejected_or_queued():
         assert [r.status_code for r in rs] == [200] * 3
         assert len({tuple(r.json()["output_ids"]) for r in rs}) == 1
         assert_clean(w)
+
+
+def test_stream_client_disconnect_aborts(colocated):
+    b = {"text": "x", "stream": True, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    with httpx.stream("POST", colocated.url + "/generate", json=b, timeout=30) as r:
+        lines = r.iter_lines()
+        first = [next(lines) for _ in range(3)]
+    assert any(x.startswith("data: ") for x in first)
+    assert_clean(colocated)
