@@ -7,15 +7,23 @@
 use clap::{ArgAction, CommandFactory, Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
 
+use crate::pairing::PairingMode;
 use crate::worker::{KvConnector, WorkerRole, WorkerSpec};
 
 /// Routing policy names. Every policy is a pure function over a pool snapshot (see `policy`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, ValueEnum, Default)]
 #[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
 pub enum PolicyName {
     Random,
     #[default]
     RoundRobin,
+    /// Two random candidates, the less loaded one.
+    PowerOfTwo,
+    /// Prefix affinity over an approximate radix tree, with load balancing.
+    CacheAware,
+    /// Session affinity by a routing key (header or `user`).
+    ConsistentHash,
 }
 
 /// One prefill worker as given to the gateway: URL plus the bootstrap port of its KV rendezvous.
@@ -89,6 +97,44 @@ pub struct GatewayConfig {
     #[arg(long, value_enum)]
     pub decode_policy: Option<PolicyName>,
 
+    /// cache_aware: minimum prefix match ratio (0.0-1.0) to route by cache affinity.
+    #[arg(long, default_value_t = 0.3)]
+    pub cache_threshold: f64,
+
+    /// cache_aware: load is imbalanced when max - min exceeds this (and the relative threshold).
+    #[arg(long, default_value_t = 64)]
+    pub balance_abs_threshold: u64,
+
+    /// cache_aware: load is imbalanced when max exceeds this times min (and the absolute threshold).
+    #[arg(long, default_value_t = 1.5)]
+    pub balance_rel_threshold: f64,
+
+    /// cache_aware: most characters (UTF-8 bytes) of request text kept in the radix tree;
+    /// least recently used prefixes are evicted beyond it.
+    #[arg(long, default_value_t = 67_108_864)]
+    pub max_tree_size: usize,
+
+    /// Which prefill/decode pairs may work together: off (KV transport only), lenient (a known
+    /// runtime or KV layout mismatch refuses) or strict (an unknown one refuses too).
+    #[arg(long, value_enum, default_value_t = PairingMode::Lenient)]
+    pub pd_pairing_mode: PairingMode,
+
+    /// Consecutive failed requests that open a worker's circuit breaker.
+    #[arg(long, default_value_t = 5)]
+    pub breaker_failure_threshold: u32,
+
+    /// Consecutive successful requests in half-open state that close the breaker again.
+    #[arg(long, default_value_t = 2)]
+    pub breaker_success_threshold: u32,
+
+    /// Seconds an open breaker waits before letting probe requests through (half-open).
+    #[arg(long, default_value_t = 30)]
+    pub breaker_cooldown_secs: u64,
+
+    /// Never open circuit breakers (request failures then only count through health checks).
+    #[arg(long)]
+    pub disable_circuit_breaker: bool,
+
     /// Deadline for a whole request, all attempts and both legs included.
     #[arg(long, default_value_t = 600)]
     pub request_timeout_secs: u64,
@@ -136,6 +182,56 @@ pub struct GatewayConfig {
     /// Log filter (tracing env-filter syntax), e.g. `info` or `pdgate_gateway=debug`.
     #[arg(long, default_value = "info")]
     pub log_level: String,
+
+    /// Seconds between polls of each worker's own load report (`/v1/loads`, else vLLM
+    /// `/metrics`), used by load-aware policies; 0 turns polling off.
+    #[arg(long, default_value_t = 2)]
+    pub load_poll_interval_secs: u64,
+
+    /// Require `Authorization: Bearer KEY` on the client endpoints.
+    #[arg(long, env = "PDGATE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+
+    /// Require `Authorization: Bearer KEY` on the worker API (`/workers`).
+    #[arg(long, env = "PDGATE_ADMIN_API_KEY", hide_env_values = true)]
+    pub admin_api_key: Option<String>,
+
+    // --- Kubernetes service discovery (crates/pdgate-gateway/src/discovery) ---
+    /// Find workers among Kubernetes pods by label (see docs/kubernetes.md).
+    #[arg(long)]
+    pub service_discovery: bool,
+
+    /// Regular mode: labels a worker pod has, as `k=v` (all must match). In PD mode, labels every
+    /// prefill and decode pod must have in addition to its role's selector.
+    #[arg(long, num_args = 1.., value_name = "KEY=VALUE")]
+    pub selector: Vec<String>,
+
+    /// PD mode: labels of prefill pods, as `k=v` (all must match).
+    #[arg(long, num_args = 1.., value_name = "KEY=VALUE")]
+    pub prefill_selector: Vec<String>,
+
+    /// PD mode: labels of decode pods, as `k=v` (all must match).
+    #[arg(long, num_args = 1.., value_name = "KEY=VALUE")]
+    pub decode_selector: Vec<String>,
+
+    /// Namespace to watch for worker pods (default: all namespaces).
+    #[arg(long, value_name = "NAMESPACE")]
+    pub service_discovery_namespace: Option<String>,
+
+    /// Worker port on each pod, unless the pod's `pdgate.ai/port` annotation says otherwise.
+    #[arg(long, default_value_t = 8000)]
+    pub service_discovery_port: u16,
+
+    /// Kubeconfig file for running outside the cluster (default: in-cluster service account).
+    #[arg(long, value_name = "PATH")]
+    pub kubeconfig: Option<String>,
+}
+
+/// One `KEY=VALUE` label of a selector; `None` when malformed (no `=` or an empty key).
+pub fn parse_label(kv: &str) -> Option<(&str, &str)> {
+    let (k, v) = kv.split_once('=')?;
+    let k = k.trim();
+    (!k.is_empty() && !v.contains('=')).then_some((k, v.trim()))
 }
 
 impl Default for GatewayConfig {
@@ -191,7 +287,51 @@ impl GatewayConfig {
         if self.health_failure_threshold == 0 || self.health_success_threshold == 0 {
             return bad("health thresholds must be at least 1".into());
         }
+        if self.breaker_failure_threshold == 0 || self.breaker_success_threshold == 0 {
+            return bad("breaker thresholds must be at least 1".into());
+        }
+        if !(0.0..=1.0).contains(&self.cache_threshold) {
+            return bad(format!("--cache-threshold must be between 0 and 1, not {}", self.cache_threshold));
+        }
+        if self.balance_rel_threshold.is_nan() || self.balance_rel_threshold < 1.0 {
+            return bad(format!("--balance-rel-threshold must be at least 1.0, not {}", self.balance_rel_threshold));
+        }
+        self.validate_discovery()?;
         self.workers().map(|_| ())
+    }
+
+    /// `--service-discovery` and its selectors: each selector is `k=v`, and each is given only
+    /// where it means something.
+    fn validate_discovery(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        let sets = [("--selector", &self.selector), ("--prefill-selector", &self.prefill_selector), ("--decode-selector", &self.decode_selector)];
+        for (flag, labels) in sets {
+            if !labels.is_empty() && !self.service_discovery {
+                return bad(format!("{flag} needs --service-discovery"));
+            }
+            for kv in labels {
+                if parse_label(kv).is_none() {
+                    return bad(format!("{flag} {kv:?}: expected KEY=VALUE"));
+                }
+            }
+        }
+        if !self.pd_disaggregation && (!self.prefill_selector.is_empty() || !self.decode_selector.is_empty()) {
+            return bad("--prefill-selector/--decode-selector need --pd-disaggregation; use --selector in regular mode".into());
+        }
+        if !self.service_discovery {
+            return Ok(());
+        }
+        // An empty selector matches every pod in the namespace: never what anyone means.
+        if self.pd_disaggregation && (self.prefill_selector.is_empty() || self.decode_selector.is_empty()) {
+            return bad("--service-discovery in PD mode needs --prefill-selector and --decode-selector".into());
+        }
+        if !self.pd_disaggregation && self.selector.is_empty() {
+            return bad("--service-discovery needs --selector KEY=VALUE".into());
+        }
+        if self.service_discovery_port == 0 {
+            return bad("--service-discovery-port must be at least 1".into());
+        }
+        Ok(())
     }
 
     /// The policy that picks prefill workers (regular workers use `policy`).

@@ -5,11 +5,14 @@
 //! IO: randomness and time come in as arguments, so everything here is unit-tested with a
 //! seeded rng.
 
+pub mod breaker;
 pub mod config;
 mod config_serde;
 pub mod error;
 pub mod health;
+pub mod pairing;
 pub mod policy;
+pub mod radix;
 pub mod retry;
 pub mod route;
 pub mod snapshot;
@@ -17,7 +20,10 @@ pub mod worker;
 
 pub use config::{ConfigError, GatewayConfig, PolicyName};
 pub use error::{ErrorKind, GatewayError, Leg, Source};
+pub use breaker::{Breaker, BreakerConfig, BreakerState, Outcome};
 pub use health::HealthState;
-pub use policy::{make_policy, Policy, RouteInput, Selection};
-pub use snapshot::{PoolSnapshot, WorkerView};
+pub use pairing::{KvLayout, PairingKey, PairingMode};
+pub use policy::{make_policy, make_policy_with, LoadView, Policy, PolicyOptions, RouteInput, Selection};
+pub use radix::RadixTree;
+pub use snapshot::{PoolSnapshot, SnapshotOptions, WorkerView};
 pub use worker::{KvConnector, WorkerRole, WorkerSpec};

@@ -1,4 +1,7 @@
 //! Choosing workers for one request: a regular worker, or a compatible prefill/decode pair.
+//!
+//! Candidate lists stay in ascending index order (policies rely on it), and nothing here
+//! allocates unless workers are excluded.
 
 use rand::RngCore;
 
@@ -75,7 +78,11 @@ mod tests {
     fn view(url: &str, role: WorkerRole, conn: Option<KvConnector>, healthy: bool) -> WorkerView {
         let mut spec = WorkerSpec::new(url, role).unwrap();
         spec.kv_connector = conn;
-        WorkerView { spec: Arc::new(spec), healthy, enabled: true, models: vec![] }
+        WorkerView::new(Arc::new(spec), healthy)
+    }
+
+    fn seq(sequence: u64) -> RouteInput<'static> {
+        RouteInput { sequence, ..RouteInput::default() }
     }
 
     #[test]
@@ -89,8 +96,8 @@ mod tests {
             KvConnector::Bootstrap,
         );
         let mut rng = StdRng::seed_from_u64(3);
-        for seq in 0..20 {
-            let (p, d) = select_pair(&snap, &RandomPolicy, &RoundRobinPolicy, &RouteInput { text: None, sequence: seq }, &[], &mut rng).unwrap();
+        for n in 0..20 {
+            let (p, d) = select_pair(&snap, &RandomPolicy, &RoundRobinPolicy, &seq(n), &[], &mut rng).unwrap();
             assert_eq!((p.worker, d.worker), (1, 2), "the nixl prefill has no nixl decode");
         }
     }
@@ -130,11 +137,54 @@ mod tests {
             KvConnector::Bootstrap,
         );
         let mut rng = StdRng::seed_from_u64(9);
-        for seq in 0..10 {
-            let s = select_regular(&snap, &RoundRobinPolicy, &RouteInput { text: None, sequence: seq }, &[0], &mut rng).unwrap();
+        for n in 0..10 {
+            let s = select_regular(&snap, &RoundRobinPolicy, &seq(n), &[0], &mut rng).unwrap();
             assert_eq!(s.worker, 1);
         }
         // Everything failed once: still pick something rather than nothing.
         assert!(select_regular(&snap, &RoundRobinPolicy, &RouteInput::default(), &[0, 1], &mut rng).is_ok());
+    }
+
+    #[test]
+    fn an_open_breaker_on_a_prefill_makes_the_pair_ineligible() {
+        use crate::breaker::BreakerState;
+        let mut p = view("http://p1:1", WorkerRole::Prefill, None, true);
+        p.breaker = BreakerState::Open;
+        let snap = PoolSnapshot::build(vec![p, view("http://d1:1", WorkerRole::Decode, None, true)], KvConnector::Bootstrap);
+        let mut rng = StdRng::seed_from_u64(3);
+        let err = select_pair(&snap, &RandomPolicy, &RandomPolicy, &RouteInput::default(), &[], &mut rng).unwrap_err();
+        assert_eq!(err.code(), "no_available_workers");
+        assert!(!snap.pd_ready(), "readiness reflects the open breaker");
+    }
+
+    #[test]
+    fn draining_and_half_open_workers() {
+        use crate::breaker::BreakerState;
+        let mut a = view("http://r1:1", WorkerRole::Regular, None, true);
+        a.draining = true;
+        let mut b = view("http://r2:1", WorkerRole::Regular, None, true);
+        b.breaker = BreakerState::HalfOpen;
+        let snap = PoolSnapshot::build(vec![a, b], KvConnector::Bootstrap);
+        assert_eq!(snap.eligible(WorkerRole::Regular), &[1], "draining is out, half-open is in");
+    }
+
+    #[test]
+    fn strict_pairing_refuses_unknown_layouts_and_says_so() {
+        use crate::pairing::PairingMode;
+        use crate::snapshot::SnapshotOptions;
+        let mut p = WorkerSpec::new("http://p1:1", WorkerRole::Prefill).unwrap();
+        p.runtime = Some("sglang".into());
+        p.kv_layout.page_size = Some(16);
+        let mut d = WorkerSpec::new("http://d1:1", WorkerRole::Decode).unwrap();
+        d.runtime = Some("SGLang".into());
+        let views = || vec![WorkerView::new(Arc::new(p.clone()), true), WorkerView::new(Arc::new(d.clone()), true)];
+        let build = |mode| PoolSnapshot::build_with(views(), SnapshotOptions { pairing_mode: mode, ..Default::default() }, None);
+        assert!(build(PairingMode::Lenient).pd_ready(), "runtime names compare case-insensitively; unknown page size is fine");
+        let strict = build(PairingMode::Strict);
+        assert!(!strict.pd_ready());
+        let mut rng = StdRng::seed_from_u64(3);
+        let err = select_pair(&strict, &RandomPolicy, &RandomPolicy, &RouteInput::default(), &[], &mut rng).unwrap_err();
+        assert_eq!(err.code(), "no_compatible_pd_pair");
+        assert!(err.message.contains("KV layout page_size unknown"), "{}", err.message);
     }
 }

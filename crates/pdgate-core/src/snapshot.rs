@@ -1,10 +1,18 @@
 //! An immutable view of the whole pool: every routing decision reads one snapshot, so it never
 //! sees half an update. The registry in `pdgate-gateway` rebuilds and swaps it atomically when
-//! membership or health changes; nothing here changes after `build`.
+//! membership, health, drain or breaker state changes; nothing here changes after `build`
+//! (the consistent-hash rings are computed on first use, or carried over from the previous
+//! snapshot when membership did not change).
+//!
+//! Everything a decision needs that would cost O(fleet) is precomputed here: eligible workers
+//! per role, the URL → index map, and the prefill → compatible decodes pairing index.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
+use crate::breaker::BreakerState;
+use crate::pairing::{gap_message, PairingIndex, PairingKey, PairingMode};
+use crate::policy::HashRing;
 use crate::worker::{KvConnector, WorkerRole, WorkerSpec};
 
 /// One worker as routing sees it.
@@ -15,53 +23,91 @@ pub struct WorkerView {
     pub healthy: bool,
     /// Administrative switch; a disabled worker is not a failed one.
     pub enabled: bool,
+    /// Being removed: in-flight requests finish, new ones go elsewhere.
+    pub draining: bool,
+    /// The circuit breaker's state when the snapshot was built (see `breaker`).
+    pub breaker: BreakerState,
     /// Model names the worker serves, when known.
     pub models: Vec<String>,
 }
 
 impl WorkerView {
+    /// A healthy-or-not, enabled, not draining worker with a closed breaker.
+    pub fn new(spec: Arc<WorkerSpec>, healthy: bool) -> Self {
+        WorkerView { spec, healthy, enabled: true, draining: false, breaker: BreakerState::Closed, models: Vec::new() }
+    }
+
+    /// Healthy, enabled, not draining, and the breaker lets requests through.
     pub fn eligible(&self) -> bool {
-        self.healthy && self.enabled
+        self.healthy && self.enabled && !self.draining && self.breaker.allows()
+    }
+}
+
+/// How a snapshot is built, besides its workers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SnapshotOptions {
+    /// The connector of workers registered without one.
+    pub default_connector: KvConnector,
+    pub pairing_mode: PairingMode,
+}
+
+const ROLES: [WorkerRole; 3] = [WorkerRole::Regular, WorkerRole::Prefill, WorkerRole::Decode];
+
+fn role_slot(role: WorkerRole) -> usize {
+    match role {
+        WorkerRole::Regular => 0,
+        WorkerRole::Prefill => 1,
+        WorkerRole::Decode => 2,
     }
 }
 
 #[derive(Clone, Debug, Default)]
 pub struct PoolSnapshot {
     workers: Vec<WorkerView>,
-    default_connector: KvConnector,
-    /// Indices of eligible workers per role.
-    regular: Vec<usize>,
-    prefill: Vec<usize>,
-    decode: Vec<usize>,
-    /// Eligible decodes by connector: the pairing index.
-    decode_by_connector: HashMap<KvConnector, Vec<usize>>,
-    /// Eligible prefills that have at least one compatible eligible decode.
-    pairable_prefill: Vec<usize>,
+    options: SnapshotOptions,
+    /// Indices of eligible workers per role, ascending.
+    eligible: [Vec<usize>; 3],
+    by_url: HashMap<String, usize>,
+    keys: Vec<PairingKey>,
+    pairing: PairingIndex,
+    /// Consistent-hash rings per role over all workers of the role, eligible or not.
+    rings: [OnceLock<Arc<HashRing>>; 3],
 }
 
 impl PoolSnapshot {
+    /// Lenient pairing; see [`PoolSnapshot::build_with`].
     pub fn build(workers: Vec<WorkerView>, default_connector: KvConnector) -> Self {
-        let mut snap = PoolSnapshot { workers, default_connector, ..Default::default() };
+        Self::build_with(workers, SnapshotOptions { default_connector, ..Default::default() }, None)
+    }
+
+    /// Builds the routing view. Pass the snapshot being replaced as `previous` so its hash rings
+    /// are reused when the workers of a role did not change (a health flip, a drain).
+    pub fn build_with(workers: Vec<WorkerView>, options: SnapshotOptions, previous: Option<&PoolSnapshot>) -> Self {
+        let mut snap = PoolSnapshot { workers, options, ..Default::default() };
         for (i, w) in snap.workers.iter().enumerate() {
-            if !w.eligible() {
-                continue;
+            snap.by_url.insert(w.spec.url.clone(), i);
+            snap.keys.push(PairingKey::of(&w.spec, options.default_connector));
+            if w.eligible() {
+                snap.eligible[role_slot(w.spec.role)].push(i);
             }
-            match w.spec.role {
-                WorkerRole::Regular => snap.regular.push(i),
-                WorkerRole::Prefill => snap.prefill.push(i),
-                WorkerRole::Decode => {
-                    snap.decode.push(i);
-                    snap.decode_by_connector.entry(w.spec.connector(default_connector)).or_default().push(i);
+        }
+        snap.pairing = PairingIndex::build(&snap.keys, &snap.eligible[1], &snap.eligible[2], options.pairing_mode);
+        if let Some(prev) = previous {
+            for role in ROLES {
+                let slot = role_slot(role);
+                if let Some(ring) = prev.rings[slot].get() {
+                    if prev.members(role).eq(snap.members(role)) {
+                        let _ = snap.rings[slot].set(ring.clone());
+                    }
                 }
             }
         }
-        snap.pairable_prefill = snap
-            .prefill
-            .iter()
-            .copied()
-            .filter(|&p| !snap.compatible_decodes(p).is_empty())
-            .collect();
         snap
+    }
+
+    /// `(index, url)` of every worker of `role`, eligible or not.
+    fn members(&self, role: WorkerRole) -> impl Iterator<Item = (usize, &str)> {
+        self.workers.iter().enumerate().filter(move |(_, w)| w.spec.role == role).map(|(i, w)| (i, w.spec.url.as_str()))
     }
 
     pub fn workers(&self) -> &[WorkerView] {
@@ -72,51 +118,59 @@ impl PoolSnapshot {
         &self.workers[index]
     }
 
+    /// The snapshot index of the worker with this URL. O(1).
+    pub fn index_of(&self, url: &str) -> Option<usize> {
+        self.by_url.get(url).copied()
+    }
+
     pub fn default_connector(&self) -> KvConnector {
-        self.default_connector
+        self.options.default_connector
+    }
+
+    pub fn pairing_mode(&self) -> PairingMode {
+        self.options.pairing_mode
     }
 
     /// The connector worker `index` speaks.
     pub fn connector_of(&self, index: usize) -> KvConnector {
-        self.workers[index].spec.connector(self.default_connector)
+        self.keys[index].transport
     }
 
+    /// Worker `index`'s pairing key (for `GET /workers`).
+    pub fn pairing_key(&self, index: usize) -> &PairingKey {
+        &self.keys[index]
+    }
+
+    /// Eligible workers of `role`, ascending.
     pub fn eligible(&self, role: WorkerRole) -> &[usize] {
-        match role {
-            WorkerRole::Regular => &self.regular,
-            WorkerRole::Prefill => &self.prefill,
-            WorkerRole::Decode => &self.decode,
-        }
+        &self.eligible[role_slot(role)]
     }
 
-    /// Prefills that can be paired with some eligible decode.
+    /// Prefills that can be paired with some eligible decode. A prefill whose breaker is open
+    /// is not eligible, so it is not here and no decode is dispatched for it.
     pub fn pairable_prefills(&self) -> &[usize] {
-        &self.pairable_prefill
+        &self.pairing.pairable_prefill
     }
 
-    /// Eligible decodes that speak the same KV connector as prefill `prefill`.
+    /// Eligible decodes compatible with prefill `prefill` under the pairing mode, ascending.
     pub fn compatible_decodes(&self, prefill: usize) -> &[usize] {
-        self.decode_by_connector.get(&self.connector_of(prefill)).map(Vec::as_slice).unwrap_or(&[])
+        self.pairing.compatible_decodes(prefill)
     }
 
     /// PD mode is ready when at least one prefill can be paired with a decode.
     pub fn pd_ready(&self) -> bool {
-        !self.pairable_prefill.is_empty()
+        !self.pairing.pairable_prefill.is_empty()
     }
 
-    /// Why no pair exists, for the `no_compatible_pd_pair` message.
+    /// Why no pair exists, for the `no_compatible_pd_pair` message: names what differed
+    /// (transport, runtime, KV layout).
     pub fn pairing_gap(&self) -> String {
-        let names = |idx: &[usize]| {
-            let mut v: Vec<&str> = idx.iter().map(|&i| self.connector_of(i).as_str()).collect();
-            v.sort_unstable();
-            v.dedup();
-            v.join(",")
-        };
-        format!(
-            "no decode worker speaks the KV transport of any healthy prefill (prefill transports: [{}], decode transports: [{}])",
-            names(&self.prefill),
-            names(&self.decode)
-        )
+        gap_message(&self.keys, self.eligible(WorkerRole::Prefill), self.eligible(WorkerRole::Decode), self.options.pairing_mode)
+    }
+
+    /// The consistent-hash ring of `role`; built on first use.
+    pub fn hash_ring(&self, role: WorkerRole) -> &HashRing {
+        self.rings[role_slot(role)].get_or_init(|| Arc::new(HashRing::build(self.members(role))))
     }
 
     /// Models served by eligible workers, sorted and deduplicated.

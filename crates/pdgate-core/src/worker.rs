@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
+use crate::pairing::KvLayout;
+
 /// How KV moves from prefill to decode for a pair of workers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, ValueEnum, Default)]
 #[serde(rename_all = "snake_case")]
@@ -69,6 +71,13 @@ pub struct WorkerSpec {
     /// Overrides the gateway-wide connector for this worker.
     pub kv_connector: Option<KvConnector>,
     pub labels: BTreeMap<String, String>,
+    /// The engine, e.g. `sglang`, `vllm`, `pdgate-reference`; from registration or
+    /// `/server_info`. Part of the pairing key.
+    #[serde(default)]
+    pub runtime: Option<String>,
+    /// The engine's KV layout, as far as known. Part of the pairing key.
+    #[serde(default)]
+    pub kv_layout: KvLayout,
 }
 
 impl WorkerSpec {
@@ -87,7 +96,16 @@ impl WorkerSpec {
             return Err(format!("worker URL {url:?} must not have a path"));
         }
         let url = url.trim_end_matches('/').to_string();
-        Ok(WorkerSpec { url, role, host, bootstrap_port: None, kv_connector: None, labels: BTreeMap::new() })
+        Ok(WorkerSpec {
+            url,
+            role,
+            host,
+            bootstrap_port: None,
+            kv_connector: None,
+            labels: BTreeMap::new(),
+            runtime: None,
+            kv_layout: KvLayout::default(),
+        })
     }
 
     /// The connector this worker speaks, given the gateway-wide default.
@@ -114,6 +132,13 @@ mod tests {
         for bad in ["localhost:3000", "https://x:1", "http://x:1/v1", "not a url"] {
             assert!(WorkerSpec::new(bad, WorkerRole::Regular).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn old_json_without_pairing_fields_still_reads() {
+        let json = r#"{"url":"http://a:1","role":"decode","host":"a","bootstrap_port":null,"kv_connector":null,"labels":{}}"#;
+        let w: WorkerSpec = serde_json::from_str(json).unwrap();
+        assert_eq!((w.runtime, w.kv_layout), (None, KvLayout::default()));
     }
 
     #[test]

@@ -1,37 +1,9 @@
-//! Routing policies: pure functions that pick one of a set of candidate workers.
-//!
-//! A policy reads the snapshot and the request, takes randomness as an argument and keeps no
-//! state: `select(snapshot, candidates, input, rng)`. The gateway supplies a monotonically
-//! increasing `sequence` for round robin, so even that one is a function of its inputs.
+//! The load-blind policies: random and round robin.
 
 use rand::{Rng, RngCore};
 
-use crate::config::PolicyName;
+use super::{Policy, RouteInput, Selection};
 use crate::snapshot::PoolSnapshot;
-
-/// What a policy may look at besides the pool. Load-aware and cache-aware policies will add to
-/// this (request text is already here for cache affinity).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct RouteInput<'a> {
-    /// The request's prompt text, when the policy needs it.
-    pub text: Option<&'a str>,
-    /// A per-gateway counter, one step per decision.
-    pub sequence: u64,
-}
-
-/// A chosen worker and why.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Selection {
-    /// Index into the snapshot's workers.
-    pub worker: usize,
-    pub reason: &'static str,
-}
-
-pub trait Policy: Send + Sync + std::fmt::Debug {
-    fn name(&self) -> &'static str;
-    /// Picks among `candidates` (indices into `snapshot`); `None` only when it is empty.
-    fn select(&self, snapshot: &PoolSnapshot, candidates: &[usize], input: &RouteInput<'_>, rng: &mut dyn RngCore) -> Option<Selection>;
-}
 
 #[derive(Debug, Default)]
 pub struct RandomPolicy;
@@ -45,10 +17,11 @@ impl Policy for RandomPolicy {
             return None;
         }
         let i = rng.random_range(0..candidates.len());
-        Some(Selection { worker: candidates[i], reason: "random" })
+        Some(Selection::new(candidates[i], "random"))
     }
 }
 
+/// Round robin over the candidates, driven by the gateway's decision counter.
 #[derive(Debug, Default)]
 pub struct RoundRobinPolicy;
 
@@ -61,14 +34,7 @@ impl Policy for RoundRobinPolicy {
             return None;
         }
         let i = (input.sequence % candidates.len() as u64) as usize;
-        Some(Selection { worker: candidates[i], reason: "round_robin" })
-    }
-}
-
-pub fn make_policy(name: PolicyName) -> Box<dyn Policy> {
-    match name {
-        PolicyName::Random => Box::new(RandomPolicy),
-        PolicyName::RoundRobin => Box::new(RoundRobinPolicy),
+        Some(Selection::new(candidates[i], "round_robin"))
     }
 }
 
@@ -82,9 +48,10 @@ mod tests {
         let snap = PoolSnapshot::default();
         let cands = [3, 5, 9];
         let mut rng = StdRng::seed_from_u64(1);
-        let mut counts = std::collections::HashMap::new();
+        let mut counts = std::collections::BTreeMap::new();
         for seq in 0..300 {
-            let s = RoundRobinPolicy.select(&snap, &cands, &RouteInput { text: None, sequence: seq }, &mut rng).unwrap();
+            let input = RouteInput { sequence: seq, ..RouteInput::default() };
+            let s = RoundRobinPolicy.select(&snap, &cands, &input, &mut rng).unwrap();
             *counts.entry(s.worker).or_insert(0) += 1;
         }
         assert_eq!(counts.values().copied().collect::<Vec<_>>(), vec![100, 100, 100]);
@@ -110,5 +77,6 @@ mod tests {
     fn empty_candidates_select_nothing() {
         let mut rng = StdRng::seed_from_u64(0);
         assert!(RandomPolicy.select(&PoolSnapshot::default(), &[], &RouteInput::default(), &mut rng).is_none());
+        assert!(RoundRobinPolicy.select(&PoolSnapshot::default(), &[], &RouteInput::default(), &mut rng).is_none());
     }
 }

@@ -1,0 +1,265 @@
+//! A per-worker circuit breaker fed by request outcomes.
+//!
+//! Closed → Open after `failure_threshold` consecutive failures; Open → HalfOpen once
+//! `cooldown` has passed; HalfOpen → Closed after `success_threshold` consecutive successes, or
+//! back to Open on any failure. A 429 (or any client error) counts as neither: an overloaded or
+//! strict worker is not a broken one. Time is an argument (`now`), so the machine is tested on
+//! a fake clock; the gateway passes `tokio::time::Instant::now().into_std()`.
+//!
+//! Half-open lets requests through (they are the probes); the first failure re-opens. The
+//! snapshot is immutable, so the gateway must rebuild it when a breaker changes state and at
+//! [`Breaker::half_open_at`] (an open breaker becomes half-open by the clock alone).
+
+use std::time::{Duration, Instant};
+
+use crate::config::GatewayConfig;
+use crate::error::{ErrorKind, GatewayError};
+
+/// The breaker's thresholds, from `--breaker-*` and `--disable-circuit-breaker`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BreakerConfig {
+    pub enabled: bool,
+    pub failure_threshold: u32,
+    pub success_threshold: u32,
+    pub cooldown: Duration,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        BreakerConfig { enabled: true, failure_threshold: 5, success_threshold: 2, cooldown: Duration::from_secs(30) }
+    }
+}
+
+impl BreakerConfig {
+    pub fn from_config(c: &GatewayConfig) -> Self {
+        BreakerConfig {
+            enabled: !c.disable_circuit_breaker,
+            failure_threshold: c.breaker_failure_threshold.max(1),
+            success_threshold: c.breaker_success_threshold.max(1),
+            cooldown: Duration::from_secs(c.breaker_cooldown_secs),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum BreakerState {
+    #[default]
+    Closed,
+    Open,
+    HalfOpen,
+}
+
+impl BreakerState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BreakerState::Closed => "closed",
+            BreakerState::Open => "open",
+            BreakerState::HalfOpen => "half_open",
+        }
+    }
+
+    /// Whether a worker in this state may be routed to.
+    pub fn allows(self) -> bool {
+        self != BreakerState::Open
+    }
+
+    /// Gauge value for metrics: 0 closed, 1 open, 2 half-open.
+    pub fn as_gauge(self) -> u8 {
+        match self {
+            BreakerState::Closed => 0,
+            BreakerState::Open => 1,
+            BreakerState::HalfOpen => 2,
+        }
+    }
+}
+
+/// What one request (or one PD leg) did to the worker's record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Success,
+    Failure,
+    /// 429, client errors, cancellations: says nothing about the worker's health.
+    Neutral,
+}
+
+impl Outcome {
+    /// From a worker's HTTP status: 5xx fails, 2xx/3xx succeeds, 4xx (429 included) is neutral.
+    pub fn from_status(status: u16) -> Self {
+        match status {
+            500..=599 => Outcome::Failure,
+            400..=499 => Outcome::Neutral,
+            _ => Outcome::Success,
+        }
+    }
+
+    /// From the error a leg ended with. Errors that are not the worker's (client, gateway,
+    /// the whole request's deadline) are neutral; a leg's timeout is the worker's.
+    pub fn from_error(e: &GatewayError) -> Self {
+        match &e.kind {
+            ErrorKind::WorkerUnreachable | ErrorKind::WorkerProtocol => Outcome::Failure,
+            ErrorKind::WorkerStatus { status, .. } => Outcome::from_status(*status),
+            ErrorKind::Timeout if e.leg.is_some() => Outcome::Failure,
+            _ => Outcome::Neutral,
+        }
+    }
+}
+
+/// One worker's breaker. Plain data; the gateway keeps one per worker under its registry lock.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Breaker {
+    state: BreakerState,
+    consecutive_failures: u32,
+    consecutive_successes: u32,
+    opened_at: Option<Instant>,
+}
+
+impl Breaker {
+    /// The state at `now`: an open breaker whose cool-down has passed reads as half-open.
+    pub fn state(&self, now: Instant, cfg: &BreakerConfig) -> BreakerState {
+        if !cfg.enabled {
+            return BreakerState::Closed;
+        }
+        match (self.state, self.opened_at) {
+            (BreakerState::Open, Some(t)) if now.saturating_duration_since(t) >= cfg.cooldown => BreakerState::HalfOpen,
+            (s, _) => s,
+        }
+    }
+
+    pub fn allows(&self, now: Instant, cfg: &BreakerConfig) -> bool {
+        self.state(now, cfg).allows()
+    }
+
+    /// When an open breaker turns half-open by itself (the gateway rebuilds its snapshot then).
+    pub fn half_open_at(&self, cfg: &BreakerConfig) -> Option<Instant> {
+        match (cfg.enabled, self.state, self.opened_at) {
+            (true, BreakerState::Open, Some(t)) => Some(t + cfg.cooldown),
+            _ => None,
+        }
+    }
+
+    /// Records one outcome at `now`; returns the new state when it changed (including the
+    /// clock-driven Open → HalfOpen step that this observation made visible).
+    pub fn record(&mut self, outcome: Outcome, now: Instant, cfg: &BreakerConfig) -> Option<BreakerState> {
+        if !cfg.enabled {
+            return None;
+        }
+        let before = self.state;
+        // Apply the cool-down first: an outcome that arrives after it is a half-open probe,
+        // and only probes count towards closing again.
+        let current = self.state(now, cfg);
+        if current != self.state {
+            self.state = current;
+            self.consecutive_failures = 0;
+            self.consecutive_successes = 0;
+        }
+        match outcome {
+            Outcome::Neutral => {}
+            Outcome::Success => {
+                self.consecutive_failures = 0;
+                self.consecutive_successes = self.consecutive_successes.saturating_add(1);
+                if self.state == BreakerState::HalfOpen && self.consecutive_successes >= cfg.success_threshold {
+                    self.close();
+                }
+            }
+            Outcome::Failure => {
+                self.consecutive_successes = 0;
+                self.consecutive_failures = self.consecutive_failures.saturating_add(1);
+                let trips = match self.state {
+                    BreakerState::Closed => self.consecutive_failures >= cfg.failure_threshold,
+                    BreakerState::HalfOpen => true,
+                    // A late failure from a request that started before opening: keep the
+                    // cool-down running from the first opening.
+                    BreakerState::Open => false,
+                };
+                if trips {
+                    self.state = BreakerState::Open;
+                    self.opened_at = Some(now);
+                    // Re-opening from half-open is a change even though it started open.
+                    return Some(BreakerState::Open);
+                }
+            }
+        }
+        (before != self.state).then_some(self.state)
+    }
+
+    fn close(&mut self) {
+        *self = Breaker::default();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> BreakerConfig {
+        BreakerConfig { enabled: true, failure_threshold: 3, success_threshold: 2, cooldown: Duration::from_secs(30) }
+    }
+
+    #[test]
+    fn opens_after_consecutive_failures_only() {
+        let (c, t0) = (cfg(), Instant::now());
+        let mut b = Breaker::default();
+        assert_eq!(b.record(Outcome::Failure, t0, &c), None);
+        assert_eq!(b.record(Outcome::Failure, t0, &c), None);
+        assert_eq!(b.record(Outcome::Success, t0, &c), None, "a success resets the count");
+        assert_eq!(b.record(Outcome::Failure, t0, &c), None);
+        assert_eq!(b.record(Outcome::Failure, t0, &c), None);
+        assert_eq!(b.record(Outcome::Failure, t0, &c), Some(BreakerState::Open));
+        assert!(!b.allows(t0, &c));
+    }
+
+    #[test]
+    fn neutral_outcomes_count_as_neither() {
+        let (c, t0) = (cfg(), Instant::now());
+        let mut b = Breaker::default();
+        b.record(Outcome::Failure, t0, &c);
+        b.record(Outcome::Failure, t0, &c);
+        for _ in 0..10 {
+            assert_eq!(b.record(Outcome::from_status(429), t0, &c), None);
+        }
+        assert_eq!(b.record(Outcome::Failure, t0, &c), Some(BreakerState::Open), "429s did not reset the count");
+    }
+
+    #[test]
+    fn half_open_after_cooldown_then_closes_or_reopens() {
+        let (c, t0) = (cfg(), Instant::now());
+        let mut b = Breaker::default();
+        for _ in 0..3 {
+            b.record(Outcome::Failure, t0, &c);
+        }
+        assert_eq!(b.half_open_at(&c), Some(t0 + c.cooldown));
+        assert_eq!(b.state(t0 + Duration::from_secs(29), &c), BreakerState::Open);
+        let t1 = t0 + Duration::from_secs(30);
+        assert_eq!(b.state(t1, &c), BreakerState::HalfOpen);
+        assert!(b.allows(t1, &c));
+        // A failing probe re-opens and restarts the cool-down.
+        assert_eq!(b.record(Outcome::Failure, t1, &c), Some(BreakerState::Open));
+        assert_eq!(b.state(t1 + Duration::from_secs(29), &c), BreakerState::Open);
+        let t2 = t1 + Duration::from_secs(30);
+        assert_eq!(b.record(Outcome::Success, t2, &c), Some(BreakerState::HalfOpen));
+        assert_eq!(b.record(Outcome::Success, t2, &c), Some(BreakerState::Closed));
+        assert_eq!(b, Breaker::default());
+    }
+
+    #[test]
+    fn disabled_breaker_never_opens() {
+        let c = BreakerConfig { enabled: false, ..cfg() };
+        let t0 = Instant::now();
+        let mut b = Breaker::default();
+        for _ in 0..100 {
+            assert_eq!(b.record(Outcome::Failure, t0, &c), None);
+        }
+        assert!(b.allows(t0, &c));
+    }
+
+    #[test]
+    fn outcomes_from_errors() {
+        use crate::error::Leg;
+        assert_eq!(Outcome::from_error(&GatewayError::unreachable(Leg::Prefill, "x")), Outcome::Failure);
+        assert_eq!(Outcome::from_error(&GatewayError::worker_status(Leg::Decode, 503, None)), Outcome::Failure);
+        assert_eq!(Outcome::from_error(&GatewayError::worker_status(Leg::Decode, 429, None)), Outcome::Neutral);
+        assert_eq!(Outcome::from_error(&GatewayError::worker_status(Leg::Decode, 400, None)), Outcome::Neutral);
+        assert_eq!(Outcome::from_error(&GatewayError::timeout("deadline")), Outcome::Neutral);
+        assert_eq!(Outcome::from_error(&GatewayError::timeout("slow").on(Leg::Prefill)), Outcome::Failure);
+    }
+}

@@ -1,0 +1,216 @@
+//! Routing policies: pure functions that pick one of a set of candidate workers.
+//!
+//! A policy reads the snapshot and the request, takes randomness as an argument and keeps no
+//! state: `select(snapshot, candidates, input, rng)`. What a policy needs to know about the
+//! world comes in through [`RouteInput`]: the gateway's round-robin counter, the workers' load
+//! (a [`LoadView`] over the gateway's in-flight counters and polled engine load), the request's
+//! text and the radix tree (cache-aware), the session key (consistent hashing).
+//!
+//! Every policy is O(1) in the size of the fleet, up to small constant bounds: the routing hot
+//! path must not scan thousands of workers per request. Policies that look for the least loaded
+//! worker scan at most [`SCAN_LIMIT`] candidates (a random sample beyond that).
+//!
+//! Candidates are snapshot indices in ascending order (every list the snapshot hands out is, and
+//! filtering keeps the order); policies rely on it for membership tests.
+
+use std::borrow::Cow;
+use std::fmt;
+
+use rand::{Rng, RngCore};
+
+use crate::config::{GatewayConfig, PolicyName};
+use crate::radix::RadixTree;
+use crate::snapshot::PoolSnapshot;
+
+mod basic;
+mod cache_aware;
+mod consistent_hash;
+mod power_of_two;
+
+pub use basic::{RandomPolicy, RoundRobinPolicy};
+pub use cache_aware::CacheAwarePolicy;
+pub use consistent_hash::{ConsistentHashPolicy, HashRing};
+pub use power_of_two::PowerOfTwoPolicy;
+
+/// The most candidates a policy looks at to find a least-loaded one; beyond this it samples.
+pub const SCAN_LIMIT: usize = 128;
+
+/// Current load of each worker, by snapshot index: the gateway's in-flight count plus the
+/// engine's polled queue, or whatever the gateway decides load means. Unknown workers are 0.
+pub trait LoadView: Sync {
+    fn load(&self, worker: usize) -> u64;
+}
+
+/// Every worker idle: the load view of tests and of policies that ignore load.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoLoad;
+
+impl LoadView for NoLoad {
+    fn load(&self, _: usize) -> u64 {
+        0
+    }
+}
+
+/// A table of loads by snapshot index.
+impl LoadView for [u64] {
+    fn load(&self, worker: usize) -> u64 {
+        self.get(worker).copied().unwrap_or(0)
+    }
+}
+
+impl LoadView for Vec<u64> {
+    fn load(&self, worker: usize) -> u64 {
+        self.as_slice().load(worker)
+    }
+}
+
+/// What a policy may look at besides the pool. Build it with struct update syntax:
+/// `RouteInput { text: Some(t), loads: &view, ..RouteInput::default() }`.
+#[derive(Clone, Copy)]
+pub struct RouteInput<'a> {
+    /// The request's prompt text (cache-aware routing).
+    pub text: Option<&'a str>,
+    /// Session affinity key: a routing header or the request's `user` (consistent hashing).
+    pub key: Option<&'a str>,
+    /// A per-gateway counter, one step per decision (round robin).
+    pub sequence: u64,
+    /// Worker loads by snapshot index (power of two, cache-aware).
+    pub loads: &'a dyn LoadView,
+    /// The gateway's radix tree of recent prompts per worker (cache-aware).
+    pub tree: Option<&'a RadixTree>,
+}
+
+impl Default for RouteInput<'_> {
+    fn default() -> Self {
+        RouteInput { text: None, key: None, sequence: 0, loads: &NoLoad, tree: None }
+    }
+}
+
+impl fmt::Debug for RouteInput<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RouteInput")
+            .field("text_len", &self.text.map(str::len))
+            .field("key", &self.key)
+            .field("sequence", &self.sequence)
+            .field("tree_size", &self.tree.map(RadixTree::size))
+            .finish()
+    }
+}
+
+/// A chosen worker and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Selection {
+    /// Index into the snapshot's workers.
+    pub worker: usize,
+    /// For the decision record, e.g. `cache_hit=0.82` or `rebalance`.
+    pub reason: Cow<'static, str>,
+    /// A small fixed set of labels for metrics (`cache_hit`, `cache_miss`, `rebalance`, ...).
+    pub branch: &'static str,
+}
+
+impl Selection {
+    pub fn new(worker: usize, branch: &'static str) -> Self {
+        Selection { worker, reason: Cow::Borrowed(branch), branch }
+    }
+
+    pub fn with_reason(worker: usize, branch: &'static str, reason: String) -> Self {
+        Selection { worker, reason: Cow::Owned(reason), branch }
+    }
+}
+
+pub trait Policy: Send + Sync + fmt::Debug {
+    fn name(&self) -> &'static str;
+    /// Picks among `candidates` (ascending indices into `snapshot`); `None` only when it is
+    /// empty.
+    fn select(&self, snapshot: &PoolSnapshot, candidates: &[usize], input: &RouteInput<'_>, rng: &mut dyn RngCore) -> Option<Selection>;
+    /// Whether the gateway should record the request text for the chosen worker in its radix
+    /// tree after this policy decided (`tree.insert(text, url, now)`, then `tree.evict(max)`).
+    fn uses_tree(&self) -> bool {
+        false
+    }
+}
+
+/// Tunables of the load- and cache-aware policies.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PolicyOptions {
+    /// Minimum prefix match ratio for a cache hit.
+    pub cache_threshold: f64,
+    /// Load is imbalanced when max - min exceeds this...
+    pub balance_abs_threshold: u64,
+    /// ...and max exceeds this times min.
+    pub balance_rel_threshold: f64,
+}
+
+impl Default for PolicyOptions {
+    fn default() -> Self {
+        PolicyOptions { cache_threshold: 0.3, balance_abs_threshold: 64, balance_rel_threshold: 1.5 }
+    }
+}
+
+impl PolicyOptions {
+    pub fn from_config(c: &GatewayConfig) -> Self {
+        PolicyOptions {
+            cache_threshold: c.cache_threshold,
+            balance_abs_threshold: c.balance_abs_threshold,
+            balance_rel_threshold: c.balance_rel_threshold,
+        }
+    }
+
+    /// SMG's rule: imbalanced when both `max - min > abs` and `max > rel * min`.
+    pub fn imbalanced(&self, min: u64, max: u64) -> bool {
+        max.saturating_sub(min) > self.balance_abs_threshold && max as f64 > self.balance_rel_threshold * min as f64
+    }
+}
+
+/// A policy with default options.
+pub fn make_policy(name: PolicyName) -> Box<dyn Policy> {
+    make_policy_with(name, &PolicyOptions::default())
+}
+
+pub fn make_policy_with(name: PolicyName, options: &PolicyOptions) -> Box<dyn Policy> {
+    match name {
+        PolicyName::Random => Box::new(RandomPolicy),
+        PolicyName::RoundRobin => Box::new(RoundRobinPolicy),
+        PolicyName::PowerOfTwo => Box::new(PowerOfTwoPolicy),
+        PolicyName::CacheAware => Box::new(CacheAwarePolicy::new(*options)),
+        PolicyName::ConsistentHash => Box::new(ConsistentHashPolicy),
+    }
+}
+
+/// Least and most loaded among (a sample of) the candidates.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LoadScan {
+    pub least: usize,
+    pub min: u64,
+    pub max: u64,
+}
+
+/// Scans all candidates when there are at most [`SCAN_LIMIT`], else a random sample of that
+/// many. The scan starts at a random offset so that ties (an idle fleet) spread out.
+pub(crate) fn scan_loads(candidates: &[usize], loads: &dyn LoadView, rng: &mut dyn RngCore) -> Option<LoadScan> {
+    let n = candidates.len();
+    if n == 0 {
+        return None;
+    }
+    let start = rng.random_range(0..n);
+    let mut scan = LoadScan { least: candidates[start], min: u64::MAX, max: 0 };
+    let mut visit = |w: usize| {
+        let l = loads.load(w);
+        if l < scan.min {
+            scan = LoadScan { least: w, min: l, ..scan };
+        }
+        scan.max = scan.max.max(l);
+    };
+    if n <= SCAN_LIMIT {
+        (0..n).for_each(|i| visit(candidates[(start + i) % n]));
+    } else {
+        visit(candidates[start]);
+        (1..SCAN_LIMIT).for_each(|_| visit(candidates[rng.random_range(0..n)]));
+    }
+    Some(scan)
+}
+
+/// Whether `worker` is among the ascending `candidates`.
+pub(crate) fn is_candidate(candidates: &[usize], worker: usize) -> bool {
+    candidates.binary_search(&worker).is_ok()
+}
