@@ -30,7 +30,7 @@ mod power_of_two;
 pub use basic::{RandomPolicy, RoundRobinPolicy};
 pub use cache_aware::CacheAwarePolicy;
 pub use consistent_hash::{ConsistentHashPolicy, HashRing};
-pub use power_of_two::PowerOfTwoPolicy;
+pub use power_of_two::{gen_pair, PowerOfTwoPolicy};
 
 /// The most candidates a policy looks at to find a least-loaded one; beyond this it samples.
 pub const SCAN_LIMIT: usize = 128;

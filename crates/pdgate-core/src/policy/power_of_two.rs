@@ -9,8 +9,8 @@ use crate::snapshot::PoolSnapshot;
 #[derive(Debug, Default)]
 pub struct PowerOfTwoPolicy;
 
-/// Two distinct positions in `0..len` (`len >= 2`), uniformly.
-pub(crate) fn gen_pair(rng: &mut dyn RngCore, len: usize) -> (usize, usize) {
+/// Two distinct positions in `0..len` (`len >= 2`), uniformly (linkerd's `gen_pair`).
+pub fn gen_pair(rng: &mut dyn RngCore, len: usize) -> (usize, usize) {
     let a = rng.random_range(0..len);
     let b = rng.random_range(0..len - 1);
     (a, if b >= a { b + 1 } else { b })

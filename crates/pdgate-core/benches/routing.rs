@@ -1,0 +1,2 @@
+//! Routing decision benchmarks (placeholder while being written).
+fn main() {}
