@@ -37,6 +37,12 @@ pub enum ErrorKind {
     PayloadTooLarge,
     NotFound,
     MethodNotAllowed,
+    /// The resource exists already (e.g. a worker URL registered twice).
+    Conflict,
+    /// No credentials where the endpoint needs them.
+    Unauthorized,
+    /// Credentials given, but wrong.
+    Forbidden,
     /// No eligible worker in a pool (503).
     NoWorkers,
     /// Prefills and decodes exist but no pair can work together (503).
@@ -77,6 +83,19 @@ impl GatewayError {
     }
     pub fn method_not_allowed(method: &str, path: &str) -> Self {
         Self::new(ErrorKind::MethodNotAllowed, Source::Client, format!("method {method} is not allowed on {path}"))
+    }
+    pub fn conflict(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Conflict, Source::Client, message)
+    }
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Unauthorized, Source::Client, message)
+    }
+    pub fn forbidden(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Forbidden, Source::Client, message)
+    }
+    /// A named resource (a worker, say) that does not exist.
+    pub fn missing(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::NotFound, Source::Client, message)
     }
     pub fn no_workers(what: &str) -> Self {
         Self::new(ErrorKind::NoWorkers, Source::Gateway, format!("no healthy {what} worker available"))
@@ -124,6 +143,9 @@ impl GatewayError {
             ErrorKind::PayloadTooLarge => 413,
             ErrorKind::NotFound => 404,
             ErrorKind::MethodNotAllowed => 405,
+            ErrorKind::Conflict => 409,
+            ErrorKind::Unauthorized => 401,
+            ErrorKind::Forbidden => 403,
             ErrorKind::NoWorkers | ErrorKind::NoCompatiblePair => 503,
             ErrorKind::WorkerUnreachable => 503,
             // A worker's client error is the client's: pass its status through.
@@ -142,6 +164,9 @@ impl GatewayError {
             ErrorKind::PayloadTooLarge => "payload_too_large".into(),
             ErrorKind::NotFound => "not_found".into(),
             ErrorKind::MethodNotAllowed => "method_not_allowed".into(),
+            ErrorKind::Conflict => "conflict".into(),
+            ErrorKind::Unauthorized => "missing_api_key".into(),
+            ErrorKind::Forbidden => "invalid_api_key".into(),
             ErrorKind::NoWorkers => "no_available_workers".into(),
             ErrorKind::NoCompatiblePair => "no_compatible_pd_pair".into(),
             ErrorKind::WorkerUnreachable => format!("{leg}_unavailable"),
@@ -158,7 +183,10 @@ impl GatewayError {
     /// OpenAI error `type`.
     pub fn error_type(&self) -> &'static str {
         match self.source {
-            Source::Client => "invalid_request_error",
+            Source::Client => match self.kind {
+                ErrorKind::Unauthorized | ErrorKind::Forbidden => "authentication_error",
+                _ => "invalid_request_error",
+            },
             Source::Worker => "upstream_error",
             Source::Gateway => match self.kind {
                 ErrorKind::Timeout => "timeout_error",

@@ -8,22 +8,28 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{middleware, Json, Router};
 use pdgate_core::{GatewayError, WorkerRole};
 use pdgate_protocol::{parse_request, Endpoint};
 use serde_json::json;
 use tokio::time::Instant;
 
 use crate::exec::{execute, Ctx};
+use crate::{auth, workers_api};
 use crate::render::error_response;
 use crate::state::AppState;
 
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let client = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/generate", post(generate))
         .route("/v1/models", get(models))
+        .route_layer(middleware::from_fn_with_state(state.clone(), auth::client_key));
+    let admin = workers_api::routes().route_layer(middleware::from_fn_with_state(state.clone(), auth::admin_key));
+    Router::new()
+        .merge(client)
+        .merge(admin)
         .route("/health", get(liveness))
         .route("/liveness", get(liveness))
         .route("/readiness", get(readiness))
@@ -82,8 +88,13 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, headers: HeaderMap, bod
         .filter(|v| !v.is_empty() && v.len() <= 256)
         .map(str::to_string)
         .unwrap_or_else(|| format!("pdgate-{}", uuid::Uuid::new_v4().simple()));
+    let session_key = headers
+        .get("x-session-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+        .or_else(|| req.body.get("user").and_then(|u| u.as_str()).map(str::to_string));
     let deadline = Instant::now() + state.request_timeout();
-    execute(Ctx { state, req, raw, request_id, deadline, started, route }).await
+    execute(Ctx { state, req, raw, request_id, session_key, deadline, started, route }).await
 }
 
 async fn liveness() -> Response {
@@ -93,7 +104,8 @@ async fn liveness() -> Response {
 /// Ready when a request could be served now: PD mode needs a healthy prefill with a compatible
 /// healthy decode; regular mode a healthy worker.
 async fn readiness(State(state): State<Arc<AppState>>) -> Response {
-    let snap = state.registry.snapshot();
+    let routing = state.registry.routing();
+    let snap = &routing.snapshot;
     let (ready, detail) = if state.config.pd_disaggregation {
         let p = snap.eligible(WorkerRole::Prefill).len();
         let d = snap.eligible(WorkerRole::Decode).len();
@@ -113,7 +125,8 @@ async fn readiness(State(state): State<Arc<AppState>>) -> Response {
 async fn models(State(state): State<Arc<AppState>>) -> Response {
     let data: Vec<_> = state
         .registry
-        .snapshot()
+        .routing()
+        .snapshot
         .models()
         .into_iter()
         .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "pdgate"}))

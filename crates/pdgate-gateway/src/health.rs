@@ -1,45 +1,50 @@
-//! Active health checks: one task per worker, results fed through the thresholds of
-//! `HealthState`; a change rebuilds the routing snapshot. Also learns each worker's models.
+//! Active health checks: every interval, each worker is checked (concurrently, bounded), the
+//! result goes through the thresholds of `HealthState`, and a change rebuilds the routing view.
+//! A healthy worker's models and disaggregation mode are learned once from the engine.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use http_body_util::BodyExt;
 use pdgate_core::Leg;
 use serde_json::Value;
 use tokio::sync::watch;
 use tokio::time::{timeout, MissedTickBehavior};
 
+use crate::registry::{EngineInfo, Entry};
 use crate::state::AppState;
 
-pub fn spawn_checks(state: &Arc<AppState>, shutdown: watch::Receiver<bool>) {
-    for spec in state.registry.specs() {
-        let state = state.clone();
-        let mut shutdown = shutdown.clone();
-        tokio::spawn(async move {
-            let cfg = &state.config;
-            let mut tick = tokio::time::interval(Duration::from_secs(cfg.health_check_interval_secs.max(1)));
-            tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-            let url = format!("{}{}", spec.url, cfg.health_check_endpoint);
-            loop {
-                tokio::select! {
-                    _ = tick.tick() => {}
-                    _ = shutdown.changed() => return,
-                }
-                let ok = check(&state, &url).await;
-                let m = state.metrics.worker_healthy.with_label_values(&[&spec.url, spec.role.as_str()]);
-                if let Some(healthy) = state.registry.observe_health(&spec.url, ok, cfg.health_failure_threshold, cfg.health_success_threshold) {
-                    tracing::info!(worker = %spec.url, role = spec.role.as_str(), healthy, "worker health changed");
-                }
-                let healthy = state.registry.snapshot().workers().iter().any(|w| w.spec.url == spec.url && w.healthy);
-                m.set(i64::from(healthy));
-                if healthy && state.registry.models_unknown(&spec.url) {
-                    if let Some(models) = fetch_models(&state, &spec.url).await {
-                        state.registry.set_models(&spec.url, models);
-                    }
-                }
+/// Checks in flight at once, so a large fleet does not open thousands of sockets per round.
+const CONCURRENT_CHECKS: usize = 64;
+
+pub fn spawn_supervisor(state: &Arc<AppState>, mut shutdown: watch::Receiver<bool>) {
+    let state = state.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(state.config.health_check_interval_secs.max(1)));
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = shutdown.changed() => return,
             }
-        });
+            let entries = state.registry.list();
+            futures_util::stream::iter(entries).for_each_concurrent(CONCURRENT_CHECKS, |e| check_and_record(&state, e)).await;
+        }
+    });
+}
+
+/// One check of one worker, recorded. Also used right after a worker is added.
+pub async fn check_and_record(state: &AppState, entry: Entry) {
+    let cfg = &state.config;
+    let ok = check(state, &format!("{}{}", entry.spec.url, cfg.health_check_endpoint)).await;
+    if let Some(healthy) = state.registry.observe_health(&entry.id, ok, cfg.health_failure_threshold, cfg.health_success_threshold) {
+        tracing::info!(worker = %entry.spec.url, role = entry.spec.role.as_str(), healthy, "worker health changed");
+    }
+    let healthy = state.registry.get(&entry.id).is_some_and(|e| e.health.healthy);
+    state.metrics.worker_healthy.with_label_values(&[&entry.spec.url, entry.spec.role.as_str()]).set(i64::from(healthy));
+    if healthy && entry.info.models.is_empty() {
+        state.registry.set_info(&entry.id, engine_info(state, &entry.spec.url).await);
     }
 }
 
@@ -56,10 +61,11 @@ async fn check(state: &AppState, url: &str) -> bool {
     matches!(result, Ok(Some(true)))
 }
 
-async fn fetch_models(state: &AppState, base: &str) -> Option<Vec<String>> {
+/// GETs a worker's JSON endpoint within the health-check timeout.
+pub async fn get_json(state: &AppState, url: &str) -> Option<Value> {
     let limit = Duration::from_secs(state.config.health_check_timeout_secs.max(1));
     let body = timeout(limit, async {
-        let resp = state.upstream.get(&format!("{base}/v1/models"), Leg::Regular).await.ok()?;
+        let resp = state.upstream.get(url, Leg::Regular).await.ok()?;
         if !resp.status().is_success() {
             return None;
         }
@@ -67,7 +73,17 @@ async fn fetch_models(state: &AppState, base: &str) -> Option<Vec<String>> {
     })
     .await
     .ok()??;
-    let v: Value = serde_json::from_slice(&body).ok()?;
-    let ids: Vec<String> = v.get("data")?.as_array()?.iter().filter_map(|m| m.get("id")?.as_str().map(str::to_string)).collect();
-    Some(ids)
+    serde_json::from_slice(&body).ok()
+}
+
+/// Models from `/v1/models`; mode and runtime from `/server_info` (SGLang, reference engine).
+pub async fn engine_info(state: &AppState, base: &str) -> EngineInfo {
+    let models = get_json(state, &format!("{base}/v1/models"))
+        .await
+        .and_then(|v| Some(v.get("data")?.as_array()?.iter().filter_map(|m| m.get("id")?.as_str().map(str::to_string)).collect()))
+        .unwrap_or_default();
+    let server = get_json(state, &format!("{base}/server_info")).await;
+    let mode = server.as_ref().and_then(|s| s.get("disaggregation_mode")).and_then(Value::as_str).map(str::to_string);
+    let runtime = server.as_ref().map(|_| "sglang".to_string());
+    EngineInfo { models, mode, runtime }
 }

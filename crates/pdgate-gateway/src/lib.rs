@@ -2,9 +2,12 @@
 //! checks, metrics. Decisions are delegated to `pdgate-core`; wire formats to
 //! `pdgate-protocol`. This crate does the IO and keeps it thin.
 
+mod auth;
+mod discovery;
 mod exec;
 mod front;
 mod health;
+mod load;
 mod metrics;
 mod record;
 mod registry;
@@ -12,6 +15,7 @@ mod render;
 mod server;
 mod state;
 mod upstream;
+mod workers_api;
 
 pub use pdgate_core::GatewayConfig;
 pub use record::ROUTE_HEADER;

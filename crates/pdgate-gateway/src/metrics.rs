@@ -1,7 +1,12 @@
 //! Prometheus metrics, registered once per gateway (not globally, so several gateways can run in
 //! one process, e.g. embedded from Python and in tests).
 
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
 use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+
+use crate::registry::Runtime;
 
 const LATENCY_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0];
 
@@ -15,7 +20,12 @@ pub struct Metrics {
     pub leg_errors: IntCounterVec,
     pub inflight: IntGaugeVec,
     pub worker_healthy: IntGaugeVec,
+    pub worker_load: IntGaugeVec,
     pub silent_recompute: IntCounterVec,
+    /// Kubernetes discovery (src/discovery): events by type, watch restarts, workers by source.
+    pub discovery_events: IntCounterVec,
+    pub discovery_watch_restarts: IntCounterVec,
+    pub workers: IntGaugeVec,
 }
 
 fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -51,12 +61,21 @@ impl Metrics {
             leg_errors: counter(&r, "pdgate_worker_errors_total", "Failed worker legs by leg and error code", &["leg", "code"]),
             inflight: gauge(&r, "pdgate_worker_inflight", "Requests in flight per worker", &["worker", "role"]),
             worker_healthy: gauge(&r, "pdgate_worker_healthy", "1 when the worker passes health checks", &["worker", "role"]),
+            worker_load: gauge(&r, "pdgate_worker_load", "Engine-reported running + waiting requests (-1: unknown)", &["worker", "role"]),
             silent_recompute: counter(
                 &r,
                 "pdgate_pd_silent_recompute_total",
                 "PD requests whose decode recomputed the prompt because no (or not all) KV arrived",
                 &["protocol", "cause"],
             ),
+            discovery_events: counter(
+                &r,
+                "pdgate_discovery_events_total",
+                "Kubernetes discovery events: pod apply/delete/relist, worker_added/worker_removed, pod_refused",
+                &["type"],
+            ),
+            discovery_watch_restarts: counter(&r, "pdgate_discovery_watch_restarts_total", "Pod watches that failed and were resumed or re-listed", &[]),
+            workers: gauge(&r, "pdgate_workers", "Registered workers by source (static, api, discovery)", &["source"]),
             registry: r,
         }
     }
@@ -74,19 +93,22 @@ impl Default for Metrics {
     }
 }
 
-/// Counts one request in flight on a worker for as long as it lives.
-pub struct InflightGuard(prometheus::IntGauge);
+/// Counts one request in flight on a worker for as long as it lives: in the worker's runtime
+/// counter (load-aware routing, draining) and in the Prometheus gauge.
+pub struct InflightGuard(prometheus::IntGauge, Arc<Runtime>);
 
 impl InflightGuard {
-    pub fn new(metrics: &Metrics, worker: &str, role: &str) -> Self {
+    pub fn new(metrics: &Metrics, runtime: &Arc<Runtime>, worker: &str, role: &str) -> Self {
         let g = metrics.inflight.with_label_values(&[worker, role]);
         g.inc();
-        InflightGuard(g)
+        runtime.inflight.fetch_add(1, Ordering::SeqCst);
+        InflightGuard(g, runtime.clone())
     }
 }
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
         self.0.dec();
+        self.1.inflight.fetch_sub(1, Ordering::SeqCst);
     }
 }

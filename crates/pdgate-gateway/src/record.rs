@@ -14,7 +14,8 @@ pub struct Record {
     /// `room=...` or `transfer_id=...` or `request_id=...`.
     pub rendezvous: Option<String>,
     pub attempts: u32,
-    pub policy: Option<&'static str>,
+    /// The policies' reasons, e.g. `cache_hit=0.82` or `prefill:cache_miss decode:power_of_two`.
+    pub policy: Option<String>,
 }
 
 impl Record {
@@ -29,7 +30,7 @@ impl Record {
         if let Some(r) = &self.rendezvous {
             let _ = write!(s, "; {r}");
         }
-        if let Some(p) = self.policy {
+        if let Some(p) = &self.policy {
             let _ = write!(s, "; policy={p}");
         }
         let _ = write!(s, "; attempts={}", self.attempts);
@@ -49,7 +50,7 @@ mod tests {
             decode: Some("http://d:2".into()),
             rendezvous: Some("room=42".into()),
             attempts: 2,
-            policy: Some("round_robin"),
+            policy: Some("round_robin".into()),
             ..Default::default()
         };
         assert_eq!(r.header_value(), "protocol=bootstrap; prefill=http://p:1; decode=http://d:2; room=42; policy=round_robin; attempts=2");

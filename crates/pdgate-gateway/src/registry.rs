@@ -1,87 +1,317 @@
-//! The worker registry: the mutable list of workers and their health, and the immutable
-//! snapshot that routing reads. Every change rebuilds the snapshot and swaps it in atomically.
+//! The worker registry: the mutable list of workers (from static flags, the `/workers` API or
+//! discovery) with their health and runtime counters, and the immutable routing view that
+//! requests read. Every membership or health change rebuilds the view and swaps it in
+//! atomically; requests never see half an update.
 
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use arc_swap::ArcSwap;
+use pdgate_core::breaker::{Breaker, BreakerConfig, BreakerState, Outcome};
 use pdgate_core::{HealthState, KvConnector, PoolSnapshot, WorkerSpec, WorkerView};
 
+/// Where a worker came from. Discovery only ever removes what discovery added.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Source {
+    Static,
+    Api,
+    Discovery,
+}
+
+impl Source {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Static => "static",
+            Source::Api => "api",
+            Source::Discovery => "discovery",
+        }
+    }
+}
+
+/// Live per-worker counters, shared by the routing view and the requests using the worker.
+#[derive(Debug, Default)]
+pub struct Runtime {
+    /// Requests this gateway has in flight on the worker.
+    pub inflight: AtomicU64,
+    /// Engine-reported load (running + waiting requests), or -1 when unknown.
+    pub polled_load: AtomicI64,
+    /// When `polled_load` was read, as milliseconds since the registry started.
+    pub polled_at_ms: AtomicU64,
+}
+
+/// Facts learned from the engine itself (`/server_info`, `/v1/models`), for `GET /workers`.
+#[derive(Clone, Debug, Default)]
+pub struct EngineInfo {
+    pub models: Vec<String>,
+    /// `disaggregation_mode` as the engine reports it.
+    pub mode: Option<String>,
+    pub runtime: Option<String>,
+}
+
 #[derive(Clone, Debug)]
-struct Entry {
-    spec: Arc<WorkerSpec>,
-    health: HealthState,
-    enabled: bool,
-    models: Vec<String>,
+pub struct Entry {
+    pub id: String,
+    pub spec: Arc<WorkerSpec>,
+    pub source: Source,
+    pub health: HealthState,
+    pub enabled: bool,
+    pub draining: bool,
+    pub info: EngineInfo,
+    pub kv_engine_id: Option<String>,
+    pub breaker: Breaker,
+    pub runtime: Arc<Runtime>,
+}
+
+/// What routing reads: the snapshot plus the runtime counters of the same workers, by index.
+pub struct Routing {
+    pub snapshot: PoolSnapshot,
+    pub runtime: Vec<Arc<Runtime>>,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum RegistryError {
+    Duplicate(String),
+    NotFound(String),
 }
 
 pub struct Registry {
     entries: Mutex<Vec<Entry>>,
-    snapshot: ArcSwap<PoolSnapshot>,
+    routing: ArcSwap<Routing>,
     default_connector: KvConnector,
+    breaker_config: BreakerConfig,
+    epoch: Instant,
+}
+
+/// A short stable id derived from the URL, usable in paths (`/workers/{id}`).
+pub fn worker_id(url: &str) -> String {
+    // FNV-1a: stable across runs and platforms, unlike the std hasher.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in url.as_bytes() {
+        h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("w{:012x}", h & 0xffff_ffff_ffff)
 }
 
 impl Registry {
-    pub fn new(specs: Vec<WorkerSpec>, default_connector: KvConnector) -> Self {
-        let entries: Vec<Entry> = specs
-            .into_iter()
-            .map(|s| Entry { spec: Arc::new(s), health: HealthState::default(), enabled: true, models: vec![] })
-            .collect();
-        let reg = Registry { entries: Mutex::new(entries), snapshot: ArcSwap::from_pointee(PoolSnapshot::default()), default_connector };
-        reg.rebuild();
+    pub fn new(specs: Vec<WorkerSpec>, default_connector: KvConnector, breaker_config: BreakerConfig) -> Self {
+        let reg = Registry {
+            breaker_config,
+            entries: Mutex::new(Vec::new()),
+            routing: ArcSwap::from_pointee(Routing { snapshot: PoolSnapshot::default(), runtime: vec![] }),
+            default_connector,
+            epoch: Instant::now(),
+        };
+        for spec in specs {
+            let _ = reg.add(spec, Source::Static, None);
+        }
         reg
     }
 
     /// The current routing view; cheap (one atomic load).
-    pub fn snapshot(&self) -> Arc<PoolSnapshot> {
-        self.snapshot.load_full()
+    pub fn routing(&self) -> Arc<Routing> {
+        self.routing.load_full()
     }
 
-    pub fn specs(&self) -> Vec<Arc<WorkerSpec>> {
-        self.lock().iter().map(|e| e.spec.clone()).collect()
+    pub fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Entry>> {
-        // A panic while holding this lock cannot leave the list half-edited (edits are single
-        // assignments), so a poisoned lock is still safe to use.
+        // Edits under this lock are single assignments, so a poisoned lock is still consistent.
         self.entries.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn rebuild_from(&self, entries: &[Entry]) {
+    fn rebuild(&self, entries: &[Entry]) {
+        let now = Instant::now();
         let views = entries
             .iter()
-            .map(|e| WorkerView { spec: e.spec.clone(), healthy: e.health.healthy, enabled: e.enabled, models: e.models.clone() })
+            .map(|e| WorkerView {
+                spec: e.spec.clone(),
+                healthy: e.health.healthy,
+                enabled: e.enabled,
+                draining: e.draining,
+                breaker: e.breaker.state(now, &self.breaker_config),
+                models: e.info.models.clone(),
+            })
             .collect();
-        self.snapshot.store(Arc::new(PoolSnapshot::build(views, self.default_connector)));
+        let runtime = entries.iter().map(|e| e.runtime.clone()).collect();
+        self.routing.store(Arc::new(Routing { snapshot: PoolSnapshot::build(views, self.default_connector), runtime }));
     }
 
-    fn rebuild(&self) {
-        let entries = self.lock();
-        self.rebuild_from(&entries);
+    /// Edits the entries under the lock and republishes the routing view.
+    fn edit<T>(&self, f: impl FnOnce(&mut Vec<Entry>) -> T) -> T {
+        let mut entries = self.lock();
+        let out = f(&mut entries);
+        self.rebuild(&entries);
+        out
+    }
+
+    pub fn add(&self, spec: WorkerSpec, source: Source, kv_engine_id: Option<String>) -> Result<Entry, RegistryError> {
+        self.edit(|entries| {
+            if let Some(e) = entries.iter().find(|e| e.spec.url == spec.url) {
+                return Err(RegistryError::Duplicate(e.id.clone()));
+            }
+            let entry = Entry {
+                id: worker_id(&spec.url),
+                spec: Arc::new(spec),
+                source,
+                health: HealthState::default(),
+                enabled: true,
+                draining: false,
+                info: EngineInfo::default(),
+                kv_engine_id,
+                breaker: Breaker::default(),
+                runtime: Arc::new(Runtime { polled_load: AtomicI64::new(-1), ..Default::default() }),
+            };
+            entries.push(entry.clone());
+            Ok(entry)
+        })
+    }
+
+    /// Finds a worker by id or URL.
+    pub fn get(&self, key: &str) -> Option<Entry> {
+        self.lock().iter().find(|e| e.id == key || e.spec.url == key.trim_end_matches('/')).cloned()
+    }
+
+    pub fn list(&self) -> Vec<Entry> {
+        self.lock().clone()
+    }
+
+    /// Stops new requests to the worker; `finish_drain` removes it once its in-flight count is 0.
+    pub fn start_drain(&self, key: &str) -> Result<Entry, RegistryError> {
+        self.edit(|entries| {
+            let e = entries.iter_mut().find(|e| e.id == key || e.spec.url == key).ok_or_else(|| RegistryError::NotFound(key.into()))?;
+            e.draining = true;
+            Ok(e.clone())
+        })
+    }
+
+    /// Removes a draining worker if nothing is in flight on it; true when it is gone.
+    pub fn finish_drain(&self, id: &str, force: bool) -> bool {
+        let mut entries = self.lock();
+        let Some(pos) = entries.iter().position(|e| e.id == id) else { return true };
+        if !force && entries[pos].runtime.inflight.load(Ordering::SeqCst) > 0 {
+            return false;
+        }
+        entries.remove(pos);
+        self.rebuild(&entries);
+        true
+    }
+
+    pub fn set_enabled(&self, key: &str, enabled: bool) -> Result<Entry, RegistryError> {
+        self.edit(|entries| {
+            let e = entries.iter_mut().find(|e| e.id == key || e.spec.url == key).ok_or_else(|| RegistryError::NotFound(key.into()))?;
+            e.enabled = enabled;
+            Ok(e.clone())
+        })
     }
 
     /// Records a health check result; returns the new health when it changed.
-    pub fn observe_health(&self, url: &str, ok: bool, failure_threshold: u32, success_threshold: u32) -> Option<bool> {
+    pub fn observe_health(&self, id: &str, ok: bool, failure_threshold: u32, success_threshold: u32) -> Option<bool> {
         let mut entries = self.lock();
-        let entry = entries.iter_mut().find(|e| e.spec.url == url)?;
-        let changed = entry.health.observe(ok, failure_threshold, success_threshold);
+        let entry = entries.iter_mut().find(|e| e.id == id)?;
+        if !entry.health.observe(ok, failure_threshold, success_threshold) {
+            return None;
+        }
         let healthy = entry.health.healthy;
-        if changed {
-            self.rebuild_from(&entries);
-            return Some(healthy);
+        self.rebuild(&entries);
+        Some(healthy)
+    }
+
+    pub fn set_info(&self, id: &str, info: EngineInfo) {
+        self.edit(|entries| {
+            if let Some(e) = entries.iter_mut().find(|e| e.id == id) {
+                e.info = info;
+            }
+        });
+    }
+
+    /// Feeds one request outcome to a worker's breaker. Returns the new state when it changed
+    /// (the routing view is then rebuilt), so the caller can schedule the half-open rebuild.
+    pub fn record_outcome(&self, url: &str, outcome: Outcome) -> Option<BreakerState> {
+        if !self.breaker_config.enabled || outcome == Outcome::Neutral {
+            return None;
         }
-        None
-    }
-
-    /// Whether the models of `url` are still unknown.
-    pub fn models_unknown(&self, url: &str) -> bool {
-        self.lock().iter().any(|e| e.spec.url == url && e.models.is_empty())
-    }
-
-    pub fn set_models(&self, url: &str, models: Vec<String>) {
         let mut entries = self.lock();
-        if let Some(e) = entries.iter_mut().find(|e| e.spec.url == url) {
-            e.models = models;
-            self.rebuild_from(&entries);
+        let e = entries.iter_mut().find(|e| e.spec.url == url)?;
+        let changed = e.breaker.record(outcome, Instant::now(), &self.breaker_config);
+        if changed.is_some() {
+            self.rebuild(&entries);
         }
+        changed
+    }
+
+    pub fn breaker_config(&self) -> &BreakerConfig {
+        &self.breaker_config
+    }
+
+    /// Republishes the view, e.g. when an open breaker's cool-down has passed.
+    pub fn refresh(&self) {
+        let entries = self.lock();
+        self.rebuild(&entries);
+    }
+
+    /// Workers of one source, by URL (for discovery's reconciliation).
+    pub fn urls_of(&self, source: Source) -> BTreeMap<String, String> {
+        self.lock().iter().filter(|e| e.source == source).map(|e| (e.spec.url.clone(), e.id.clone())).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdgate_core::WorkerRole;
+
+    fn spec(url: &str, role: WorkerRole) -> WorkerSpec {
+        WorkerSpec::new(url, role).unwrap()
+    }
+
+    #[test]
+    fn ids_are_stable_and_distinct() {
+        assert_eq!(worker_id("http://a:1"), worker_id("http://a:1"));
+        assert_ne!(worker_id("http://a:1"), worker_id("http://a:2"));
+    }
+
+    #[test]
+    fn duplicates_are_refused_and_drain_waits_for_inflight() {
+        let reg = Registry::new(vec![spec("http://a:1", WorkerRole::Regular)], KvConnector::Bootstrap, BreakerConfig::default());
+        assert!(matches!(reg.add(spec("http://a:1", WorkerRole::Regular), Source::Api, None), Err(RegistryError::Duplicate(_))));
+        let e = reg.get("http://a:1").unwrap();
+        reg.observe_health(&e.id, true, 1, 1);
+        assert_eq!(reg.routing().snapshot.eligible(WorkerRole::Regular).len(), 1);
+        e.runtime.inflight.fetch_add(1, Ordering::SeqCst);
+        reg.start_drain(&e.id).unwrap();
+        assert!(reg.routing().snapshot.eligible(WorkerRole::Regular).is_empty(), "draining takes no new requests");
+        assert!(!reg.finish_drain(&e.id, false), "still in flight");
+        e.runtime.inflight.fetch_sub(1, Ordering::SeqCst);
+        assert!(reg.finish_drain(&e.id, false));
+        assert!(reg.get(&e.id).is_none());
+    }
+
+    #[test]
+    fn an_open_breaker_takes_the_worker_out_until_its_cooldown() {
+        let cfg = BreakerConfig { enabled: true, failure_threshold: 2, success_threshold: 1, cooldown: std::time::Duration::from_millis(30) };
+        let reg = Registry::new(vec![spec("http://a:1", WorkerRole::Regular)], KvConnector::Bootstrap, cfg);
+        let e = reg.get("http://a:1").unwrap();
+        reg.observe_health(&e.id, true, 1, 1);
+        assert_eq!(reg.record_outcome("http://a:1", Outcome::Failure), None);
+        assert_eq!(reg.record_outcome("http://a:1", Outcome::Neutral), None, "429s count as neither");
+        assert_eq!(reg.record_outcome("http://a:1", Outcome::Failure), Some(BreakerState::Open));
+        assert!(reg.routing().snapshot.eligible(WorkerRole::Regular).is_empty());
+        std::thread::sleep(std::time::Duration::from_millis(40));
+        reg.refresh();
+        assert_eq!(reg.routing().snapshot.eligible(WorkerRole::Regular).len(), 1, "half-open lets probes through");
+    }
+
+    #[test]
+    fn health_changes_republish_the_view() {
+        let reg = Registry::new(vec![spec("http://p:1", WorkerRole::Prefill), spec("http://d:1", WorkerRole::Decode)], KvConnector::Bootstrap, BreakerConfig::default());
+        assert!(!reg.routing().snapshot.pd_ready());
+        for e in reg.list() {
+            assert_eq!(reg.observe_health(&e.id, true, 3, 2), Some(true));
+        }
+        assert!(reg.routing().snapshot.pd_ready());
     }
 }

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::serve::ListenerExt;
+use pdgate_core::breaker::BreakerConfig;
 use pdgate_core::{ConfigError, GatewayConfig};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -12,7 +13,7 @@ use tokio::task::JoinHandle;
 
 use crate::registry::Registry;
 use crate::state::AppState;
-use crate::{front, health};
+use crate::{front, health, load};
 
 /// How long `shutdown` lets in-flight requests finish before cutting them.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -58,10 +59,12 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     let bind = format!("{}:{}", config.host, config.port);
     let listener = TcpListener::bind(&bind).await.map_err(|source| StartError::Bind { addr: bind.clone(), source })?;
     let addr = listener.local_addr().map_err(|source| StartError::Bind { addr: bind, source })?;
-    let registry = Registry::new(workers, config.kv_connector);
+    let registry = Registry::new(workers, config.kv_connector, BreakerConfig::from_config(&config));
     let state = Arc::new(AppState::new(config, registry));
     let (tx, rx) = watch::channel(false);
-    health::spawn_checks(&state, rx.clone());
+    health::spawn_supervisor(&state, rx.clone());
+    load::spawn_poller(&state, rx.clone());
+    crate::discovery::spawn(&state, rx.clone());
     let app = front::router(state);
     // A peer gateway without TCP_NODELAY loses 40 ms per streamed response to Nagle + delayed ACK.
     let listener = listener.tap_io(|tcp| {

@@ -5,11 +5,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use pdgate_core::retry::RetryPolicy;
-use pdgate_core::{make_policy, GatewayConfig, Policy};
+use std::sync::Arc;
 
+use pdgate_core::breaker::{BreakerState, Outcome};
+use pdgate_core::retry::RetryPolicy;
+use pdgate_core::policy::{make_policy_with, PolicyOptions};
+use pdgate_core::{GatewayConfig, Policy};
+
+use crate::load::{stale_after_ms, GatewayLoads};
 use crate::metrics::Metrics;
-use crate::registry::Registry;
+use crate::registry::{Registry, Runtime};
 use crate::upstream::Upstream;
 
 pub struct AppState {
@@ -31,9 +36,9 @@ impl AppState {
         AppState {
             upstream: Upstream::new(Duration::from_millis(config.worker_connect_timeout_ms)),
             metrics: Metrics::new(),
-            regular_policy: make_policy(config.policy),
-            prefill_policy: make_policy(config.effective_prefill_policy()),
-            decode_policy: make_policy(config.effective_decode_policy()),
+            regular_policy: make_policy_with(config.policy, &PolicyOptions::from_config(&config)),
+            prefill_policy: make_policy_with(config.effective_prefill_policy(), &PolicyOptions::from_config(&config)),
+            decode_policy: make_policy_with(config.effective_decode_policy(), &PolicyOptions::from_config(&config)),
             retry: RetryPolicy {
                 max_retries: config.retry_max_retries,
                 initial_backoff: Duration::from_millis(config.retry_initial_backoff_ms),
@@ -43,6 +48,25 @@ impl AppState {
             engine_ids: Mutex::new(HashMap::new()),
             registry,
             config,
+        }
+    }
+
+    /// The load view policies read, over the workers of one routing view.
+    pub fn loads<'a>(&self, runtime: &'a [Arc<Runtime>]) -> GatewayLoads<'a> {
+        GatewayLoads { runtime, now_ms: self.registry.now_ms(), stale_after_ms: stale_after_ms(self) }
+    }
+
+    /// Feeds a request outcome to the worker's circuit breaker; when it opens, schedules the
+    /// rebuild that lets half-open probes through after the cool-down.
+    pub fn record_outcome(self: &Arc<Self>, url: &str, outcome: Outcome) {
+        if self.registry.record_outcome(url, outcome) == Some(BreakerState::Open) {
+            tracing::warn!(worker = url, "circuit breaker opened");
+            let state = self.clone();
+            let cooldown = self.registry.breaker_config().cooldown;
+            tokio::spawn(async move {
+                tokio::time::sleep(cooldown).await;
+                state.registry.refresh();
+            });
         }
     }
 

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use axum::http::HeaderValue;
 use axum::response::Response;
 use bytes::Bytes;
+use pdgate_core::breaker::Outcome;
 use pdgate_core::GatewayError;
 use pdgate_protocol::ParsedRequest;
 use tokio::time::Instant;
@@ -33,6 +34,8 @@ pub struct Ctx {
     /// The client's body as received; forwarded unchanged where no rewrite is needed.
     pub raw: Bytes,
     pub request_id: String,
+    /// Affinity key for consistent hashing: `x-session-id` header, else the body's `user`.
+    pub session_key: Option<String>,
     pub deadline: Instant,
     pub started: std::time::Instant,
     pub route: &'static str,
@@ -61,10 +64,18 @@ pub async fn execute(ctx: Ctx) -> Response {
             single::regular_attempt(&ctx, &failed, &mut record).await
         };
         let failure = match result {
-            Ok(resp) => break resp,
+            Ok(resp) => {
+                for url in [&record.worker, &record.prefill, &record.decode].into_iter().flatten() {
+                    ctx.state.record_outcome(url, Outcome::Success);
+                }
+                break resp;
+            }
             Err(f) => f,
         };
         let err = &failure.error;
+        if let Some(url) = &failure.worker {
+            ctx.state.record_outcome(url, Outcome::from_error(err));
+        }
         let metrics = &ctx.state.metrics;
         if let Some(leg) = err.leg {
             metrics.leg_errors.with_label_values(&[leg.as_str(), &err.code()]).inc();

@@ -4,6 +4,7 @@
 //! - nixl:      P first (one token, remote decode), its `kv_transfer_params` → D.
 //! - mooncake:  mint a transfer id, learn P's engine id, P and D at once.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::response::Response;
@@ -22,6 +23,7 @@ use super::relay::{Finish, PrefillFuture};
 use super::single::relay_leg;
 use super::{AttemptFailure, Ctx};
 use crate::metrics::InflightGuard;
+use crate::registry::Runtime;
 use crate::record::Record;
 
 /// Default port of an engine's bootstrap server when the gateway was given none.
@@ -30,19 +32,27 @@ const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub async fn attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Result<Response, AttemptFailure> {
-    let snap = ctx.state.registry.snapshot();
-    let exclude: Vec<usize> = failed.iter().filter_map(|u| snap.workers().iter().position(|w| &w.spec.url == u)).collect();
+    let routing = ctx.state.registry.routing();
+    let snap = &routing.snapshot;
+    let exclude: Vec<usize> = failed.iter().filter_map(|u| snap.index_of(u)).collect();
     let text = ctx.req.routing_text();
-    let input = RouteInput { text: text.as_deref(), sequence: ctx.state.next_sequence() };
-    let (p, d) = select_pair(&snap, ctx.state.prefill_policy.as_ref(), ctx.state.decode_policy.as_ref(), &input, &exclude, &mut rand::rng())?;
+    let loads = ctx.state.loads(&routing.runtime);
+    let input = RouteInput {
+        text: text.as_deref(),
+        key: ctx.session_key.as_deref(),
+        sequence: ctx.state.next_sequence(),
+        loads: &loads,
+        ..RouteInput::default()
+    };
+    let (p, d) = select_pair(snap, ctx.state.prefill_policy.as_ref(), ctx.state.decode_policy.as_ref(), &input, &exclude, &mut rand::rng())?;
     let protocol = snap.connector_of(p.worker);
-    let pw = snap.worker(p.worker).spec.clone();
-    let dw = snap.worker(d.worker).spec.clone();
-    drop(snap);
+    let pw = Picked { spec: snap.worker(p.worker).spec.clone(), runtime: routing.runtime[p.worker].clone() };
+    let dw = Picked { spec: snap.worker(d.worker).spec.clone(), runtime: routing.runtime[d.worker].clone() };
+    drop(routing);
     record.protocol = protocol.as_str();
-    record.prefill = Some(pw.url.clone());
-    record.decode = Some(dw.url.clone());
-    record.policy = Some(p.reason);
+    record.prefill = Some(pw.spec.url.clone());
+    record.decode = Some(dw.spec.url.clone());
+    record.policy = Some(format!("prefill:{} decode:{}", p.reason, d.reason));
     record.rendezvous = None;
     let result = match protocol {
         KvConnector::Bootstrap => run_bootstrap(ctx, &pw, &dw, record).await,
@@ -51,24 +61,30 @@ pub async fn attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Resul
     };
     result.map_err(|error| {
         if protocol == KvConnector::Mooncake {
-            ctx.state.forget_engine_id(&pw.url);
+            ctx.state.forget_engine_id(&pw.spec.url);
         }
         let worker = match error.leg {
-            Some(Leg::Prefill) => Some(pw.url.clone()),
-            Some(Leg::Decode) => Some(dw.url.clone()),
+            Some(Leg::Prefill) => Some(pw.spec.url.clone()),
+            Some(Leg::Decode) => Some(dw.spec.url.clone()),
             _ => None,
         };
         AttemptFailure { error, worker }
     })
 }
 
-fn finish(ctx: &Ctx, protocol: KvConnector, decode: &WorkerSpec) -> Finish {
+/// A chosen worker: its spec and live counters.
+struct Picked {
+    spec: Arc<WorkerSpec>,
+    runtime: Arc<Runtime>,
+}
+
+fn finish(ctx: &Ctx, protocol: KvConnector, decode: &Picked) -> Finish {
     Finish {
         state: ctx.state.clone(),
         route: ctx.route,
         protocol: protocol.as_str(),
         started: ctx.started,
-        guards: vec![InflightGuard::new(&ctx.state.metrics, &decode.url, WorkerRole::Decode.as_str())],
+        guards: vec![InflightGuard::new(&ctx.state.metrics, &decode.runtime, &decode.spec.url, WorkerRole::Decode.as_str())],
     }
 }
 
@@ -77,14 +93,15 @@ fn to_bytes(body: &Map<String, Value>) -> Result<Bytes, GatewayError> {
 }
 
 /// The prefill leg as an owned future: reads P's whole answer, timed and counted.
-fn spawn_prefill(ctx: &Ctx, prefill: &WorkerSpec, body: Bytes, protocol: KvConnector) -> PrefillFuture {
+fn spawn_prefill(ctx: &Ctx, prefill: &Picked, body: Bytes, protocol: KvConnector) -> PrefillFuture {
     let state = ctx.state.clone();
-    let url = prefill.url.clone();
+    let url = prefill.spec.url.clone();
+    let runtime = prefill.runtime.clone();
     let path = ctx.req.endpoint.path();
     let rid = ctx.request_id.clone();
     let deadline = ctx.deadline;
     Box::pin(async move {
-        let _guard = InflightGuard::new(&state.metrics, &url, WorkerRole::Prefill.as_str());
+        let _guard = InflightGuard::new(&state.metrics, &runtime, &url, WorkerRole::Prefill.as_str());
         let t = std::time::Instant::now();
         let out = leg::send_and_read(&state.upstream, &url, path, body, &rid, Leg::Prefill, deadline).await;
         state.metrics.leg_duration.with_label_values(&["prefill", protocol.as_str()]).observe(t.elapsed().as_secs_f64());
@@ -100,18 +117,18 @@ fn mint_rooms(batch_items: Option<usize>) -> Rooms {
     }
 }
 
-async fn run_bootstrap(ctx: &Ctx, p: &WorkerSpec, d: &WorkerSpec, record: &mut Record) -> Result<Response, GatewayError> {
+async fn run_bootstrap(ctx: &Ctx, p: &Picked, d: &Picked, record: &mut Record) -> Result<Response, GatewayError> {
     let rooms = mint_rooms(ctx.req.batch_items);
     record.rendezvous = Some(format!("room={}", rooms.describe()));
     let mut body = ctx.req.body.clone();
-    bootstrap::inject(&mut body, &p.host, p.bootstrap_port, &rooms);
+    bootstrap::inject(&mut body, &p.spec.host, p.spec.bootstrap_port, &rooms);
     let bytes = to_bytes(&body)?;
     let prefill = spawn_prefill(ctx, p, bytes.clone(), KvConnector::Bootstrap);
     let merge = ctx.req.wants_input_logprobs;
-    relay_leg(ctx, &d.url, Leg::Decode, bytes, Some(prefill), merge, finish(ctx, KvConnector::Bootstrap, d)).await
+    relay_leg(ctx, &d.spec.url, Leg::Decode, bytes, Some(prefill), merge, finish(ctx, KvConnector::Bootstrap, d)).await
 }
 
-async fn run_nixl(ctx: &Ctx, p: &WorkerSpec, d: &WorkerSpec, record: &mut Record) -> Result<Response, GatewayError> {
+async fn run_nixl(ctx: &Ctx, p: &Picked, d: &Picked, record: &mut Record) -> Result<Response, GatewayError> {
     record.rendezvous = Some(format!("request_id={}", ctx.request_id));
     let p_body = to_bytes(&kv_transfer::nixl_prefill_body(&ctx.req.body))?;
     let answer = spawn_prefill(ctx, p, p_body, KvConnector::Nixl).await?;
@@ -122,18 +139,18 @@ async fn run_nixl(ctx: &Ctx, p: &WorkerSpec, d: &WorkerSpec, record: &mut Record
         Some(params) => {
             let missing = kv_transfer::nixl_missing_fields(params);
             if !missing.is_empty() {
-                tracing::warn!(?missing, prefill = %p.url, "prefill returned incomplete kv_transfer_params; decode will recompute");
+                tracing::warn!(?missing, prefill = %p.spec.url, "prefill returned incomplete kv_transfer_params; decode will recompute");
                 metrics.silent_recompute.with_label_values(&["nixl", "incomplete_params"]).inc();
             }
             kv_transfer::nixl_decode_body(&ctx.req.body, params.clone())
         }
         None => {
-            tracing::warn!(prefill = %p.url, "prefill returned no kv_transfer_params; decode will recompute the prompt");
+            tracing::warn!(prefill = %p.spec.url, "prefill returned no kv_transfer_params; decode will recompute the prompt");
             metrics.silent_recompute.with_label_values(&["nixl", "no_params"]).inc();
             ctx.req.body.clone()
         }
     };
-    relay_leg(ctx, &d.url, Leg::Decode, to_bytes(&d_body)?, None, false, finish(ctx, KvConnector::Nixl, d)).await
+    relay_leg(ctx, &d.spec.url, Leg::Decode, to_bytes(&d_body)?, None, false, finish(ctx, KvConnector::Nixl, d)).await
 }
 
 fn bootstrap_base(p: &WorkerSpec) -> String {
@@ -167,13 +184,13 @@ async fn engine_id(ctx: &Ctx, p: &WorkerSpec) -> Result<String, GatewayError> {
     Ok(id)
 }
 
-async fn run_mooncake(ctx: &Ctx, p: &WorkerSpec, d: &WorkerSpec, record: &mut Record) -> Result<Response, GatewayError> {
-    let engine = engine_id(ctx, p).await?;
+async fn run_mooncake(ctx: &Ctx, p: &Picked, d: &Picked, record: &mut Record) -> Result<Response, GatewayError> {
+    let engine = engine_id(ctx, &p.spec).await?;
     let transfer_id = kv_transfer::mooncake_transfer_id(&uuid::Uuid::new_v4().simple().to_string());
     record.rendezvous = Some(format!("transfer_id={transfer_id}"));
     let p_body = to_bytes(&kv_transfer::mooncake_prefill_body(&ctx.req.body, &transfer_id))?;
-    let d_body = to_bytes(&kv_transfer::mooncake_decode_body(&ctx.req.body, &transfer_id, &engine, &bootstrap_base(p)))?;
+    let d_body = to_bytes(&kv_transfer::mooncake_decode_body(&ctx.req.body, &transfer_id, &engine, &bootstrap_base(&p.spec)))?;
     let prefill = spawn_prefill(ctx, p, p_body, KvConnector::Mooncake);
-    relay_leg(ctx, &d.url, Leg::Decode, d_body, Some(prefill), false, finish(ctx, KvConnector::Mooncake, d)).await
+    relay_leg(ctx, &d.spec.url, Leg::Decode, d_body, Some(prefill), false, finish(ctx, KvConnector::Mooncake, d)).await
 }
 

@@ -19,20 +19,31 @@ use crate::metrics::InflightGuard;
 use crate::record::Record;
 
 pub async fn regular_attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Result<Response, AttemptFailure> {
-    let snap = ctx.state.registry.snapshot();
-    let exclude: Vec<usize> = failed.iter().filter_map(|u| snap.workers().iter().position(|w| &w.spec.url == u)).collect();
-    let input = RouteInput { text: None, sequence: ctx.state.next_sequence() };
-    let choice = select_regular(&snap, ctx.state.regular_policy.as_ref(), &input, &exclude, &mut rand::rng())?;
+    let routing = ctx.state.registry.routing();
+    let snap = &routing.snapshot;
+    let exclude: Vec<usize> = failed.iter().filter_map(|u| snap.index_of(u)).collect();
+    let text = ctx.req.routing_text();
+    let loads = ctx.state.loads(&routing.runtime);
+    let input = RouteInput {
+        text: text.as_deref(),
+        key: ctx.session_key.as_deref(),
+        sequence: ctx.state.next_sequence(),
+        loads: &loads,
+        ..RouteInput::default()
+    };
+    let choice = select_regular(snap, ctx.state.regular_policy.as_ref(), &input, &exclude, &mut rand::rng())?;
     let url = snap.worker(choice.worker).spec.url.clone();
+    let runtime = routing.runtime[choice.worker].clone();
+    drop(routing);
     record.protocol = "regular";
     record.worker = Some(url.clone());
-    record.policy = Some(choice.reason);
+    record.policy = Some(choice.reason.to_string());
     let finish = Finish {
         state: ctx.state.clone(),
         route: ctx.route,
         protocol: "regular",
         started: ctx.started,
-        guards: vec![InflightGuard::new(&ctx.state.metrics, &url, WorkerRole::Regular.as_str())],
+        guards: vec![InflightGuard::new(&ctx.state.metrics, &runtime, &url, WorkerRole::Regular.as_str())],
     };
     relay_leg(ctx, &url, Leg::Regular, ctx.raw.clone(), None, false, finish)
         .await

@@ -1,0 +1,43 @@
+//! API keys: `--api-key` guards the client endpoints, `--admin-api-key` the worker API. Both as
+//! `Authorization: Bearer KEY`. Missing → 401, wrong → 403. Health, readiness and metrics stay
+//! open for probes and scrapers.
+
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::http::header;
+use axum::middleware::Next;
+use axum::response::Response;
+use pdgate_core::GatewayError;
+
+use crate::render::error_response;
+use crate::state::AppState;
+
+fn check(req: &Request, key: Option<&str>) -> Result<(), GatewayError> {
+    let Some(key) = key.filter(|k| !k.is_empty()) else { return Ok(()) };
+    let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    match given {
+        None => Err(GatewayError::unauthorized("this endpoint needs an API key: Authorization: Bearer KEY")),
+        Some(g) if constant_time_eq(g.trim().as_bytes(), key.as_bytes()) => Ok(()),
+        Some(_) => Err(GatewayError::forbidden("the API key is not valid for this endpoint")),
+    }
+}
+
+/// Compares without an early exit, so the time taken does not reveal how much of a key matched.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+pub async fn client_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    match check(&req, state.config.api_key.as_deref()) {
+        Ok(()) => next.run(req).await,
+        Err(e) => error_response(&e),
+    }
+}
+
+pub async fn admin_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    match check(&req, state.config.admin_api_key.as_deref()) {
+        Ok(()) => next.run(req).await,
+        Err(e) => error_response(&e),
+    }
+}

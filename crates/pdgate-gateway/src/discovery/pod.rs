@@ -1,0 +1,232 @@
+//! What one pod means to the gateway: a pure function from a Pod object and the discovery
+//! settings to a verdict (a worker, not a worker, or refused with a reason). No IO here.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::Pod;
+use pdgate_core::{KvConnector, WorkerRole, WorkerSpec};
+
+/// Worker HTTP port; wins over `--service-discovery-port`.
+pub const PORT_ANNOTATION: &str = "pdgate.ai/port";
+/// Prefill bootstrap port (SGLang), as SMG reads it.
+pub const BOOTSTRAP_PORT_ANNOTATION: &str = "sglang.ai/bootstrap-port";
+/// KV connector of this worker (`bootstrap`, `nixl`, `mooncake`), as SMG reads it.
+pub const KV_CONNECTOR_ANNOTATION: &str = "smg.ai/kv-connector";
+/// Engine id of a (Mooncake) prefill, as SMG reads it.
+pub const KV_ENGINE_ID_ANNOTATION: &str = "smg.ai/kv-engine-id";
+
+/// Labels put on every worker that discovery adds, naming the pod it came from.
+pub const NAMESPACE_LABEL: &str = "k8s.namespace";
+pub const POD_LABEL: &str = "k8s.pod";
+pub const UID_LABEL: &str = "k8s.uid";
+
+/// An equality-based label selector (`k=v,k2=v2`): every pair must match.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Selector(pub BTreeMap<String, String>);
+
+impl Selector {
+    /// From `k=v` items; the config has already checked their shape.
+    pub fn parse<'a>(items: impl IntoIterator<Item = &'a String>) -> Self {
+        Selector(items.into_iter().filter_map(|kv| pdgate_core::config::parse_label(kv)).map(|(k, v)| (k.to_string(), v.to_string())).collect())
+    }
+
+    /// Both selectors at once (the common `--selector` plus a role's selector).
+    pub fn and(&self, other: &Selector) -> Selector {
+        let mut all = self.0.clone();
+        all.extend(other.0.iter().map(|(k, v)| (k.clone(), v.clone())));
+        Selector(all)
+    }
+
+    pub fn matches(&self, labels: Option<&BTreeMap<String, String>>) -> bool {
+        self.0.iter().all(|(k, v)| labels.and_then(|l| l.get(k)) == Some(v))
+    }
+
+    /// The `labelSelector` query parameter.
+    pub fn to_query(&self) -> String {
+        self.0.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
+    }
+}
+
+/// One role to discover: its selector, and the other role's selector (a pod must not match both).
+#[derive(Clone, Debug)]
+pub struct RoleSelector {
+    pub role: WorkerRole,
+    pub selector: Selector,
+    pub conflicting: Option<Selector>,
+}
+
+/// What the gateway should register for a pod.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Candidate {
+    pub spec: WorkerSpec,
+    pub kv_engine_id: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    Worker(Candidate),
+    /// Not (or no longer) a worker: not running, not ready, terminating, no IP yet.
+    NotServing(&'static str),
+    /// Can never be a worker as it is: the reason goes to the log.
+    Refused(String),
+}
+
+/// `namespace/name`, how pods are keyed and named in logs.
+pub fn pod_key(pod: &Pod) -> String {
+    format!("{}/{}", pod.metadata.namespace.as_deref().unwrap_or(""), pod.metadata.name.as_deref().unwrap_or(""))
+}
+
+fn is_ready(pod: &Pod) -> bool {
+    let conditions = pod.status.as_ref().and_then(|s| s.conditions.as_ref());
+    conditions.is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+fn annotation<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
+    pod.metadata.annotations.as_ref()?.get(key).map(|v| v.trim()).filter(|v| !v.is_empty())
+}
+
+fn port_annotation(pod: &Pod, key: &str) -> Result<Option<u16>, String> {
+    match annotation(pod, key) {
+        None => Ok(None),
+        Some(v) => v.parse::<u16>().ok().filter(|p| *p > 0).map(Some).ok_or_else(|| format!("annotation {key}={v:?} is not a port")),
+    }
+}
+
+/// The verdict for a pod that the watch for `role` returned (so it matches `role.selector`).
+pub fn verdict(pod: &Pod, role: &RoleSelector, default_port: u16) -> Verdict {
+    let labels = pod.metadata.labels.as_ref();
+    if !role.selector.matches(labels) {
+        // The server filters by selector; a pod can still arrive here through a relabel race.
+        return Verdict::NotServing("labels do not match the selector");
+    }
+    if role.conflicting.as_ref().is_some_and(|other| other.matches(labels)) {
+        return Verdict::Refused("matches both --prefill-selector and --decode-selector".into());
+    }
+    if pod.metadata.deletion_timestamp.is_some() {
+        return Verdict::NotServing("terminating");
+    }
+    let status = pod.status.as_ref();
+    if status.and_then(|s| s.phase.as_deref()) != Some("Running") {
+        return Verdict::NotServing("not running");
+    }
+    if !is_ready(pod) {
+        return Verdict::NotServing("not ready");
+    }
+    let Some(ip) = status.and_then(|s| s.pod_ip.as_deref()).filter(|ip| !ip.is_empty()) else {
+        return Verdict::NotServing("no pod IP");
+    };
+    match candidate(pod, role.role, ip, default_port) {
+        Ok(c) => Verdict::Worker(c),
+        Err(reason) => Verdict::Refused(reason),
+    }
+}
+
+fn candidate(pod: &Pod, role: WorkerRole, ip: &str, default_port: u16) -> Result<Candidate, String> {
+    let port = port_annotation(pod, PORT_ANNOTATION)?.unwrap_or(default_port);
+    let host = if ip.contains(':') { format!("[{ip}]") } else { ip.to_string() };
+    let mut spec = WorkerSpec::new(&format!("http://{host}:{port}"), role)?;
+    if role == WorkerRole::Prefill {
+        spec.bootstrap_port = port_annotation(pod, BOOTSTRAP_PORT_ANNOTATION)?;
+    }
+    spec.kv_connector = match annotation(pod, KV_CONNECTOR_ANNOTATION) {
+        None => None,
+        Some(name) => Some(
+            KvConnector::from_name(name)
+                .ok_or_else(|| format!("annotation {KV_CONNECTOR_ANNOTATION}={name:?}: expected bootstrap, nixl or mooncake"))?,
+        ),
+    };
+    let meta = &pod.metadata;
+    for (key, value) in [(NAMESPACE_LABEL, &meta.namespace), (POD_LABEL, &meta.name), (UID_LABEL, &meta.uid)] {
+        if let Some(v) = value {
+            spec.labels.insert(key.to_string(), v.clone());
+        }
+    }
+    Ok(Candidate { spec, kv_engine_id: annotation(pod, KV_ENGINE_ID_ANNOTATION).map(str::to_string) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pod(labels: serde_json::Value, annotations: serde_json::Value, status: serde_json::Value) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": "p-0", "namespace": "ml", "uid": "u-1", "labels": labels, "annotations": annotations},
+            "status": status,
+        }))
+        .unwrap()
+    }
+
+    fn ready(ip: &str) -> serde_json::Value {
+        json!({"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]})
+    }
+
+    fn prefill() -> RoleSelector {
+        let sel = |k: &str, v: &str| Selector([(k.to_string(), v.to_string())].into());
+        RoleSelector { role: WorkerRole::Prefill, selector: sel("app", "p"), conflicting: Some(sel("tier", "d")) }
+    }
+
+    #[test]
+    fn a_ready_running_pod_with_an_ip_is_a_worker_with_its_annotations() {
+        let p = pod(
+            json!({"app": "p"}),
+            json!({"pdgate.ai/port": "30001", "sglang.ai/bootstrap-port": "9001", "smg.ai/kv-connector": "mooncake", "smg.ai/kv-engine-id": "e1"}),
+            ready("10.0.0.7"),
+        );
+        let Verdict::Worker(c) = verdict(&p, &prefill(), 8000) else { panic!("not a worker") };
+        assert_eq!(c.spec.url, "http://10.0.0.7:30001");
+        assert_eq!(c.spec.bootstrap_port, Some(9001));
+        assert_eq!(c.spec.kv_connector, Some(KvConnector::Mooncake));
+        assert_eq!(c.kv_engine_id.as_deref(), Some("e1"));
+        assert_eq!(c.spec.labels.get(UID_LABEL).map(String::as_str), Some("u-1"));
+        assert_eq!(c.spec.labels.get(POD_LABEL).map(String::as_str), Some("p-0"));
+    }
+
+    #[test]
+    fn default_port_and_ipv6() {
+        let p = pod(json!({"app": "p"}), json!({}), ready("fd00::5"));
+        let Verdict::Worker(c) = verdict(&p, &prefill(), 8000) else { panic!("not a worker") };
+        assert_eq!(c.spec.url, "http://[fd00::5]:8000");
+        assert_eq!(c.spec.bootstrap_port, None);
+    }
+
+    #[test]
+    fn pods_that_do_not_serve_are_not_workers() {
+        let cases = [
+            json!({"phase": "Pending", "podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}),
+            json!({"phase": "Running", "podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "False"}]}),
+            json!({"phase": "Running", "podIP": "10.0.0.1"}),
+            json!({"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}),
+            json!({"phase": "Succeeded", "podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}),
+        ];
+        for status in cases {
+            let p = pod(json!({"app": "p"}), json!({}), status.clone());
+            assert!(matches!(verdict(&p, &prefill(), 8000), Verdict::NotServing(_)), "{status}");
+        }
+        let mut terminating = pod(json!({"app": "p"}), json!({}), ready("10.0.0.1"));
+        terminating.metadata.deletion_timestamp = serde_json::from_value(json!("2025-01-01T00:00:00Z")).unwrap();
+        assert_eq!(verdict(&terminating, &prefill(), 8000), Verdict::NotServing("terminating"));
+        let relabeled = pod(json!({"app": "x"}), json!({}), ready("10.0.0.1"));
+        assert!(matches!(verdict(&relabeled, &prefill(), 8000), Verdict::NotServing(_)));
+    }
+
+    #[test]
+    fn both_selectors_or_bad_annotations_refuse_the_pod() {
+        let both = pod(json!({"app": "p", "tier": "d"}), json!({}), ready("10.0.0.1"));
+        assert!(matches!(verdict(&both, &prefill(), 8000), Verdict::Refused(_)));
+        for (k, v) in [("pdgate.ai/port", "http"), ("sglang.ai/bootstrap-port", "0"), ("smg.ai/kv-connector", "lmcache")] {
+            let p = pod(json!({"app": "p"}), json!({k: v}), ready("10.0.0.1"));
+            assert!(matches!(verdict(&p, &prefill(), 8000), Verdict::Refused(_)), "{k}={v}");
+        }
+    }
+
+    #[test]
+    fn selectors_match_all_pairs_and_render_as_a_query() {
+        let s = Selector::parse(&["app=p".to_string(), "model=llama".to_string()]);
+        let labels: BTreeMap<String, String> = [("app".into(), "p".into()), ("model".into(), "llama".into()), ("x".into(), "y".into())].into();
+        assert!(s.matches(Some(&labels)));
+        assert!(!Selector::parse(&["app=d".to_string()]).matches(Some(&labels)));
+        assert!(!s.matches(None));
+        assert_eq!(s.to_query(), "app=p,model=llama");
+    }
+}
