@@ -21,6 +21,7 @@ pub struct Metrics {
     pub inflight: IntGaugeVec,
     pub worker_healthy: IntGaugeVec,
     pub worker_load: IntGaugeVec,
+    pub decisions: IntCounterVec,
     pub silent_recompute: IntCounterVec,
     /// Kubernetes discovery (src/discovery): events by type, watch restarts, workers by source.
     pub discovery_events: IntCounterVec,
@@ -61,6 +62,7 @@ impl Metrics {
             leg_errors: counter(&r, "pdgate_worker_errors_total", "Failed worker legs by leg and error code", &["leg", "code"]),
             inflight: gauge(&r, "pdgate_worker_inflight", "Requests in flight per worker", &["worker", "role"]),
             worker_healthy: gauge(&r, "pdgate_worker_healthy", "1 when the worker passes health checks", &["worker", "role"]),
+            decisions: counter(&r, "pdgate_policy_decisions_total", "Routing decisions by pool and outcome (cache_hit, cache_miss, rebalance, ...)", &["pool", "outcome"]),
             worker_load: gauge(&r, "pdgate_worker_load", "Engine-reported running + waiting requests (-1: unknown)", &["worker", "role"]),
             silent_recompute: counter(
                 &r,

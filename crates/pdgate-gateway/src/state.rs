@@ -8,6 +8,7 @@ use std::time::Duration;
 use std::sync::Arc;
 
 use pdgate_core::breaker::{BreakerState, Outcome};
+use pdgate_core::radix::RadixTree;
 use pdgate_core::retry::RetryPolicy;
 use pdgate_core::policy::{make_policy_with, PolicyOptions};
 use pdgate_core::{GatewayConfig, Policy};
@@ -27,6 +28,9 @@ pub struct AppState {
     pub decode_policy: Box<dyn Policy>,
     pub retry: RetryPolicy,
     sequence: AtomicU64,
+    /// Recent prompts per worker, for cache-aware policies (keys are worker URLs, so one tree
+    /// serves every pool). Locked only around a decision and its insert, never across an await.
+    pub tree: Mutex<RadixTree>,
     /// Mooncake: prefill URL → engine id learned from its bootstrap server's `/query`.
     engine_ids: Mutex<HashMap<String, String>>,
 }
@@ -45,6 +49,7 @@ impl AppState {
                 max_backoff: Duration::from_millis(config.retry_max_backoff_ms),
             },
             sequence: AtomicU64::new(0),
+            tree: Mutex::new(RadixTree::new()),
             engine_ids: Mutex::new(HashMap::new()),
             registry,
             config,
@@ -67,6 +72,24 @@ impl AppState {
                 tokio::time::sleep(cooldown).await;
                 state.registry.refresh();
             });
+        }
+    }
+
+    /// Whether any configured policy reads the radix tree.
+    pub fn uses_tree(&self) -> bool {
+        self.regular_policy.uses_tree() || self.prefill_policy.uses_tree() || self.decode_policy.uses_tree()
+    }
+
+    /// Records that `text` went to `url` (for the policies that asked), keeping the tree bounded.
+    pub fn remember(&self, tree: &mut RadixTree, text: &str, url: &str) {
+        tree.insert(text, url, self.registry.now_ms());
+        tree.evict(self.config.max_tree_size);
+    }
+
+    /// Forgets a removed worker's cached prefixes.
+    pub fn forget_worker(&self, url: &str) {
+        if self.uses_tree() {
+            self.tree.lock().unwrap_or_else(|p| p.into_inner()).remove_tenant(url);
         }
     }
 

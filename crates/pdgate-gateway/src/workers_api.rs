@@ -176,11 +176,13 @@ pub fn drain_and_remove(state: &Arc<AppState>, id: &str) -> Result<Entry, Regist
     let entry = state.registry.start_drain(id)?;
     let state = state.clone();
     let id = entry.id.clone();
+    let url = entry.spec.url.clone();
     tokio::spawn(async move {
         let deadline = tokio::time::Instant::now() + state.request_timeout();
         while !state.registry.finish_drain(&id, tokio::time::Instant::now() >= deadline) {
             tokio::time::sleep(DRAIN_POLL).await;
         }
+        state.forget_worker(&url);
         tracing::info!(id = %id, "drained worker removed");
     });
     Ok(entry)

@@ -44,7 +44,24 @@ pub async fn attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Resul
         loads: &loads,
         ..RouteInput::default()
     };
-    let (p, d) = select_pair(snap, ctx.state.prefill_policy.as_ref(), ctx.state.decode_policy.as_ref(), &input, &exclude, &mut rand::rng())?;
+    let (p, d) = if ctx.state.uses_tree() {
+        let mut tree = ctx.state.tree.lock().unwrap_or_else(|p| p.into_inner());
+        let input = RouteInput { tree: Some(&tree), ..input };
+        let (p, d) = select_pair(snap, ctx.state.prefill_policy.as_ref(), ctx.state.decode_policy.as_ref(), &input, &exclude, &mut rand::rng())?;
+        if let Some(text) = text.as_deref() {
+            if ctx.state.prefill_policy.uses_tree() {
+                ctx.state.remember(&mut tree, text, &snap.worker(p.worker).spec.url);
+            }
+            if ctx.state.decode_policy.uses_tree() {
+                ctx.state.remember(&mut tree, text, &snap.worker(d.worker).spec.url);
+            }
+        }
+        (p, d)
+    } else {
+        select_pair(snap, ctx.state.prefill_policy.as_ref(), ctx.state.decode_policy.as_ref(), &input, &exclude, &mut rand::rng())?
+    };
+    ctx.state.metrics.decisions.with_label_values(&["prefill", p.branch]).inc();
+    ctx.state.metrics.decisions.with_label_values(&["decode", d.branch]).inc();
     let protocol = snap.connector_of(p.worker);
     let pw = Picked { spec: snap.worker(p.worker).spec.clone(), runtime: routing.runtime[p.worker].clone() };
     let dw = Picked { spec: snap.worker(d.worker).spec.clone(), runtime: routing.runtime[d.worker].clone() };

@@ -31,7 +31,19 @@ pub async fn regular_attempt(ctx: &Ctx, failed: &[String], record: &mut Record) 
         loads: &loads,
         ..RouteInput::default()
     };
-    let choice = select_regular(snap, ctx.state.regular_policy.as_ref(), &input, &exclude, &mut rand::rng())?;
+    let policy = ctx.state.regular_policy.as_ref();
+    let choice = if policy.uses_tree() {
+        let mut tree = ctx.state.tree.lock().unwrap_or_else(|p| p.into_inner());
+        let input = RouteInput { tree: Some(&tree), ..input };
+        let choice = select_regular(snap, policy, &input, &exclude, &mut rand::rng())?;
+        if let Some(text) = text.as_deref() {
+            ctx.state.remember(&mut tree, text, &snap.worker(choice.worker).spec.url);
+        }
+        choice
+    } else {
+        select_regular(snap, policy, &input, &exclude, &mut rand::rng())?
+    };
+    ctx.state.metrics.decisions.with_label_values(&["regular", choice.branch]).inc();
     let url = snap.worker(choice.worker).spec.url.clone();
     let runtime = routing.runtime[choice.worker].clone();
     drop(routing);

@@ -30,6 +30,10 @@ pub enum Fault {
     Hang,
     /// Stream two chunks, then drop the connection.
     DieMidStream,
+    /// Answer normally after this many milliseconds.
+    Slow(u64),
+    /// Stream slowly: this many milliseconds between chunks.
+    SlowStream(u64),
 }
 
 #[derive(Default)]
@@ -165,6 +169,7 @@ async fn handle(State(s): State<MockState>, headers: HeaderMap, Json(body): Json
         Fault::Hang => {
             std::future::pending::<()>().await;
         }
+        Fault::Slow(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
         _ => {}
     }
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
@@ -329,14 +334,21 @@ fn answer(body: &Value, stream: bool, fault: Fault, meta: Value, usage: Option<(
         });
         return Response::builder().header("content-type", "text/event-stream").body(Body::from_stream(stream)).unwrap();
     }
+    if let Fault::SlowStream(ms) = fault {
+        return sse_every(chunks, ms);
+    }
     sse(chunks)
 }
 
 use futures_util::StreamExt;
 
 fn sse(chunks: Vec<String>) -> Response {
-    let stream = futures_util::stream::iter(chunks).then(|c| async move {
-        tokio::time::sleep(Duration::from_millis(2)).await;
+    sse_every(chunks, 2)
+}
+
+fn sse_every(chunks: Vec<String>, ms: u64) -> Response {
+    let stream = futures_util::stream::iter(chunks).then(move |c| async move {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
         Ok::<_, std::io::Error>(c)
     });
     Response::builder().header("content-type", "text/event-stream").body(Body::from_stream(stream)).unwrap()
