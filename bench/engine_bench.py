@@ -120,8 +120,9 @@ def raw_mooncake(nbytes: int) -> float:
     te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
     src = np.ones(nbytes, dtype=np.uint8)
     te.register_memory(src.ctypes.data, src.nbytes)
-    q, done = mp.Queue(), mp.Event()
-    proc = mp.Process(target=_mooncake_sink, args=(q, done, nbytes))
+    spawn = mp.get_context("spawn")
+    q, done = spawn.Queue(), spawn.Event()
+    proc = spawn.Process(target=_mooncake_sink, args=(q, done, nbytes))
     proc.start()
     session, addr = q.get(timeout=60)
     best = float("inf")
@@ -130,6 +131,45 @@ def raw_mooncake(nbytes: int) -> float:
         rc = te.transfer_sync_write(session, src.ctypes.data, addr, nbytes)
         best = min(best, time.perf_counter() - t0)
         assert rc == 0, rc
+    done.set()
+    proc.join(30)
+    return nbytes / best / 1e9
+
+
+def _nixl_sink(q, done, nbytes: int) -> None:
+    from pdgate.engine.transfer.nixl_dp import _import_nixl
+    nixl_agent, nixl_agent_config = _import_nixl()
+    ag = nixl_agent("bench-sink", nixl_agent_config(backends=["UCX"]))
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    ag.register_memory([(buf.ctypes.data, nbytes, 0, "")], "DRAM")
+    q.put((ag.get_agent_metadata(), buf.ctypes.data))
+    done.wait(120)
+
+
+def raw_nixl(nbytes: int) -> float:
+    """GB/s of one NIXL (UCX) WRITE of nbytes into another process; best of 3."""
+    from pdgate.engine.transfer.nixl_dp import _import_nixl
+    spawn = mp.get_context("spawn")
+    q, done = spawn.Queue(), spawn.Event()
+    proc = spawn.Process(target=_nixl_sink, args=(q, done, nbytes))
+    proc.start()  # before this process creates its agent: UCX state must not be forked
+    nixl_agent, nixl_agent_config = _import_nixl()
+    ag = nixl_agent("bench-src", nixl_agent_config(backends=["UCX"]))
+    src = np.ones(nbytes, dtype=np.uint8)
+    ag.register_memory([(src.ctypes.data, nbytes, 0, "")], "DRAM")
+    meta, addr = q.get(timeout=120)
+    name = ag.add_remote_agent(meta)
+    best = float("inf")
+    for _ in range(3):
+        h = ag.initialize_xfer("WRITE", ag.get_xfer_descs([(src.ctypes.data, nbytes, 0)], "DRAM"),
+                               ag.get_xfer_descs([(addr, nbytes, 0)], "DRAM"), name, b"b")
+        t0 = time.perf_counter()
+        state = ag.transfer(h)
+        while state not in ("DONE", "ERR"):
+            state = ag.check_xfer_state(h)
+        best = min(best, time.perf_counter() - t0)
+        ag.release_xfer_handle(h)
+        assert state == "DONE"
     done.set()
     proc.join(30)
     return nbytes / best / 1e9
@@ -196,15 +236,16 @@ def bench_transfer(prompt_len: int = 2048) -> dict:
            "raw_asyncio_GBps": round(raw_loopback(raw, "asyncio"), 3),
            "raw_socket_GBps": round(raw_loopback(raw, "socket"), 3)}
     out["engine_tcp_vs_raw_asyncio"] = round(tcp / out["raw_asyncio_GBps"], 2)
-    try:
-        import mooncake.engine  # noqa: F401
-    except ImportError:
-        out["mooncake"] = "not installed"
-        return out
-    _, mc = _engine_transfer("mooncake", prompt_len)
-    out["engine_mooncake_GBps"] = round(mc, 3)
-    out["raw_mooncake_GBps"] = round(raw_mooncake(nbytes), 3)
-    out["engine_mooncake_vs_raw"] = round(mc / out["raw_mooncake_GBps"], 2)
+    import importlib.util
+    for name, raw_fn, mods in (("mooncake", raw_mooncake, ("mooncake",)),
+                               ("nixl", raw_nixl, ("nixl", "nixl_cu12"))):
+        if not any(importlib.util.find_spec(m) for m in mods):
+            out[name] = "not installed"
+            continue
+        _, got = _engine_transfer(name, prompt_len)
+        out[f"engine_{name}_GBps"] = round(got, 3)
+        out[f"raw_{name}_GBps"] = round(raw_fn(nbytes), 3)
+        out[f"engine_{name}_vs_raw"] = round(got / out[f"raw_{name}_GBps"], 2)
     return out
 
 

@@ -83,9 +83,6 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         args.disaggregation_mode = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(role, "null")
     if cfg and cfg.get("engine_id") and not args.engine_id:
         args.engine_id = str(cfg["engine_id"])
-    if args.disaggregation_transfer_backend == "nixl":
-        raise SystemExit("--disaggregation-transfer-backend nixl: not available in the reference "
-                         "engine yet; use tcp or mooncake (see docs/engine.md, 'Not done')")
     if not args.advertise_host:
         wildcard = args.host in ("0.0.0.0", "::", "")
         args.advertise_host = socket.gethostbyname(socket.gethostname()) if wildcard else args.host

@@ -68,6 +68,10 @@ class Engine:
             from .transfer.mooncake_te import MooncakeBackend
 
             self.ctx.backend = MooncakeBackend(self.pool, args.advertise_host)
+        elif args.disaggregation_transfer_backend == "nixl":
+            from .transfer.nixl_dp import NixlBackend
+
+            self.ctx.backend = NixlBackend(self.pool, f"pdgate-{self.engine_id}", args.transfer_timeout)
         self.push = PushSource(self.ctx)
         self.pull = PullSource(self.ctx)
         self.tserver = TransferServer({"register": self.push.on_register, "pull": self.pull.on_pull})

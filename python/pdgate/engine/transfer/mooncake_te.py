@@ -17,6 +17,18 @@ INSTALL_HINT = ("--disaggregation-transfer-backend mooncake needs the Mooncake T
                 "pip install mooncake-transfer-engine-non-cuda (on Debian also apt-get install libibverbs1)")
 
 
+def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(first src page, first dst page, count) for runs consecutive on both sides."""
+    runs, i = [], 0
+    while i < len(src):
+        j = i
+        while j + 1 < len(src) and src[j + 1] == src[j] + 1 and dst[j + 1] == dst[j] + 1:
+            j += 1
+        runs.append((src[i], dst[i], j - i + 1))
+        i = j + 1
+    return runs
+
+
 class MooncakeBackend:
     name = "mooncake"
 
@@ -45,17 +57,10 @@ class MooncakeBackend:
     def segments(self, peer: dict, src: list[int], dst: list[int]):
         """(local addrs, remote addrs, lengths): one per layer, K/V and run of consecutive pages."""
         me, page = self.describe(), self.pool.k.strides[1]
-        runs, i = [], 0
-        while i < len(src):
-            j = i
-            while j + 1 < len(src) and src[j + 1] == src[j] + 1 and dst[j + 1] == dst[j] + 1:
-                j += 1
-            runs.append((src[i], dst[i], j - i + 1))
-            i = j + 1
         srcs, dsts, lens = [], [], []
         for kind in ("k_base", "v_base"):
             for layer in range(self.pool.k.shape[0]):
-                for s, d, n in runs:
+                for s, d, n in page_runs(src, dst):
                     srcs.append(me[kind] + layer * me["layer_stride"] + s * me["page_stride"])
                     dsts.append(peer[kind] + layer * peer["layer_stride"] + d * peer["page_stride"])
                     lens.append(n * page)

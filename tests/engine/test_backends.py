@@ -1,5 +1,6 @@
-"""The optional Mooncake Transfer Engine data plane (skipped where it is not installed): the
-same equality and byte-count checks as test_pd_equality, with every KV byte moved by Mooncake."""
+"""The optional data planes, Mooncake Transfer Engine and NIXL/UCX (each skipped where it is not
+installed): the same equality and byte-count checks as test_pd_equality, with every KV byte
+moved by the library, and mixed pairs falling back to TCP frames."""
 
 from __future__ import annotations
 
@@ -13,13 +14,21 @@ import engine_router as router
 from conftest import assert_clean, loads, start_all
 from pdgate.workers import ReferenceWorker
 
-pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(scope="module")
-def mc_workers():
-    kw = {"transfer_backend": "mooncake"}
+def _installed(backend: str) -> bool:
+    import importlib.util
+    if backend == "mooncake":
+        return importlib.util.find_spec("mooncake") is not None
+    return any(importlib.util.find_spec(m) is not None for m in ("nixl", "nixl_cu12"))
+
+
+@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+def mc_workers(request):
+    if not _installed(request.param):
+        pytest.skip(f"{request.param} is not installed")
+    kw = {"transfer_backend": request.param}
     ws = {"sglang": (ReferenceWorker("prefill", **kw), ReferenceWorker("decode", **kw)),
           "nixl": (ReferenceWorker("prefill", kv_connector="NixlConnector", **kw),
                    ReferenceWorker("decode", kv_connector="NixlConnector", **kw)),
@@ -41,7 +50,7 @@ def _body(ids):
 
 
 @pytest.mark.parametrize("pair,via_backend", [("sglang", True), ("mixed", False)])
-def test_bootstrap_over_mooncake(mc_workers, colocated, pair, via_backend):
+def test_bootstrap_over_backend(mc_workers, colocated, pair, via_backend):
     p, d = mc_workers[pair]
     ps = _prompts()
 
@@ -67,7 +76,7 @@ def test_bootstrap_over_mooncake(mc_workers, colocated, pair, via_backend):
     assert_clean(p, d)
 
 
-def test_nixl_pull_over_mooncake(mc_workers, colocated):
+def test_nixl_pull_over_backend(mc_workers, colocated):
     p, d = mc_workers["nixl"]
     ps = _prompts()
 
