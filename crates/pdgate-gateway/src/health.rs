@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use http_body_util::BodyExt;
-use pdgate_core::Leg;
+use pdgate_core::{KvLayout, Leg};
 use serde_json::Value;
 use tokio::sync::watch;
 use tokio::time::{timeout, MissedTickBehavior};
@@ -83,7 +83,37 @@ pub async fn engine_info(state: &AppState, base: &str) -> EngineInfo {
         .and_then(|v| Some(v.get("data")?.as_array()?.iter().filter_map(|m| m.get("id")?.as_str().map(str::to_string)).collect()))
         .unwrap_or_default();
     let server = get_json(state, &format!("{base}/server_info")).await;
-    let mode = server.as_ref().and_then(|s| s.get("disaggregation_mode")).and_then(Value::as_str).map(str::to_string);
-    let runtime = server.as_ref().map(|_| "sglang".to_string());
-    EngineInfo { models, mode, runtime }
+    EngineInfo { models, ..server.as_ref().map(server_info_facts).unwrap_or_default() }
+}
+
+/// Mode, runtime and KV layout from an SGLang-style `/server_info` (the reference engine adds
+/// `"engine": "pdgate-reference"`). vLLM has no such endpoint: its facts stay unknown.
+pub fn server_info_facts(s: &Value) -> EngineInfo {
+    let text = |k: &str| s.get(k).and_then(Value::as_str).map(str::to_string);
+    let num = |k: &str| s.get(k).and_then(Value::as_u64).map(|v| v as u32);
+    // "auto" means "the model's dtype", which the server does not spell out: unknown.
+    let kv_dtype = text("kv_cache_dtype").filter(|d| d != "auto");
+    EngineInfo {
+        models: vec![],
+        mode: text("disaggregation_mode"),
+        runtime: Some(text("engine").unwrap_or_else(|| "sglang".into())),
+        kv_layout: KvLayout { page_size: num("page_size"), kv_dtype, tp_size: num("tp_size") },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn server_info_gives_mode_runtime_and_layout() {
+        let sglang = server_info_facts(&json!({"disaggregation_mode": "prefill", "page_size": 64, "kv_cache_dtype": "auto", "tp_size": 8}));
+        assert_eq!(sglang.mode.as_deref(), Some("prefill"));
+        assert_eq!(sglang.runtime.as_deref(), Some("sglang"));
+        assert_eq!(sglang.kv_layout, KvLayout { page_size: Some(64), kv_dtype: None, tp_size: Some(8) });
+        let reference = server_info_facts(&json!({"engine": "pdgate-reference", "page_size": 16, "kv_cache_dtype": "fp8_e4m3"}));
+        assert_eq!(reference.runtime.as_deref(), Some("pdgate-reference"));
+        assert_eq!(reference.kv_layout.kv_dtype.as_deref(), Some("fp8_e4m3"));
+    }
 }

@@ -22,6 +22,8 @@ pub struct Metrics {
     pub worker_healthy: IntGaugeVec,
     pub worker_load: IntGaugeVec,
     pub decisions: IntCounterVec,
+    pub pairing_refusals: IntCounterVec,
+    pub breaker_state: IntGaugeVec,
     pub silent_recompute: IntCounterVec,
     /// Kubernetes discovery (src/discovery): events by type, watch restarts, workers by source.
     pub discovery_events: IntCounterVec,
@@ -63,6 +65,8 @@ impl Metrics {
             inflight: gauge(&r, "pdgate_worker_inflight", "Requests in flight per worker", &["worker", "role"]),
             worker_healthy: gauge(&r, "pdgate_worker_healthy", "1 when the worker passes health checks", &["worker", "role"]),
             decisions: counter(&r, "pdgate_policy_decisions_total", "Routing decisions by pool and outcome (cache_hit, cache_miss, rebalance, ...)", &["pool", "outcome"]),
+            pairing_refusals: counter(&r, "pdgate_pairing_refusals_total", "Requests refused for want of a compatible prefill/decode pair", &["mode"]),
+            breaker_state: gauge(&r, "pdgate_worker_breaker_state", "Circuit breaker: 0 closed, 1 open, 2 half-open", &["worker"]),
             worker_load: gauge(&r, "pdgate_worker_load", "Engine-reported running + waiting requests (-1: unknown)", &["worker", "role"]),
             silent_recompute: counter(
                 &r,

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use pdgate_core::breaker::{Breaker, BreakerConfig, BreakerState, Outcome};
-use pdgate_core::{HealthState, KvConnector, PoolSnapshot, WorkerSpec, WorkerView};
+use pdgate_core::{HealthState, KvLayout, PairingKey, PairingMode, PoolSnapshot, SnapshotOptions, WorkerSpec, WorkerView};
 
 /// Where a worker came from. Discovery only ever removes what discovery added.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -48,6 +48,7 @@ pub struct EngineInfo {
     /// `disaggregation_mode` as the engine reports it.
     pub mode: Option<String>,
     pub runtime: Option<String>,
+    pub kv_layout: KvLayout,
 }
 
 #[derive(Clone, Debug)]
@@ -79,7 +80,7 @@ pub enum RegistryError {
 pub struct Registry {
     entries: Mutex<Vec<Entry>>,
     routing: ArcSwap<Routing>,
-    default_connector: KvConnector,
+    options: SnapshotOptions,
     breaker_config: BreakerConfig,
     epoch: Instant,
 }
@@ -95,12 +96,12 @@ pub fn worker_id(url: &str) -> String {
 }
 
 impl Registry {
-    pub fn new(specs: Vec<WorkerSpec>, default_connector: KvConnector, breaker_config: BreakerConfig) -> Self {
+    pub fn new(specs: Vec<WorkerSpec>, options: SnapshotOptions, breaker_config: BreakerConfig) -> Self {
         let reg = Registry {
             breaker_config,
             entries: Mutex::new(Vec::new()),
             routing: ArcSwap::from_pointee(Routing { snapshot: PoolSnapshot::default(), runtime: vec![] }),
-            default_connector,
+            options,
             epoch: Instant::now(),
         };
         for spec in specs {
@@ -137,7 +138,9 @@ impl Registry {
             })
             .collect();
         let runtime = entries.iter().map(|e| e.runtime.clone()).collect();
-        self.routing.store(Arc::new(Routing { snapshot: PoolSnapshot::build(views, self.default_connector), runtime }));
+        let previous = self.routing.load();
+        let snapshot = PoolSnapshot::build_with(views, self.options, Some(&previous.snapshot));
+        self.routing.store(Arc::new(Routing { snapshot, runtime }));
     }
 
     /// Edits the entries under the lock and republishes the routing view.
@@ -220,12 +223,30 @@ impl Registry {
         Some(healthy)
     }
 
+    /// Records what the engine says about itself; its runtime and KV layout become part of the
+    /// worker's pairing key (facts given at registration win over what the engine reports).
     pub fn set_info(&self, id: &str, info: EngineInfo) {
         self.edit(|entries| {
             if let Some(e) = entries.iter_mut().find(|e| e.id == id) {
+                let mut spec = (*e.spec).clone();
+                spec.runtime = spec.runtime.take().or_else(|| info.runtime.clone());
+                let l = &mut spec.kv_layout;
+                l.page_size = l.page_size.or(info.kv_layout.page_size);
+                l.kv_dtype = l.kv_dtype.take().or_else(|| info.kv_layout.kv_dtype.clone());
+                l.tp_size = l.tp_size.or(info.kv_layout.tp_size);
+                e.spec = Arc::new(spec);
                 e.info = info;
             }
         });
+    }
+
+    /// The worker's pairing key as routing sees it.
+    pub fn pairing_key(&self, e: &Entry) -> PairingKey {
+        PairingKey::of(&e.spec, self.options.default_connector)
+    }
+
+    pub fn pairing_mode(&self) -> PairingMode {
+        self.options.pairing_mode
     }
 
     /// Feeds one request outcome to a worker's breaker. Returns the new state when it changed
@@ -262,7 +283,11 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pdgate_core::WorkerRole;
+    use pdgate_core::{KvConnector, WorkerRole};
+
+    fn opts() -> SnapshotOptions {
+        SnapshotOptions { default_connector: KvConnector::Bootstrap, pairing_mode: PairingMode::Lenient }
+    }
 
     fn spec(url: &str, role: WorkerRole) -> WorkerSpec {
         WorkerSpec::new(url, role).unwrap()
@@ -276,7 +301,7 @@ mod tests {
 
     #[test]
     fn duplicates_are_refused_and_drain_waits_for_inflight() {
-        let reg = Registry::new(vec![spec("http://a:1", WorkerRole::Regular)], KvConnector::Bootstrap, BreakerConfig::default());
+        let reg = Registry::new(vec![spec("http://a:1", WorkerRole::Regular)], opts(), BreakerConfig::default());
         assert!(matches!(reg.add(spec("http://a:1", WorkerRole::Regular), Source::Api, None), Err(RegistryError::Duplicate(_))));
         let e = reg.get("http://a:1").unwrap();
         reg.observe_health(&e.id, true, 1, 1);
@@ -293,7 +318,7 @@ mod tests {
     #[test]
     fn an_open_breaker_takes_the_worker_out_until_its_cooldown() {
         let cfg = BreakerConfig { enabled: true, failure_threshold: 2, success_threshold: 1, cooldown: std::time::Duration::from_millis(30) };
-        let reg = Registry::new(vec![spec("http://a:1", WorkerRole::Regular)], KvConnector::Bootstrap, cfg);
+        let reg = Registry::new(vec![spec("http://a:1", WorkerRole::Regular)], opts(), cfg);
         let e = reg.get("http://a:1").unwrap();
         reg.observe_health(&e.id, true, 1, 1);
         assert_eq!(reg.record_outcome("http://a:1", Outcome::Failure), None);
@@ -307,7 +332,7 @@ mod tests {
 
     #[test]
     fn health_changes_republish_the_view() {
-        let reg = Registry::new(vec![spec("http://p:1", WorkerRole::Prefill), spec("http://d:1", WorkerRole::Decode)], KvConnector::Bootstrap, BreakerConfig::default());
+        let reg = Registry::new(vec![spec("http://p:1", WorkerRole::Prefill), spec("http://d:1", WorkerRole::Decode)], opts(), BreakerConfig::default());
         assert!(!reg.routing().snapshot.pd_ready());
         for e in reg.list() {
             assert_eq!(reg.observe_health(&e.id, true, 3, 2), Some(true));

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use axum::serve::ListenerExt;
 use pdgate_core::breaker::BreakerConfig;
-use pdgate_core::{ConfigError, GatewayConfig};
+use pdgate_core::{ConfigError, GatewayConfig, SnapshotOptions};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -59,7 +59,8 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     let bind = format!("{}:{}", config.host, config.port);
     let listener = TcpListener::bind(&bind).await.map_err(|source| StartError::Bind { addr: bind.clone(), source })?;
     let addr = listener.local_addr().map_err(|source| StartError::Bind { addr: bind, source })?;
-    let registry = Registry::new(workers, config.kv_connector, BreakerConfig::from_config(&config));
+    let options = SnapshotOptions { default_connector: config.kv_connector, pairing_mode: config.pd_pairing_mode };
+    let registry = Registry::new(workers, options, BreakerConfig::from_config(&config));
     let state = Arc::new(AppState::new(config, registry));
     let (tx, rx) = watch::channel(false);
     health::spawn_supervisor(&state, rx.clone());

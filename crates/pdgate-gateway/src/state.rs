@@ -64,13 +64,19 @@ impl AppState {
     /// Feeds a request outcome to the worker's circuit breaker; when it opens, schedules the
     /// rebuild that lets half-open probes through after the cool-down.
     pub fn record_outcome(self: &Arc<Self>, url: &str, outcome: Outcome) {
-        if self.registry.record_outcome(url, outcome) == Some(BreakerState::Open) {
+        let changed = self.registry.record_outcome(url, outcome);
+        if let Some(s) = changed {
+            self.metrics.breaker_state.with_label_values(&[url]).set(i64::from(s.as_gauge()));
+        }
+        if changed == Some(BreakerState::Open) {
             tracing::warn!(worker = url, "circuit breaker opened");
             let state = self.clone();
+            let url = url.to_string();
             let cooldown = self.registry.breaker_config().cooldown;
             tokio::spawn(async move {
                 tokio::time::sleep(cooldown).await;
                 state.registry.refresh();
+                state.metrics.breaker_state.with_label_values(&[&url]).set(i64::from(BreakerState::HalfOpen.as_gauge()));
             });
         }
     }

@@ -76,7 +76,9 @@ pub fn worker_json(state: &AppState, e: &Entry) -> Value {
         "load": if polled >= 0 { json!(polled) } else { Value::Null },
         "models": e.info.models,
         "disaggregation_mode": e.info.mode,
-        "pd_pairing": {"runtime": e.info.runtime, "transport": connector.as_str()},
+        "pd_pairing": state.registry.pairing_key(e),
+        "pd_pairing_mode": state.registry.pairing_mode(),
+        "breaker": e.breaker.state(std::time::Instant::now(), state.registry.breaker_config()).as_str(),
     })
 }
 

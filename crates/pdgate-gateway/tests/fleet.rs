@@ -188,3 +188,32 @@ async fn cache_aware_keeps_a_prompt_on_the_worker_that_has_its_prefix() {
     let m = c.get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
     assert!(m.contains("pdgate_policy_decisions_total{outcome=\"cache_hit\",pool=\"regular\"} 5"), "{m}");
 }
+
+#[tokio::test]
+async fn strict_pairing_refuses_workers_whose_layout_is_unknown() {
+    // The mocks serve no /server_info: runtime and KV layout stay unknown.
+    let rdv = Arc::new(Rendezvous::default());
+    let p = spawn("prefill", rdv.clone(), Fault::None).await;
+    let d = spawn("decode", rdv, Fault::None).await;
+    let (_gw, url) = gateway(json!({"pd_disaggregation": true, "prefill": [p.url], "decode": [d.url], "pd_pairing_mode": "strict"})).await;
+    let c = client();
+    eventually(
+        async || {
+            let l: Value = c.get(format!("{url}/workers")).send().await.unwrap().json().await.unwrap();
+            l["workers"].as_array().unwrap().iter().all(|w| w["healthy"] == true)
+        },
+        "workers healthy",
+    )
+    .await;
+    let r = c.post(format!("{url}/v1/completions")).json(&json!({"prompt": "x"})).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "no_compatible_pd_pair");
+    assert!(v["error"]["message"].as_str().unwrap().contains("runtime"), "{v}");
+    assert_eq!(c.get(format!("{url}/readiness")).send().await.unwrap().status(), 503, "readiness does not lie");
+    let m = c.get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(m.contains(r#"pdgate_pairing_refusals_total{mode="strict"} 1"#), "{m}");
+    let l: Value = c.get(format!("{url}/workers")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(l["workers"][0]["pd_pairing"]["transport"], "bootstrap");
+    assert_eq!(l["workers"][0]["pd_pairing"]["runtime"], Value::Null);
+}

@@ -11,7 +11,7 @@ use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use pdgate_core::route::select_pair;
-use pdgate_core::{GatewayError, KvConnector, Leg, RouteInput, WorkerRole, WorkerSpec};
+use pdgate_core::{ErrorKind, GatewayError, KvConnector, Leg, RouteInput, WorkerRole, WorkerSpec};
 use pdgate_protocol::bootstrap::{self, Rooms, MAX_ROOM};
 use pdgate_protocol::kv_transfer;
 use rand::Rng;
@@ -44,11 +44,11 @@ pub async fn attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Resul
         loads: &loads,
         ..RouteInput::default()
     };
-    let (p, d) = if ctx.state.uses_tree() {
+    let chosen = if ctx.state.uses_tree() {
         let mut tree = ctx.state.tree.lock().unwrap_or_else(|p| p.into_inner());
         let input = RouteInput { tree: Some(&tree), ..input };
-        let (p, d) = select_pair(snap, ctx.state.prefill_policy.as_ref(), ctx.state.decode_policy.as_ref(), &input, &exclude, &mut rand::rng())?;
-        if let Some(text) = text.as_deref() {
+        let chosen = select_pair(snap, ctx.state.prefill_policy.as_ref(), ctx.state.decode_policy.as_ref(), &input, &exclude, &mut rand::rng());
+        if let (Ok((p, d)), Some(text)) = (&chosen, text.as_deref()) {
             if ctx.state.prefill_policy.uses_tree() {
                 ctx.state.remember(&mut tree, text, &snap.worker(p.worker).spec.url);
             }
@@ -56,10 +56,16 @@ pub async fn attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Resul
                 ctx.state.remember(&mut tree, text, &snap.worker(d.worker).spec.url);
             }
         }
-        (p, d)
+        chosen
     } else {
-        select_pair(snap, ctx.state.prefill_policy.as_ref(), ctx.state.decode_policy.as_ref(), &input, &exclude, &mut rand::rng())?
+        select_pair(snap, ctx.state.prefill_policy.as_ref(), ctx.state.decode_policy.as_ref(), &input, &exclude, &mut rand::rng())
     };
+    let (p, d) = chosen.inspect_err(|e| {
+        if e.kind == ErrorKind::NoCompatiblePair {
+            let mode = format!("{:?}", snap.pairing_mode()).to_ascii_lowercase();
+            ctx.state.metrics.pairing_refusals.with_label_values(&[&mode]).inc();
+        }
+    })?;
     ctx.state.metrics.decisions.with_label_values(&["prefill", p.branch]).inc();
     ctx.state.metrics.decisions.with_label_values(&["decode", d.branch]).inc();
     let protocol = snap.connector_of(p.worker);
