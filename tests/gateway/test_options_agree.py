@@ -18,24 +18,45 @@ SCHEMA = pdgate.config_schema()
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
+# Flags an option needs beside it to form a valid configuration.
+CONTEXT = {
+    "prefill": ["--pd-disaggregation"],
+    "decode": ["--pd-disaggregation"],
+    "service_discovery": ["--selector", "app=llm"],
+    "selector": ["--service-discovery"],
+    "prefill_selector": ["--service-discovery", "--pd-disaggregation", "--decode-selector", "role=decode"],
+    "decode_selector": ["--service-discovery", "--pd-disaggregation", "--prefill-selector", "role=prefill"],
+}
+SAMPLE_VALUES = {
+    "worker_urls": "http://127.0.0.1:9",
+    "prefill": "http://127.0.0.1:9",
+    "decode": "http://127.0.0.1:9",
+    "selector": "app=llm",
+    "prefill_selector": "role=prefill",
+    "decode_selector": "role=decode",
+    "log_level": "debug",
+    "cache_threshold": "0.5",
+}
+
+
 def sample_argv(option: dict) -> list[str]:
-    """A valid command line that sets just this option (plus what it depends on)."""
-    flag, name = option["flag"], option["name"]
+    """A valid command line that sets this option to a non-default value."""
+    flag, name, default = option["flag"], option["name"], option["default"]
+    context = CONTEXT.get(name, [])
     if not option["takes_value"]:
-        return [flag]
+        return [*context, flag]
     if option["choices"]:
         spelled = lambda c: c.replace("-", "_")  # noqa: E731 - compare across the two spellings
-        return [flag, next(c for c in option["choices"] if spelled(c) != option["default"])]
-    if name in ("prefill", "decode"):
-        return ["--pd-disaggregation", flag, "http://127.0.0.1:9"]
-    if name == "worker_urls":
-        return [flag, "http://127.0.0.1:9"]
-    default = option["default"]
-    if isinstance(default, bool):
-        return [flag]
-    if isinstance(default, int):
-        return [flag, str(default + 1)]
-    return [flag, "debug" if name == "log_level" else "/x"]
+        return [*context, flag, next(c for c in option["choices"] if spelled(c) != default)]
+    if name in SAMPLE_VALUES:
+        value = SAMPLE_VALUES[name]
+    elif isinstance(default, (int, float)) and not isinstance(default, bool):
+        value = str(default + 1)
+    elif default is None and ("port" in name or name.endswith(("_secs", "_ms"))):
+        value = "7"
+    else:
+        value = "/x"
+    return [*context, flag, value]
 
 
 def test_exported_names_are_sorted_and_real() -> None:
