@@ -24,7 +24,9 @@ as the real server does (k8s.io/apiserver, the watch cache):
   a delete with ``gracePeriodSeconds=0`` removes it (what the kubelet does after the grace period).
 
 Test controls: ``compact()`` (forget history: older versions now give 410), ``drop_watches()``
-(cut every open watch, abruptly or cleanly), ``watch_count``, ``write_kubeconfig(path)``.
+(cut every open watch, abruptly or cleanly), ``unavailable`` (list and watch answer 503 while
+writes still work: changes happen while no watcher can see them), ``watch_count``,
+``write_kubeconfig(path)``.
 The server runs on its own thread and event loop; it binds 127.0.0.1 on a free port.
 """
 
@@ -187,6 +189,9 @@ class FakeApiServer:
         self._runner: Optional[web.AppRunner] = None
         self.port: Optional[int] = None
         self.requests: list[str] = []  # "METHOD path?query", for tests that check what clients sent
+        # While set, list and watch answer 503 (an API server restarting); writes still work, so
+        # a test can change pods while the watchers cannot see it.
+        self.unavailable = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -352,6 +357,8 @@ class FakeApiServer:
 
     async def _list_or_watch(self, request: web.Request) -> web.StreamResponse:
         self.requests.append(f"{request.method} {request.path_qs}")
+        if self.unavailable:
+            return self._error(503, "ServiceUnavailable", "the server is currently unable to handle the request")
         q = request.query
         try:
             matches = parse_selector(q.get("labelSelector"))
