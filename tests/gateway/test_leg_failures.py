@@ -35,10 +35,11 @@ CASES = {
     "prefill_500": ({"fail_status": 500}, {}, (502, 503), "prefill"),
     "decode_500": ({}, {"fail_status": 500}, (502, 503), "decode"),
     "prefill_never_answers": ({"hang": True}, {}, (504,), None),
+    "decode_never_answers": ({}, {"hang": True}, (504,), None),
 }
 
 
-@pytest.mark.parametrize("connector", ["bootstrap", "mooncake"])
+@pytest.mark.parametrize("connector", ["bootstrap", "nixl", "mooncake"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_one_leg_fails(case: str, connector: str, mocks: MockHost, processes: Processes) -> None:
     p_knobs, d_knobs, statuses, leg = CASES[case]
