@@ -135,6 +135,8 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    // Exact at scrape time, whatever changed the registry since the last periodic refresh.
+    crate::discovery::refresh_worker_gauge(&state);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
 }
 

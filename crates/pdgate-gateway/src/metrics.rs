@@ -26,7 +26,9 @@ pub struct Metrics {
     pub breaker_state: IntGaugeVec,
     pub silent_recompute: IntCounterVec,
     /// Kubernetes discovery (src/discovery): events by type, watch restarts, workers by source.
+    #[cfg_attr(not(feature = "kubernetes"), allow(dead_code))]
     pub discovery_events: IntCounterVec,
+    #[cfg_attr(not(feature = "kubernetes"), allow(dead_code))]
     pub discovery_watch_restarts: IntCounterVec,
     pub workers: IntGaugeVec,
 }

@@ -3,7 +3,6 @@
 //! requests read. Every membership or health change rebuilds the view and swaps it in
 //! atomically; requests never see half an update.
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -272,11 +271,6 @@ impl Registry {
     pub fn refresh(&self) {
         let entries = self.lock();
         self.rebuild(&entries);
-    }
-
-    /// Workers of one source, by URL (for discovery's reconciliation).
-    pub fn urls_of(&self, source: Source) -> BTreeMap<String, String> {
-        self.lock().iter().filter(|e| e.source == source).map(|e| (e.spec.url.clone(), e.id.clone())).collect()
     }
 }
 
