@@ -7,6 +7,7 @@ e.g. the reference engine, import without the compiled extension)::
 
     with pdgate.Gateway(worker_urls=["http://127.0.0.1:8000"], port=0) as gw:
         print(gw.url)
+        gw.add_worker("http://127.0.0.1:8001")   # the fleet: add_worker, remove_worker, list_workers
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pdgate.errors import (
     GatewayStartError,
     GatewayStateError,
     PdgateError,
+    WorkerError,
 )
 from pdgate.gateway import Gateway, config_schema
 
@@ -36,5 +38,6 @@ __all__ = [
     "GatewayStartError",
     "GatewayStateError",
     "PdgateError",
+    "WorkerError",
     "config_schema",
 ]

@@ -8,7 +8,8 @@ anything this package raises on purpose::
     │   └── CommandLineError                 clap rejected or answered a ``pdgate launch`` line
     └── GatewayError (also a RuntimeError)   the running gateway
         ├── GatewayStartError                it could not start (port in use, bad address, ...)
-        └── GatewayStateError                the call does not fit its state (start() twice, ...)
+        ├── GatewayStateError                the call does not fit its state (start() twice, ...)
+        └── WorkerError                      the worker API refused a call (.status, .code)
 
 The compiled extension (``pdgate._core``) raises these same classes; they are defined only here.
 """
@@ -22,6 +23,7 @@ __all__ = [
     "GatewayStartError",
     "GatewayStateError",
     "PdgateError",
+    "WorkerError",
 ]
 
 
@@ -56,3 +58,19 @@ class GatewayStartError(GatewayError):
 
 class GatewayStateError(GatewayError):
     """A call that does not fit the gateway's state, e.g. ``start()`` while already running."""
+
+
+class WorkerError(GatewayError):
+    """The gateway's worker API refused a call (``add_worker``, ``remove_worker``, ...).
+
+    ``status`` is the HTTP status (``None`` when no answer carried one, e.g. a drain that did not
+    end in time) and ``code`` the gateway's machine-readable error code: ``invalid_request`` (400,
+    e.g. a worker whose ``/server_info`` contradicts ``worker_type``), ``missing_api_key`` (401),
+    ``invalid_api_key`` (403), ``not_found`` (404), ``conflict`` (409, the URL is registered),
+    ``drain_timeout``.
+    """
+
+    def __init__(self, message: str, status: int | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code

@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from types import TracebackType
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 from pdgate._native import core
-from pdgate.errors import ConfigError
+from pdgate.errors import ConfigError, GatewayStateError
+
+if TYPE_CHECKING:
+    from pdgate._workers_api import WorkersApi
 
 __all__ = ["Gateway", "config_schema"]
 
@@ -97,6 +100,68 @@ class Gateway:
     def port(self) -> int | None:
         """The bound port (the real one when configured with ``port=0``), or ``None``."""
         return self._handle.port if self._handle is not None else None
+
+    # ---- the fleet: thin wrappers over this gateway's own /workers API (docs/fleet.md) ----------
+
+    def _workers(self) -> WorkersApi:
+        from pdgate._workers_api import WorkersApi  # httpx only when the fleet is managed
+
+        url = self.url
+        if not self.running or url is None:
+            raise GatewayStateError("the gateway is not running: start() it before managing workers")
+        return WorkersApi(url, self._config.get("admin_api_key") or None)
+
+    def add_worker(
+        self,
+        url: str,
+        worker_type: Literal["regular", "prefill", "decode"] | None = None,
+        *,
+        bootstrap_port: int | None = None,
+        kv_connector: Literal["bootstrap", "nixl", "mooncake"] | None = None,
+        kv_engine_id: str | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """Register a worker (``POST /workers``) and return it as ``list_workers()`` shows it.
+
+        ``worker_type`` is required in PD mode and defaults to ``"regular"`` otherwise. The
+        gateway reads the engine's ``/server_info`` and health-checks it before answering.
+        Raises :class:`pdgate.WorkerError`: ``.status`` 409 if the URL is registered, 400 if
+        invalid (e.g. the engine reports another ``disaggregation_mode``), 401/403 for the key.
+        """
+        spec: dict[str, Any] = {"url": url}
+        optional = {"worker_type": worker_type, "bootstrap_port": bootstrap_port,
+                    "kv_connector": kv_connector, "kv_engine_id": kv_engine_id}
+        spec.update({k: v for k, v in optional.items() if v is not None})
+        if labels:
+            spec["labels"] = dict(labels)
+        return self._workers().add(spec)
+
+    def remove_worker(self, worker_id_or_url: str, *, wait: bool = False,
+                      timeout: float | None = None) -> dict[str, Any]:
+        """Drain, then remove a worker (``DELETE /workers/{id}``): it takes no new requests at
+        once; its in-flight requests finish (bounded by ``request_timeout_secs``), then it is gone.
+
+        Returns ``{"id", "url", "status": "draining"}``. With ``wait=True``, blocks until the
+        worker is gone, at most ``timeout`` seconds (default: the request timeout plus 10 s),
+        else raises :class:`pdgate.WorkerError` with ``code == "drain_timeout"``. Raises
+        ``WorkerError`` with ``.status`` 404 for an unknown worker.
+        """
+        api = self._workers()
+        answer = api.remove(worker_id_or_url)
+        if wait:
+            limit = timeout if timeout is not None else float(self._config.get("request_timeout_secs") or 0) + 10
+            api.wait_gone(answer["id"], limit)
+        return answer
+
+    def list_workers(self) -> list[dict[str, Any]]:
+        """Every registered worker (``GET /workers``): ``id``, ``url``, ``worker_type``,
+        ``source``, ``healthy``, ``enabled``, ``draining``, ``breaker``, ``inflight``, ``load``..."""
+        return self._workers().list()
+
+    def set_worker_enabled(self, worker_id_or_url: str, enabled: bool) -> dict[str, Any]:
+        """Enable or disable a worker (``PUT /workers/{id}``); a disabled worker takes no new
+        requests but is not counted as failed. Returns the worker."""
+        return self._workers().set_enabled(worker_id_or_url, enabled)
 
     def __enter__(self) -> Gateway:
         return self.start()

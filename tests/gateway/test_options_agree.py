@@ -70,6 +70,7 @@ def test_error_hierarchy() -> None:
     assert issubclass(pdgate.CommandLineError, pdgate.ConfigError)
     assert issubclass(pdgate.GatewayStartError, pdgate.GatewayError)
     assert issubclass(pdgate.GatewayStateError, pdgate.GatewayError)
+    assert issubclass(pdgate.WorkerError, pdgate.GatewayError)
 
 
 def test_schema_names_and_flags_correspond() -> None:
