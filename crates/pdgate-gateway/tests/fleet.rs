@@ -145,26 +145,31 @@ async fn a_breaker_opens_on_failures_and_recovers_after_its_cooldown() {
 }
 
 #[tokio::test]
-async fn power_of_two_routes_around_a_slow_worker() {
-    let slow = spawn("regular", Default::default(), Fault::Slow(300)).await;
+async fn power_of_two_never_picks_the_busier_worker() {
+    let slow = spawn("regular", Default::default(), Fault::SlowStream(400)).await;
     let fast = spawn("regular", Default::default(), Fault::None).await;
     let (_gw, url) = gateway(json!({"worker_urls": [slow.url, fast.url], "policy": "power_of_two", "load_poll_interval_secs": 0})).await;
     wait_ready(&url).await;
     let c = client();
-    let mut tasks = Vec::new();
-    for i in 0..24 {
-        let c = c.clone();
-        let url = url.clone();
-        tasks.push(tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(10 * i)).await;
-            c.post(format!("{url}/v1/completions")).json(&json!({"prompt": "x"})).send().await.unwrap().status()
-        }));
+    // Pin two long streams on the slow worker: take the fast one out while they start.
+    c.put(format!("{url}/workers/{}", enc(&fast.url))).json(&json!({"enabled": false})).send().await.unwrap();
+    let mut streams = Vec::new();
+    for _ in 0..2 {
+        let r = c.post(format!("{url}/v1/completions")).json(&json!({"prompt": "x", "stream": true})).send().await.unwrap();
+        assert!(r.headers()["x-pdgate-route"].to_str().unwrap().contains(&slow.url));
+        streams.push(r);
     }
-    for t in tasks {
-        assert_eq!(t.await.unwrap(), 200);
+    c.put(format!("{url}/workers/{}", enc(&fast.url))).json(&json!({"enabled": true})).send().await.unwrap();
+    // With two workers both are always sampled: every request goes to the idle one.
+    for _ in 0..10 {
+        let r = c.post(format!("{url}/v1/completions")).json(&json!({"prompt": "y"})).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(r.headers()["x-pdgate-route"].to_str().unwrap().contains(&fast.url));
     }
-    let (s, f) = (slow.log().count(), fast.log().count());
-    assert!(s < f / 2, "slow worker got {s}, fast got {f}");
+    assert_eq!((slow.log().count(), fast.log().count()), (2, 10));
+    for s in streams {
+        assert!(s.text().await.unwrap().ends_with("data: [DONE]\n\n"));
+    }
 }
 
 #[tokio::test]

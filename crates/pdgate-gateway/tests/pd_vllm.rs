@@ -54,7 +54,34 @@ async fn a_decode_that_recomputed_is_counted() {
     let r = client().post(format!("{url}/v1/completions")).json(&json!({"prompt": "x"})).send().await.unwrap();
     assert_eq!(r.status(), 200, "still succeeds");
     assert!(metric(&url, r#"pdgate_pd_silent_recompute_total{cause="no_params",protocol="nixl"} 1"#).await);
+    assert!(!metric(&url, r#"cause="decode_reported""#).await, "one request is counted once");
+}
+
+#[tokio::test]
+async fn a_decode_that_reports_too_few_cached_tokens_is_counted() {
+    // Params complete, but the decode could not pull (the prefill published no blocks).
+    let rdv = Arc::new(Rendezvous::default());
+    let p = spawn("nixl_prefill", Arc::new(Rendezvous::default()), Fault::None).await;
+    let d = spawn("nixl_decode", rdv, Fault::None).await;
+    let (_gw, url) = gateway(json!({"pd_disaggregation": true, "kv_connector": "nixl", "prefill": [p.url], "decode": [d.url]})).await;
+    wait_ready(&url).await;
+    let r = client().post(format!("{url}/v1/completions")).json(&json!({"prompt": "x"})).send().await.unwrap();
+    assert_eq!(r.status(), 200);
     assert!(metric(&url, r#"pdgate_pd_silent_recompute_total{cause="decode_reported",protocol="nixl"} 1"#).await);
+}
+
+#[tokio::test]
+async fn generate_is_refused_before_any_leg_in_vllm_modes() {
+    let rdv = Arc::new(Rendezvous::default());
+    let p = spawn("nixl_prefill", rdv.clone(), Fault::None).await;
+    let d = spawn("nixl_decode", rdv, Fault::None).await;
+    let (_gw, url) = gateway(json!({"pd_disaggregation": true, "kv_connector": "nixl", "prefill": [p.url], "decode": [d.url]})).await;
+    wait_ready(&url).await;
+    let r = client().post(format!("{url}/generate")).json(&json!({"text": "x"})).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("/v1/completions"), "{v}");
+    assert_eq!((p.log().count(), d.log().count()), (0, 0));
 }
 
 #[tokio::test]

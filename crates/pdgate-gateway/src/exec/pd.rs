@@ -14,6 +14,7 @@ use pdgate_core::route::select_pair;
 use pdgate_core::{ErrorKind, GatewayError, KvConnector, Leg, RouteInput, WorkerRole, WorkerSpec};
 use pdgate_protocol::bootstrap::{self, Rooms, MAX_ROOM};
 use pdgate_protocol::kv_transfer;
+use pdgate_protocol::Endpoint;
 use rand::Rng;
 use serde_json::{Map, Value};
 use tokio::time::{timeout_at, Instant};
@@ -69,6 +70,14 @@ pub async fn attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Resul
     ctx.state.metrics.decisions.with_label_values(&["prefill", p.branch]).inc();
     ctx.state.metrics.decisions.with_label_values(&["decode", d.branch]).inc();
     let protocol = snap.connector_of(p.worker);
+    if protocol != KvConnector::Bootstrap && ctx.req.endpoint == Endpoint::Generate {
+        // vLLM workers have no SGLang-native /generate: refuse before any leg is sent.
+        return Err(GatewayError::invalid(
+            None,
+            format!("/generate is SGLang's native API; the {} workers speak vLLM's OpenAI API: use /v1/completions or /v1/chat/completions", protocol.as_str()),
+        )
+        .into());
+    }
     let pw = Picked { spec: snap.worker(p.worker).spec.clone(), runtime: routing.runtime[p.worker].clone() };
     let dw = Picked { spec: snap.worker(d.worker).spec.clone(), runtime: routing.runtime[d.worker].clone() };
     drop(routing);
@@ -107,6 +116,7 @@ fn finish(ctx: &Ctx, protocol: KvConnector, decode: &Picked) -> Finish {
         route: ctx.route,
         protocol: protocol.as_str(),
         started: ctx.started,
+        recompute_counted: false,
         guards: vec![InflightGuard::new(&ctx.state.metrics, &decode.runtime, &decode.spec.url, WorkerRole::Decode.as_str())],
     }
 }
@@ -158,22 +168,23 @@ async fn run_nixl(ctx: &Ctx, p: &Picked, d: &Picked, record: &mut Record) -> Res
     let answer: Value = serde_json::from_slice(&answer)
         .map_err(|e| GatewayError::protocol(Leg::Prefill, format!("prefill answer is not JSON: {e}")))?;
     let metrics = &ctx.state.metrics;
-    let d_body = match kv_transfer::returned_params(&answer) {
+    let (d_body, counted) = match kv_transfer::returned_params(&answer) {
         Some(params) => {
             let missing = kv_transfer::nixl_missing_fields(params);
             if !missing.is_empty() {
                 tracing::warn!(?missing, prefill = %p.spec.url, "prefill returned incomplete kv_transfer_params; decode will recompute");
                 metrics.silent_recompute.with_label_values(&["nixl", "incomplete_params"]).inc();
             }
-            kv_transfer::nixl_decode_body(&ctx.req.body, params.clone())
+            (kv_transfer::nixl_decode_body(&ctx.req.body, params.clone()), !missing.is_empty())
         }
         None => {
             tracing::warn!(prefill = %p.spec.url, "prefill returned no kv_transfer_params; decode will recompute the prompt");
             metrics.silent_recompute.with_label_values(&["nixl", "no_params"]).inc();
-            ctx.req.body.clone()
+            (ctx.req.body.clone(), true)
         }
     };
-    relay_leg(ctx, &d.spec.url, Leg::Decode, to_bytes(&d_body)?, None, false, finish(ctx, KvConnector::Nixl, d)).await
+    let finish = Finish { recompute_counted: counted, ..finish(ctx, KvConnector::Nixl, d) };
+    relay_leg(ctx, &d.spec.url, Leg::Decode, to_bytes(&d_body)?, None, false, finish).await
 }
 
 fn bootstrap_base(p: &WorkerSpec) -> String {

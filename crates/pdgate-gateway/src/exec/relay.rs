@@ -129,6 +129,9 @@ pub struct Finish {
     pub route: &'static str,
     pub protocol: &'static str,
     pub started: std::time::Instant,
+    /// The request was already counted as a silent recompute (e.g. the prefill returned no
+    /// `kv_transfer_params`): the decode's own report must not count it a second time.
+    pub recompute_counted: bool,
     /// Held for their `Drop`: in-flight counts end with the response.
     #[allow(dead_code)]
     pub guards: Vec<InflightGuard>,
@@ -138,7 +141,7 @@ impl Finish {
     pub fn done(self, cache: Option<CacheReport>) {
         let m = &self.state.metrics;
         m.duration.with_label_values(&[self.route]).observe(self.started.elapsed().as_secs_f64());
-        if self.protocol != "regular" {
+        if self.protocol != "regular" && !self.recompute_counted {
             if let Some(r) = cache.filter(|r| recomputed(r)) {
                 tracing::warn!(protocol = self.protocol, prompt = r.prompt_tokens, cached = r.cached_tokens, "decode recomputed the prompt: KV did not (fully) move");
                 m.silent_recompute.with_label_values(&[self.protocol, "decode_reported"]).inc();

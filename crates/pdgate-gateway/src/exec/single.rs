@@ -55,6 +55,7 @@ pub async fn regular_attempt(ctx: &Ctx, failed: &[String], record: &mut Record) 
         route: ctx.route,
         protocol: "regular",
         started: ctx.started,
+        recompute_counted: false,
         guards: vec![InflightGuard::new(&ctx.state.metrics, &runtime, &url, WorkerRole::Regular.as_str())],
     };
     relay_leg(ctx, &url, Leg::Regular, ctx.raw.clone(), None, false, finish)
