@@ -36,7 +36,8 @@ pub async fn attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Resul
     let routing = ctx.state.registry.routing();
     let snap = &routing.snapshot;
     let exclude: Vec<usize> = failed.iter().filter_map(|u| snap.index_of(u)).collect();
-    let text = ctx.req.routing_text();
+    // Only cache-aware routing reads the text; don't copy the prompt for the others.
+    let text = if ctx.state.uses_tree() { ctx.req.routing_text() } else { None };
     let loads = ctx.state.loads(&routing.runtime);
     let input = RouteInput {
         text: text.as_deref(),
