@@ -276,6 +276,24 @@ def test_regular_mode_add_and_remove(mocks: MockHost) -> None:
         assert [w["url"] for w in gw.list_workers()] == [second.url]
 
 
+def test_drain_is_bounded_by_the_request_timeout(mocks: MockHost) -> None:
+    """A worker whose request never ends is removed anyway once the request timeout passed;
+    `remove_worker(wait=True)` with a shorter timeout says so with `drain_timeout`."""
+    stuck, spare = mocks.start(MockWorker(hang=True)), mocks.start(MockWorker())
+    with pdgate.Gateway(worker_urls=[stuck.url], port=0, request_timeout_secs=2, **FAST) as gw:
+        with ThreadPoolExecutor(1) as pool:
+            hung = pool.submit(httpx.post, gw.url + "/v1/completions", timeout=10,
+                               json={"model": "mock-model", "prompt": "x", "max_tokens": 2})
+            assert mocks.wait_pending(stuck, 1)
+            gw.add_worker(spare.url)
+            with pytest.raises(pdgate.WorkerError) as err:
+                gw.remove_worker(stuck.url, wait=True, timeout=0.5)
+            assert (err.value.status, err.value.code) == (None, "drain_timeout")
+            assert {w["url"]: w["draining"] for w in gw.list_workers()} == {stuck.url: True, spare.url: False}
+            assert hung.result(timeout=10).status_code == 504
+        wait_until("the stuck worker removed", lambda: [w["url"] for w in gw.list_workers()] == [spare.url], timeout=5)
+
+
 # ---- gateway bugs found by these tests (reproducers; strict, so a fix turns them green) ----------
 
 
