@@ -47,8 +47,11 @@ def _launch(argv: Sequence[str]) -> int:
         return exc.exit_code
     gateway.start()
     try:
-        # Tests and scripts read this line to learn the port (with --port 0).
-        print(f"pdgate gateway listening on {gateway.url}", flush=True)
+        # Tests and scripts read this line to learn the port (with --port 0). One write, so the
+        # gateway's log lines (stderr, often the same pipe) cannot land inside it: print() writes
+        # the text and the newline separately when stdout is unbuffered.
+        sys.stdout.write(f"pdgate gateway listening on {gateway.url}\n")
+        sys.stdout.flush()
         wait_for_shutdown_signal()
     finally:
         gateway.stop()
