@@ -69,7 +69,7 @@ class WorkersApi:
     def add(self, spec: dict[str, Any]) -> dict[str, Any]:
         return self._call("POST", "/workers", f"adding worker {spec.get('url')!r}", spec, ok=(201,))
 
-    def list(self) -> list[dict[str, Any]]:
+    def list_workers(self) -> list[dict[str, Any]]:
         return list(self._call("GET", "/workers", "listing workers")["workers"])
 
     def get(self, worker_id_or_url: str) -> dict[str, Any]:

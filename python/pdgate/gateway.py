@@ -156,7 +156,7 @@ class Gateway:
     def list_workers(self) -> list[dict[str, Any]]:
         """Every registered worker (``GET /workers``): ``id``, ``url``, ``worker_type``,
         ``source``, ``healthy``, ``enabled``, ``draining``, ``breaker``, ``inflight``, ``load``..."""
-        return self._workers().list()
+        return self._workers().list_workers()
 
     def set_worker_enabled(self, worker_id_or_url: str, enabled: bool) -> dict[str, Any]:
         """Enable or disable a worker (``PUT /workers/{id}``); a disabled worker takes no new

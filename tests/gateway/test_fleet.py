@@ -226,7 +226,7 @@ def test_admin_key_is_enforced(mocks: MockHost, processes: Processes) -> None:
     assert stack.client().completions.create(model="mock-model", prompt="a b", max_tokens=2).choices
     # The Python client maps the refusal onto the documented exception.
     with pytest.raises(pdgate.WorkerError) as refused:
-        WorkersApi(stack.url, "wrong").list()
+        WorkersApi(stack.url, "wrong").list_workers()
     assert (refused.value.status, refused.value.code) == (403, "invalid_api_key")
 
 
