@@ -294,11 +294,9 @@ def test_drain_is_bounded_by_the_request_timeout(mocks: MockHost) -> None:
         wait_until("the stuck worker removed", lambda: [w["url"] for w in gw.list_workers()] == [spare.url], timeout=5)
 
 
-# ---- gateway bugs found by these tests (reproducers; strict, so a fix turns them green) ----------
+# ---- regressions: gateway bugs these tests found --------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="drain ends when the NIXL prefill leg answers, before the decode "
-                   "pulled the KV from that prefill; stopping the drained prefill then fails decode legs (retried)")
 def test_nixl_prefill_drain_waits_for_the_decode_pull(mocks: MockHost, processes: Processes) -> None:
     stack = pd_stack(mocks, processes, "nixl", decode_knobs={"delay_s": 1.0}, args=["--request-timeout-secs", "20"])
     p1 = stack.prefill
@@ -317,9 +315,6 @@ def test_nixl_prefill_drain_waits_for_the_decode_pull(mocks: MockHost, processes
     assert held == 0, f"the drained prefill was removed while {held} decode(s) had still to pull its KV"
 
 
-@pytest.mark.xfail(strict=True, reason="GET /workers/{url}/ finds a worker by its URL with a trailing "
-                   "slash, PUT and DELETE with the same key answer 404 (registry.rs start_drain/set_enabled "
-                   "do not trim it like get)")
 def test_worker_url_with_trailing_slash_names_it_for_every_call(mocks: MockHost) -> None:
     worker = mocks.start(MockWorker())
     with pdgate.Gateway(worker_urls=[worker.url], port=0, **FAST) as gw:

@@ -95,7 +95,8 @@ impl WorkerSpec {
         if parsed.path() != "/" && !parsed.path().is_empty() {
             return Err(format!("worker URL {url:?} must not have a path"));
         }
-        let url = url.trim_end_matches('/').to_string();
+        // The parsed form: scheme and host lower-cased, so one worker has one URL.
+        let url = parsed.as_str().trim_end_matches('/').to_string();
         Ok(WorkerSpec {
             url,
             role,
@@ -122,6 +123,7 @@ mod tests {
     fn url_is_normalised_and_host_extracted() {
         let w = WorkerSpec::new("http://10.1.2.3:30000/", WorkerRole::Prefill).unwrap();
         assert_eq!(w.url, "http://10.1.2.3:30000");
+        assert_eq!(WorkerSpec::new("HTTP://Node-A:30000", WorkerRole::Prefill).unwrap().url, "http://node-a:30000");
         assert_eq!(w.host, "10.1.2.3");
         let v6 = WorkerSpec::new("http://[::1]:8000", WorkerRole::Decode).unwrap();
         assert_eq!(v6.host, "::1");

@@ -84,6 +84,11 @@ pub struct Registry {
     epoch: Instant,
 }
 
+/// Whether `key` (an id or a URL, maybe with a trailing slash) names entry `e`.
+fn names(e: &Entry, key: &str) -> bool {
+    e.id == key || e.spec.url.eq_ignore_ascii_case(key.trim_end_matches('/'))
+}
+
 /// A short stable id derived from the URL, usable in paths (`/workers/{id}`).
 pub fn worker_id(url: &str) -> String {
     // FNV-1a: stable across runs and platforms, unlike the std hasher.
@@ -174,7 +179,7 @@ impl Registry {
 
     /// Finds a worker by id or URL.
     pub fn get(&self, key: &str) -> Option<Entry> {
-        self.lock().iter().find(|e| e.id == key || e.spec.url == key.trim_end_matches('/')).cloned()
+        self.lock().iter().find(|e| names(e, key)).cloned()
     }
 
     pub fn list(&self) -> Vec<Entry> {
@@ -184,7 +189,7 @@ impl Registry {
     /// Stops new requests to the worker; `finish_drain` removes it once its in-flight count is 0.
     pub fn start_drain(&self, key: &str) -> Result<Entry, RegistryError> {
         self.edit(|entries| {
-            let e = entries.iter_mut().find(|e| e.id == key || e.spec.url == key).ok_or_else(|| RegistryError::NotFound(key.into()))?;
+            let e = entries.iter_mut().find(|e| names(e, key)).ok_or_else(|| RegistryError::NotFound(key.into()))?;
             e.draining = true;
             Ok(e.clone())
         })
@@ -204,7 +209,7 @@ impl Registry {
 
     pub fn set_enabled(&self, key: &str, enabled: bool) -> Result<Entry, RegistryError> {
         self.edit(|entries| {
-            let e = entries.iter_mut().find(|e| e.id == key || e.spec.url == key).ok_or_else(|| RegistryError::NotFound(key.into()))?;
+            let e = entries.iter_mut().find(|e| names(e, key)).ok_or_else(|| RegistryError::NotFound(key.into()))?;
             e.enabled = enabled;
             Ok(e.clone())
         })

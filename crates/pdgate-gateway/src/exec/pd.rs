@@ -111,14 +111,20 @@ struct Picked {
     runtime: Arc<Runtime>,
 }
 
-fn finish(ctx: &Ctx, protocol: KvConnector, decode: &Picked) -> Finish {
+/// Accounting for the pair. The prefill counts as in flight until the decode is done, not just
+/// until its own answer: with NIXL the decode pulls the KV from it afterwards, with Mooncake it
+/// pushes after answering, so draining it earlier would cut a transfer.
+fn finish(ctx: &Ctx, protocol: KvConnector, prefill: &Picked, decode: &Picked) -> Finish {
     Finish {
         state: ctx.state.clone(),
         route: ctx.route,
         protocol: protocol.as_str(),
         started: ctx.started,
         recompute_counted: false,
-        guards: vec![InflightGuard::new(&ctx.state.metrics, &decode.runtime, &decode.spec.url, WorkerRole::Decode.as_str())],
+        guards: vec![
+            InflightGuard::new(&ctx.state.metrics, &decode.runtime, &decode.spec.url, WorkerRole::Decode.as_str()),
+            InflightGuard::new(&ctx.state.metrics, &prefill.runtime, &prefill.spec.url, WorkerRole::Prefill.as_str()),
+        ],
     }
 }
 
@@ -130,12 +136,10 @@ fn to_bytes(body: &Map<String, Value>) -> Result<Bytes, GatewayError> {
 fn spawn_prefill(ctx: &Ctx, prefill: &Picked, body: Bytes, protocol: KvConnector) -> PrefillFuture {
     let state = ctx.state.clone();
     let url = prefill.spec.url.clone();
-    let runtime = prefill.runtime.clone();
     let path = ctx.req.endpoint.path();
     let rid = ctx.request_id.clone();
     let deadline = ctx.deadline;
     Box::pin(async move {
-        let _guard = InflightGuard::new(&state.metrics, &runtime, &url, WorkerRole::Prefill.as_str());
         let t = std::time::Instant::now();
         let out = leg::send_and_read(&state.upstream, &url, path, body, &rid, Leg::Prefill, deadline).await;
         state.metrics.leg_duration.with_label_values(&["prefill", protocol.as_str()]).observe(t.elapsed().as_secs_f64());
@@ -159,12 +163,13 @@ async fn run_bootstrap(ctx: &Ctx, p: &Picked, d: &Picked, record: &mut Record) -
     let bytes = to_bytes(&body)?;
     let prefill = spawn_prefill(ctx, p, bytes.clone(), KvConnector::Bootstrap);
     let merge = ctx.req.wants_input_logprobs;
-    relay_leg(ctx, &d.spec.url, Leg::Decode, bytes, Some(prefill), merge, finish(ctx, KvConnector::Bootstrap, d)).await
+    relay_leg(ctx, &d.spec.url, Leg::Decode, bytes, Some(prefill), merge, finish(ctx, KvConnector::Bootstrap, p, d)).await
 }
 
 async fn run_nixl(ctx: &Ctx, p: &Picked, d: &Picked, record: &mut Record) -> Result<Response, GatewayError> {
     record.rendezvous = Some(format!("request_id={}", ctx.request_id));
     let p_body = to_bytes(&kv_transfer::nixl_prefill_body(&ctx.req.body))?;
+    let accounting = finish(ctx, KvConnector::Nixl, p, d);
     let answer = spawn_prefill(ctx, p, p_body, KvConnector::Nixl).await?;
     let answer: Value = serde_json::from_slice(&answer)
         .map_err(|e| GatewayError::protocol(Leg::Prefill, format!("prefill answer is not JSON: {e}")))?;
@@ -184,7 +189,7 @@ async fn run_nixl(ctx: &Ctx, p: &Picked, d: &Picked, record: &mut Record) -> Res
             (ctx.req.body.clone(), true)
         }
     };
-    let finish = Finish { recompute_counted: counted, ..finish(ctx, KvConnector::Nixl, d) };
+    let finish = Finish { recompute_counted: counted, ..accounting };
     relay_leg(ctx, &d.spec.url, Leg::Decode, to_bytes(&d_body)?, None, false, finish).await
 }
 
@@ -226,6 +231,6 @@ async fn run_mooncake(ctx: &Ctx, p: &Picked, d: &Picked, record: &mut Record) ->
     let p_body = to_bytes(&kv_transfer::mooncake_prefill_body(&ctx.req.body, &transfer_id))?;
     let d_body = to_bytes(&kv_transfer::mooncake_decode_body(&ctx.req.body, &transfer_id, &engine, &bootstrap_base(&p.spec)))?;
     let prefill = spawn_prefill(ctx, p, p_body, KvConnector::Mooncake);
-    relay_leg(ctx, &d.spec.url, Leg::Decode, d_body, Some(prefill), false, finish(ctx, KvConnector::Mooncake, d)).await
+    relay_leg(ctx, &d.spec.url, Leg::Decode, d_body, Some(prefill), false, finish(ctx, KvConnector::Mooncake, p, d)).await
 }
 
