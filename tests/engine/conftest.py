@@ -14,7 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+try:
+    import pdgate  # noqa: F401  the installed package (with the compiled gateway) wins
+except ImportError:
+    # The engine is pure Python: it also runs from the source tree without a build.
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 
 from pdgate.workers import ReferenceWorker  # noqa: E402
 
