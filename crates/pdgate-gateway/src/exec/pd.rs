@@ -226,7 +226,7 @@ async fn engine_id(ctx: &Ctx, p: &WorkerSpec) -> Result<String, GatewayError> {
 
 async fn run_mooncake(ctx: &Ctx, p: &Picked, d: &Picked, record: &mut Record) -> Result<Response, GatewayError> {
     let engine = engine_id(ctx, &p.spec).await?;
-    let transfer_id = kv_transfer::mooncake_transfer_id(&uuid::Uuid::new_v4().simple().to_string());
+    let transfer_id = kv_transfer::mooncake_transfer_id(&uuid::Builder::from_random_bytes(rand::random()).into_uuid().to_string());
     record.rendezvous = Some(format!("transfer_id={transfer_id}"));
     let p_body = to_bytes(&kv_transfer::mooncake_prefill_body(&ctx.req.body, &transfer_id))?;
     let d_body = to_bytes(&kv_transfer::mooncake_decode_body(&ctx.req.body, &transfer_id, &engine, &bootstrap_base(&p.spec)))?;
