@@ -57,7 +57,7 @@ impl Lookup<'_> {
                 continue;
             }
             let load = self.input.loads.load(w);
-            if ok(load) && best.map_or(true, |(l, _)| load < l) {
+            if ok(load) && best.is_none_or(|(l, _)| load < l) {
                 best = Some((load, w));
             }
         }

@@ -19,11 +19,12 @@ use axum::http::HeaderValue;
 use axum::response::Response;
 use bytes::Bytes;
 use pdgate_core::breaker::Outcome;
-use pdgate_core::GatewayError;
+use pdgate_core::{GatewayError, RouteInput};
 use pdgate_protocol::ParsedRequest;
 use tokio::time::Instant;
 
 use crate::record::{Record, ROUTE_HEADER};
+use crate::registry::Routing;
 use crate::render::error_response;
 use crate::state::AppState;
 
@@ -39,6 +40,43 @@ pub struct Ctx {
     pub deadline: Instant,
     pub started: std::time::Instant,
     pub route: &'static str,
+}
+
+impl Ctx {
+    /// The prompt text, only when a policy reads it (copying it for the others would be waste).
+    pub fn routing_text(&self) -> Option<String> {
+        if self.state.uses_tree() {
+            self.req.routing_text()
+        } else {
+            None
+        }
+    }
+
+    /// Runs one policy decision with everything a policy may read: the load view, the affinity
+    /// key, the text and, when a policy reads it, the radix tree (locked for the decision only).
+    pub fn decide<T>(&self, routing: &Routing, text: Option<&str>, select: impl FnOnce(&RouteInput<'_>) -> T) -> T {
+        let loads = self.state.loads(&routing.runtime);
+        let input = RouteInput {
+            text,
+            key: self.session_key.as_deref(),
+            sequence: self.state.next_sequence(),
+            loads: &loads,
+            ..RouteInput::default()
+        };
+        if !self.state.uses_tree() {
+            return select(&input);
+        }
+        let tree = self.state.tree.lock().unwrap_or_else(|p| p.into_inner());
+        select(&RouteInput { tree: Some(&tree), ..input })
+    }
+
+    /// Records that the request's text went to `url`, for the cache-aware policies.
+    pub fn remember(&self, text: Option<&str>, url: &str) {
+        if let Some(text) = text {
+            let mut tree = self.state.tree.lock().unwrap_or_else(|p| p.into_inner());
+            self.state.remember(&mut tree, text, url);
+        }
+    }
 }
 
 /// An attempt's failure and the worker to avoid on the next attempt.

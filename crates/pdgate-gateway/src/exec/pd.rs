@@ -11,7 +11,7 @@ use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use pdgate_core::route::select_pair;
-use pdgate_core::{ErrorKind, GatewayError, KvConnector, Leg, RouteInput, WorkerRole, WorkerSpec};
+use pdgate_core::{ErrorKind, GatewayError, KvConnector, Leg, WorkerRole, WorkerSpec};
 use pdgate_protocol::bootstrap::{self, Rooms, MAX_ROOM};
 use pdgate_protocol::kv_transfer;
 use pdgate_protocol::Endpoint;
@@ -36,32 +36,17 @@ pub async fn attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Resul
     let routing = ctx.state.registry.routing();
     let snap = &routing.snapshot;
     let exclude: Vec<usize> = failed.iter().filter_map(|u| snap.index_of(u)).collect();
-    // Only cache-aware routing reads the text; don't copy the prompt for the others.
-    let text = if ctx.state.uses_tree() { ctx.req.routing_text() } else { None };
-    let loads = ctx.state.loads(&routing.runtime);
-    let input = RouteInput {
-        text: text.as_deref(),
-        key: ctx.session_key.as_deref(),
-        sequence: ctx.state.next_sequence(),
-        loads: &loads,
-        ..RouteInput::default()
-    };
-    let chosen = if ctx.state.uses_tree() {
-        let mut tree = ctx.state.tree.lock().unwrap_or_else(|p| p.into_inner());
-        let input = RouteInput { tree: Some(&tree), ..input };
-        let chosen = select_pair(snap, ctx.state.prefill_policy.as_ref(), ctx.state.decode_policy.as_ref(), &input, &exclude, &mut rand::rng());
-        if let (Ok((p, d)), Some(text)) = (&chosen, text.as_deref()) {
-            if ctx.state.prefill_policy.uses_tree() {
-                ctx.state.remember(&mut tree, text, &snap.worker(p.worker).spec.url);
-            }
-            if ctx.state.decode_policy.uses_tree() {
-                ctx.state.remember(&mut tree, text, &snap.worker(d.worker).spec.url);
-            }
+    let text = ctx.routing_text();
+    let (pp, dp) = (ctx.state.prefill_policy.as_ref(), ctx.state.decode_policy.as_ref());
+    let chosen = ctx.decide(&routing, text.as_deref(), |input| select_pair(snap, pp, dp, input, &exclude, &mut rand::rng()));
+    if let Ok((p, d)) = &chosen {
+        if pp.uses_tree() {
+            ctx.remember(text.as_deref(), &snap.worker(p.worker).spec.url);
         }
-        chosen
-    } else {
-        select_pair(snap, ctx.state.prefill_policy.as_ref(), ctx.state.decode_policy.as_ref(), &input, &exclude, &mut rand::rng())
-    };
+        if dp.uses_tree() {
+            ctx.remember(text.as_deref(), &snap.worker(d.worker).spec.url);
+        }
+    }
     let (p, d) = chosen.inspect_err(|e| {
         if e.kind == ErrorKind::NoCompatiblePair {
             let mode = format!("{:?}", snap.pairing_mode()).to_ascii_lowercase();

@@ -116,9 +116,7 @@ impl Rewriter {
 
     /// Bytes held back at the end of a rewritten stream.
     fn flush(&mut self) -> Option<Bytes> {
-        if self.logprobs.is_none() {
-            return None;
-        }
+        self.logprobs.as_ref()?;
         self.decoder.finish().map(|ev| Bytes::from(frame(&ev.data)))
     }
 }
@@ -142,7 +140,7 @@ impl Finish {
         let m = &self.state.metrics;
         m.duration.with_label_values(&[self.route]).observe(self.started.elapsed().as_secs_f64());
         if self.protocol != "regular" && !self.recompute_counted {
-            if let Some(r) = cache.filter(|r| recomputed(r)) {
+            if let Some(r) = cache.filter(recomputed) {
                 tracing::warn!(protocol = self.protocol, prompt = r.prompt_tokens, cached = r.cached_tokens, "decode recomputed the prompt: KV did not (fully) move");
                 m.silent_recompute.with_label_values(&[self.protocol, "decode_reported"]).inc();
             }

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use pdgate_core::route::select_regular;
-use pdgate_core::{GatewayError, Leg, RouteInput, WorkerRole};
+use pdgate_core::{GatewayError, Leg, WorkerRole};
 use pdgate_protocol::logprobs::PrefillLogprobs;
 use std::future::Future;
 use tokio::time::{timeout_at, Instant};
@@ -22,28 +22,12 @@ pub async fn regular_attempt(ctx: &Ctx, failed: &[String], record: &mut Record) 
     let routing = ctx.state.registry.routing();
     let snap = &routing.snapshot;
     let exclude: Vec<usize> = failed.iter().filter_map(|u| snap.index_of(u)).collect();
-    // Only cache-aware routing reads the text; don't copy the prompt for the others.
-    let text = if ctx.state.uses_tree() { ctx.req.routing_text() } else { None };
-    let loads = ctx.state.loads(&routing.runtime);
-    let input = RouteInput {
-        text: text.as_deref(),
-        key: ctx.session_key.as_deref(),
-        sequence: ctx.state.next_sequence(),
-        loads: &loads,
-        ..RouteInput::default()
-    };
+    let text = ctx.routing_text();
     let policy = ctx.state.regular_policy.as_ref();
-    let choice = if policy.uses_tree() {
-        let mut tree = ctx.state.tree.lock().unwrap_or_else(|p| p.into_inner());
-        let input = RouteInput { tree: Some(&tree), ..input };
-        let choice = select_regular(snap, policy, &input, &exclude, &mut rand::rng())?;
-        if let Some(text) = text.as_deref() {
-            ctx.state.remember(&mut tree, text, &snap.worker(choice.worker).spec.url);
-        }
-        choice
-    } else {
-        select_regular(snap, policy, &input, &exclude, &mut rand::rng())?
-    };
+    let choice = ctx.decide(&routing, text.as_deref(), |input| select_regular(snap, policy, input, &exclude, &mut rand::rng()))?;
+    if policy.uses_tree() {
+        ctx.remember(text.as_deref(), &snap.worker(choice.worker).spec.url);
+    }
     ctx.state.metrics.decisions.with_label_values(&["regular", choice.branch]).inc();
     let url = snap.worker(choice.worker).spec.url.clone();
     let runtime = routing.runtime[choice.worker].clone();
