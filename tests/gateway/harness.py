@@ -74,3 +74,18 @@ def launch(processes: Any, args: list[str], env: dict[str, str] | None = None) -
             return GatewayProcess(proc, line.rsplit("listening on ", 1)[1].strip(), output)
     proc.kill()
     raise AssertionError("pdgate launch did not start; output:\n" + "".join(output))
+
+
+def wait_status(url: str, status: int, timeout: float = 15.0) -> int:
+    """Polls `url` until it answers `status` (or `timeout` passes); returns the last status seen."""
+    deadline = time.monotonic() + timeout
+    last = -1
+    while time.monotonic() < deadline:
+        try:
+            last = httpx.get(url, timeout=2).status_code
+        except httpx.HTTPError:
+            last = -1
+        if last == status:
+            break
+        time.sleep(0.05)
+    return last

@@ -21,26 +21,13 @@ import pdgate
 from pdgate._workers_api import WorkersApi
 from pdgate.workers import ReferenceWorker
 from tests.conftest import Processes
+from tests.gateway.harness import wait_status
 from tests.gateway.load import Load, Outcome
 from tests.gateway.stacks import pd_stack
 from tests.mock_workers import BootstrapDecode, BootstrapPrefill, MockHost, MockWorker
 
 ADMIN = "admin-secret"
 FAST = {"health_check_interval_secs": 1, "health_success_threshold": 1, "health_failure_threshold": 1}
-
-
-def wait_status(url: str, status: int, timeout: float = 10.0) -> int:
-    deadline = time.monotonic() + timeout
-    last = -1
-    while time.monotonic() < deadline:
-        try:
-            last = httpx.get(url, timeout=2).status_code
-        except httpx.HTTPError:
-            last = -1
-        if last == status:
-            break
-        time.sleep(0.05)
-    return last
 
 
 def wait_until(what: str, predicate: Any, timeout: float = 10.0) -> None:

@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 
 from tests.conftest import Processes
+from tests.gateway.harness import wait_status
 from tests.gateway.stacks import pd_stack
 from tests.mock_workers import MockHost
-
-
-def wait_status(url: str, status: int, timeout: float = 15.0) -> int:
-    deadline = time.monotonic() + timeout
-    last = -1
-    while time.monotonic() < deadline:
-        try:
-            last = httpx.get(url, timeout=2).status_code
-        except httpx.HTTPError:
-            last = -1
-        if last == status:
-            break
-        time.sleep(0.05)
-    return last
 
 
 def test_readiness_follows_worker_health(mocks: MockHost, processes: Processes) -> None:
