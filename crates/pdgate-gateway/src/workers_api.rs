@@ -117,7 +117,7 @@ fn role_for(state: &AppState, worker_type: Option<&str>) -> Result<WorkerRole, G
     }
 }
 
-async fn build_spec(state: &AppState, req: AddWorker) -> Result<(WorkerSpec, Option<String>), GatewayError> {
+fn build_spec(state: &AppState, req: AddWorker) -> Result<(WorkerSpec, Option<String>), GatewayError> {
     let role = role_for(state, req.worker_type.as_deref())?;
     let mut spec = WorkerSpec::new(&req.url, role).map_err(|m| GatewayError::invalid(Some("url"), m))?;
     if req.bootstrap_port.is_some() && role != WorkerRole::Prefill {
@@ -136,7 +136,7 @@ async fn build_spec(state: &AppState, req: AddWorker) -> Result<(WorkerSpec, Opt
 
 async fn add(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let result = async {
-        let (spec, engine_id) = build_spec(&state, parse::<AddWorker>(&body)?).await?;
+        let (spec, engine_id) = build_spec(&state, parse::<AddWorker>(&body)?)?;
         // What the engine says about itself must not contradict the registration.
         let info = engine_info(&state, &spec.url).await;
         if let Some(mode) = info.mode.as_deref() {
