@@ -9,6 +9,11 @@ use pyo3::prelude::*;
 mod errors;
 mod handle;
 
+// The same allocator as the standalone binary (see crates/pdgate-gateway/src/main.rs); it serves
+// Rust allocations only, Python keeps its own.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use pdgate_core::GatewayConfig;
 
 /// The option schema as JSON: `{"options": [{name, flag, help, default, choices, takes_value,

@@ -38,6 +38,15 @@ pub struct Runtime {
     pub polled_load: AtomicI64,
     /// When `polled_load` was read, as milliseconds since the registry started.
     pub polled_at_ms: AtomicU64,
+    /// The worker's circuit breaker. Its own lock, so that recording a request's outcome
+    /// neither scans the registry nor waits on the registry lock.
+    pub breaker: Mutex<Breaker>,
+}
+
+impl Runtime {
+    pub fn breaker(&self) -> Breaker {
+        *self.breaker.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 /// Facts learned from the engine itself (`/server_info`, `/v1/models`), for `GET /workers`.
@@ -60,7 +69,6 @@ pub struct Entry {
     pub draining: bool,
     pub info: EngineInfo,
     pub kv_engine_id: Option<String>,
-    pub breaker: Breaker,
     pub runtime: Arc<Runtime>,
 }
 
@@ -137,7 +145,7 @@ impl Registry {
                 healthy: e.health.healthy,
                 enabled: e.enabled,
                 draining: e.draining,
-                breaker: e.breaker.state(now, &self.breaker_config),
+                breaker: e.runtime.breaker().state(now, &self.breaker_config),
                 models: e.info.models.clone(),
             })
             .collect();
@@ -169,7 +177,6 @@ impl Registry {
                 draining: false,
                 info: EngineInfo::default(),
                 kv_engine_id,
-                breaker: Breaker::default(),
                 runtime: Arc::new(Runtime { polled_load: AtomicI64::new(-1), ..Default::default() }),
             };
             entries.push(entry.clone());
@@ -259,10 +266,12 @@ impl Registry {
         if !self.breaker_config.enabled || outcome == Outcome::Neutral {
             return None;
         }
-        let mut entries = self.lock();
-        let e = entries.iter_mut().find(|e| e.spec.url == url)?;
-        let changed = e.breaker.record(outcome, Instant::now(), &self.breaker_config);
+        // O(1) through the routing view: this runs once per request and leg.
+        let routing = self.routing();
+        let runtime = &routing.runtime[routing.snapshot.index_of(url)?];
+        let changed = runtime.breaker.lock().unwrap_or_else(|p| p.into_inner()).record(outcome, Instant::now(), &self.breaker_config);
         if changed.is_some() {
+            let entries = self.lock();
             self.rebuild(&entries);
         }
         changed

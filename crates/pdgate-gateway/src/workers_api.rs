@@ -78,7 +78,7 @@ pub fn worker_json(state: &AppState, e: &Entry) -> Value {
         "disaggregation_mode": e.info.mode,
         "pd_pairing": state.registry.pairing_key(e),
         "pd_pairing_mode": state.registry.pairing_mode(),
-        "breaker": e.breaker.state(std::time::Instant::now(), state.registry.breaker_config()).as_str(),
+        "breaker": e.runtime.breaker().state(std::time::Instant::now(), state.registry.breaker_config()).as_str(),
     })
 }
 
