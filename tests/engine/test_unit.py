@@ -15,6 +15,7 @@ from pdgate.engine.sequence import EngineError
 from pdgate.engine.transfer import wire
 from pdgate.engine.transfer.context import Timeouts, TransferContext
 from pdgate.engine.transfer.kvio import recv_kv, send_kv
+from pdgate.engine.transfer.regions import compatible, describe_pool, page_runs, regions
 from pdgate.engine.weights import random_weights
 
 CFG = PRESETS["tiny"]
@@ -128,6 +129,48 @@ def test_page_bytes_roundtrip():
     np.testing.assert_array_equal(dst.v[:, [3, 0]], src.v[:, [1, 2]])
     with pytest.raises(ValueError):
         dst.write_pages([0], b"\0" * 8)
+
+
+def test_pool_is_page_major_and_hands_out_lowest_pages():
+    pool = KVPool(8, 2, 3, 1, 2)
+    pool.k[:] = np.arange(pool.k.size, dtype=np.float32).reshape(pool.k.shape)
+    pool.v[:] = -pool.k
+    for p in range(8):  # everything page p holds is one contiguous block of kv
+        assert np.array_equal(pool.kv[p, 0], pool.k[:, p]) and np.array_equal(pool.kv[p, 1], pool.v[:, p])
+    assert pool.page_bytes == pool.kv.strides[0] == 2 * pool.k[:, 0].nbytes
+    a = pool.reserve(3)
+    assert a == [0, 1, 2]
+    b = pool.reserve(2)
+    pool.free(a)
+    assert pool.reserve(4) == [0, 1, 2, 5]  # lowest free first, ascending
+    pool.free(b)
+
+
+def test_page_runs_merge_in_any_order():
+    assert page_runs([0, 1, 2, 3], [10, 11, 12, 13]) == [(0, 10, 4)]
+    assert page_runs([3, 2, 1, 0], [13, 12, 11, 10]) == [(0, 10, 4)]  # descending: one run
+    assert page_runs([5, 6, 9], [1, 2, 3]) == [(5, 1, 2), (9, 3, 1)]
+    assert page_runs([0, 1], [1, 0]) == [(0, 1, 1), (1, 0, 1)]  # crossed: never merged
+    assert page_runs([], []) == []
+
+
+def test_regions_move_exactly_the_pages_asked():
+    """Apply the regions with memmove, as a library would; every pair lands, nothing else."""
+    import ctypes
+    src, dst = KVPool(12, 2, 2, 1, 3), KVPool(12, 2, 2, 1, 3)
+    src.kv[:] = np.arange(src.kv.size, dtype=np.float32).reshape(src.kv.shape)
+    sp, dp = [7, 6, 5, 1, 2], [3, 2, 1, 10, 9]
+    regs = regions(src, describe_pool(dst), sp, dp)
+    assert len(regs) == 3
+    for local, remote, n in regs:
+        ctypes.memmove(remote, local, n)
+    np.testing.assert_array_equal(dst.kv[dp], src.kv[sp])
+    untouched = [p for p in range(12) if p not in dp]
+    assert not dst.kv[untouched].any()
+    ours = {"backend": "nixl", **describe_pool(src)}
+    assert compatible(ours, dict(ours, base=1))  # a peer's pool is elsewhere, laid out alike
+    assert not compatible(ours, dict(ours, pool_layout="layer-major"))  # -> TCP frames
+    assert not compatible(ours, None)
 
 
 def test_sampling_greedy_and_seeded():

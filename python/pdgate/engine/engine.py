@@ -71,7 +71,9 @@ class Engine:
         elif args.disaggregation_transfer_backend == "nixl":
             from .transfer.nixl_dp import NixlBackend
 
-            self.ctx.backend = NixlBackend(self.pool, f"pdgate-{self.engine_id}", args.transfer_timeout)
+            # a prefill only writes into decodes: no progress thread (see nixl_dp)
+            self.ctx.backend = NixlBackend(self.pool, f"pdgate-{self.engine_id}", args.transfer_timeout,
+                                           progress_thread=self.mode != "prefill")
         self.push = PushSource(self.ctx)
         self.pull = PullSource(self.ctx)
         self.tserver = TransferServer({"register": self.push.on_register, "pull": self.pull.on_pull})

@@ -11,6 +11,8 @@ to the pool size and a leak is visible in `/v1/loads`:
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 FREE, RESERVED, IN_USE, PINNED = 0, 1, 2, 3
@@ -22,33 +24,43 @@ class OutOfPages(Exception):
 
 
 class KVPool:
-    """K and V arrays of shape [layers, pages, page_size, kv_heads, head_dim] plus the allocator."""
+    """The KV cache plus the allocator.
+
+    Storage is page-major: one float32 array `kv` of shape
+    [pages, 2 (K, V), layers, page_size, kv_heads, head_dim], so everything one page holds is
+    contiguous and a run of consecutive pages is one contiguous region (one segment for a
+    transfer library). `k` and `v` are views of it indexed [layer, page, slot, kv_head, dim],
+    which is all attention needs to know.
+    """
 
     def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
                  head_dim: int):
-        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        self.k = np.zeros(shape, dtype=np.float32)
-        self.v = np.zeros(shape, dtype=np.float32)
+        self.kv = np.zeros((num_pages, 2, num_layers, page_size, num_kv_heads, head_dim),
+                           dtype=np.float32)
+        self.k = self.kv[:, 0].swapaxes(0, 1)
+        self.v = self.kv[:, 1].swapaxes(0, 1)
         self.page_size = page_size
         self.num_pages = num_pages
         self.state = np.zeros(num_pages, dtype=np.int8)
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._free: list[int] = list(range(num_pages))  # a min-heap: lowest pages first
         self.counts = [num_pages, 0, 0, 0]
 
     # ---- sizes -------------------------------------------------------------------------
     @property
     def page_bytes(self) -> int:
-        """Bytes of K plus V of one page across all layers."""
-        return 2 * self.k[:, 0].nbytes
+        """Bytes of K plus V of one page across all layers (the page stride of `kv`)."""
+        return self.kv.strides[0]
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
     # ---- allocator ---------------------------------------------------------------------
     def reserve(self, n: int) -> list[int]:
+        """The n lowest free pages, ascending: a request's pages stay contiguous where the pool
+        allows, so a transfer moves few, large regions."""
         if n > len(self._free):
             raise OutOfPages(f"need {n} pages, {len(self._free)} free of {self.num_pages}")
-        pages = [self._free.pop() for _ in range(n)]
+        pages = [heapq.heappop(self._free) for _ in range(n)]
         self._move(pages, RESERVED, frm=(FREE,))
         return pages
 
@@ -65,7 +77,8 @@ class KVPool:
 
     def free(self, pages: list[int]) -> None:
         self._move(pages, FREE, frm=(RESERVED, IN_USE, PINNED))
-        self._free.extend(pages)
+        for p in pages:
+            heapq.heappush(self._free, p)
 
     def _move(self, pages: list[int], to: int, frm: tuple[int, ...]) -> None:
         for p in pages:

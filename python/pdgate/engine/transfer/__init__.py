@@ -8,4 +8,7 @@
   (SGLang bootstrap rooms and vLLM Mooncake transfer ids).
 - `pull`: the source holds pages under a lease until the sink reads them (vLLM NIXL).
 - `bootstrap`: the prefill's bootstrap HTTP server (`/route`, `/register`, `/query`).
+- `kvio`: sending pages (TCP frames or an optional data plane) and receiving them, checked.
+- `mooncake_te`, `nixl_dp`: the optional data planes; `regions`: the contiguous byte regions of
+  the page-major pool that they write.
 """

@@ -21,11 +21,12 @@ async def send_kv(ctx: TransferContext, writer: asyncio.StreamWriter, src: list[
     """Write `src` pages into the sink's `dst` pages; returns payload bytes sent.
 
     `peer` is the sink's data-plane description; when both sides run the same optional
-    backend (Mooncake TE) the pages go through it, otherwise as TCP frames."""
+    backend (Mooncake TE, NIXL) over the same pool layout the pages go through it, otherwise
+    as TCP frames."""
     if len(src) != len(dst):
         raise EngineError(f"sink reserved {len(dst)} pages, source has {len(src)}", 500,
                           "kv_transfer_failed")
-    if ctx.backend is not None and peer and peer.get("backend") == ctx.backend.name and src:
+    if ctx.backend is not None and ctx.backend.compatible(peer) and src:
         return await _send_via_backend(ctx, writer, src, dst, tag, peer)
     per, sent = _FAULT_FRAME_PAGES or wire.pages_per_frame(ctx.pool.page_bytes), 0
     for i in range(0, len(src), per):

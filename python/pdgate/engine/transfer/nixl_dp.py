@@ -1,10 +1,17 @@
 """Optional data plane: NIXL with its UCX backend (`nixl-cu12` works on CPU memory).
 
-Like the Mooncake data plane: the whole KV pool is registered with a NIXL agent at startup; a
-sink puts its agent metadata and pool addresses in its `register` / `pull` frame; the source
-loads the sink's agent, then posts one NIXL WRITE of the page runs into the sink's pool and
-sends a `kv_written` control frame. Rendezvous, metadata row, acks and deadlines are those of
-the built-in transport; mixed pairs fall back to TCP frames.
+Like the Mooncake data plane: the whole KV pool (`KVPool.kv`) is registered with a NIXL agent at
+startup; a sink puts its agent metadata and pool base address in its `register` / `pull` frame;
+the source loads the sink's agent once per peer, then posts one NIXL WRITE of the page runs
+(usually one region, see `regions`) into the sink's pool and sends a `kv_written` control frame.
+Rendezvous, metadata row, acks and deadlines are those of the built-in transport; mixed pairs
+fall back to TCP frames.
+
+Progress thread: the nixl Python wrapper starts UCX's progress thread with no poll delay, so it
+spins (about 0.7 of a core per process, idle or not). A sink needs it (UCX connection setup is
+answered there), a source does not: it only initiates writes and drives their progress itself
+when it checks the transfer state. So a prefill engine's agent runs without it, which leaves
+the core to the copy (on 2 cores the two spinning threads took ~1.4 cores from everything else).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import base64
 import time
 
 from ..kv import KVPool
-from .mooncake_te import page_runs
+from .regions import compatible, describe_pool, regions
 
 INSTALL_HINT = ("--disaggregation-transfer-backend nixl needs NIXL: pip install nixl-cu12 "
                 "(its UCX backend works on CPU memory)")
@@ -30,23 +37,30 @@ def _import_nixl():
     return nixl_agent, nixl_agent_config
 
 
+def make_agent(name: str, progress_thread: bool):
+    """A NIXL agent with the UCX backend; `progress_thread=False` for one that only initiates."""
+    nixl_agent, nixl_agent_config = _import_nixl()
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
+
+
 class NixlBackend:
     name = "nixl"
 
-    def __init__(self, pool: KVPool, agent_name: str, timeout: float = 60.0):
-        nixl_agent, nixl_agent_config = _import_nixl()
+    def __init__(self, pool: KVPool, agent_name: str, timeout: float = 60.0,
+                 progress_thread: bool = True):
         self.pool, self.timeout = pool, timeout
         self.agent_name = agent_name
-        self.agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
-        self.agent.register_memory([(a.ctypes.data, a.nbytes, 0, "") for a in (pool.k, pool.v)], "DRAM")
+        self.agent = make_agent(agent_name, progress_thread)
+        self.agent.register_memory([(pool.kv.ctypes.data, pool.kv.nbytes, 0, "")], "DRAM")
         self._meta = base64.b64encode(self.agent.get_agent_metadata()).decode()
         self._peers: dict[str, str] = {}  # metadata digest -> loaded remote agent name
 
     def describe(self) -> dict:
-        k = self.pool.k
         return {"backend": self.name, "agent": self.agent_name, "metadata": self._meta,
-                "k_base": k.ctypes.data, "v_base": self.pool.v.ctypes.data,
-                "layer_stride": k.strides[0], "page_stride": k.strides[1]}
+                **describe_pool(self.pool)}
+
+    def compatible(self, peer: dict | None) -> bool:
+        return compatible(self.describe(), peer)
 
     def _peer(self, peer: dict) -> str:
         key = peer["agent"] + ":" + peer["metadata"][-32:]
@@ -56,16 +70,11 @@ class NixlBackend:
 
     def write(self, peer: dict, src: list[int], dst: list[int]) -> int:
         """Blocking: one NIXL WRITE of src pages into the peer's dst pages. Returns bytes."""
-        me, page = self.describe(), self.pool.k.strides[1]
-        local, remote = [], []
-        for kind in ("k_base", "v_base"):
-            for layer in range(self.pool.k.shape[0]):
-                for s, d, n in page_runs(src, dst):
-                    local.append((me[kind] + layer * me["layer_stride"] + s * me["page_stride"], n * page, 0))
-                    remote.append((peer[kind] + layer * peer["layer_stride"] + d * peer["page_stride"], n * page, 0))
+        regs = regions(self.pool, peer, src, dst)
+        local = self.agent.get_xfer_descs([(a, n, 0) for a, _, n in regs], "DRAM")
+        remote = self.agent.get_xfer_descs([(b, n, 0) for _, b, n in regs], "DRAM")
         name = self._peer(peer)
-        handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, "DRAM"),
-                                            self.agent.get_xfer_descs(remote, "DRAM"), name, b"kv")
+        handle = self.agent.initialize_xfer("WRITE", local, remote, name, b"kv")
         try:
             state = self.agent.transfer(handle)
             deadline = time.monotonic() + self.timeout
@@ -78,4 +87,4 @@ class NixlBackend:
                 raise RuntimeError(f"NIXL write to {peer['agent']} failed")
         finally:
             self.agent.release_xfer_handle(handle)
-        return sum(n for _, n, _ in local)
+        return sum(n for _, _, n in regs)
