@@ -4,7 +4,7 @@
   transfer  KV transfer GB/s through the engine's SGLang bootstrap path (two worker processes)
             per data plane (built-in TCP; Mooncake TE and NIXL when installed), each next to raw
             loopback between two processes through the same library (best of 5), in the same
-            run; the engine figure is the median of 3 transfers after a first one that also
+            run; the engine figure is the median of 5 transfers after a first one that also
             sets up the connection (recorded as *_first_GBps)
   itl       inter-token latency of in-flight decodes while long prompts arrive: colocated with
             chunked prefill vs disaggregated (prefill on another worker)
@@ -218,7 +218,7 @@ def _engine_transfer(backend: str, prompt_len: int) -> tuple[int, list[float]]:
         rng = random.Random(0)
         results = []
         with httpx.Client(timeout=300) as c, httpx.Client(timeout=300) as c2:
-            for i in range(4):
+            for i in range(6):
                 b = {"input_ids": [256] + [rng.randrange(256) for _ in range(prompt_len - 1)],
                      "sampling_params": {"max_new_tokens": 1, "temperature": 0},
                      "bootstrap_host": "127.0.0.1", "bootstrap_port": p.bootstrap_port,
