@@ -17,6 +17,7 @@ the core to the copy (on 2 cores the two spinning threads took ~1.4 cores from e
 from __future__ import annotations
 
 import base64
+import threading
 import time
 
 from ..kv import KVPool
@@ -54,6 +55,9 @@ class NixlBackend:
         self.agent.register_memory([(pool.kv.ctypes.data, pool.kv.nbytes, 0, "")], "DRAM")
         self._meta = base64.b64encode(self.agent.get_agent_metadata()).decode()
         self._peers: dict[str, str] = {}  # metadata digest -> loaded remote agent name
+        # The wrapper's agent is built without thread synchronisation (no listener thread), and
+        # writes run on executor threads: one write at a time.
+        self._lock = threading.Lock()
 
     def describe(self) -> dict:
         return {"backend": self.name, "agent": self.agent_name, "metadata": self._meta,
@@ -70,6 +74,10 @@ class NixlBackend:
 
     def write(self, peer: dict, src: list[int], dst: list[int]) -> int:
         """Blocking: one NIXL WRITE of src pages into the peer's dst pages. Returns bytes."""
+        with self._lock:
+            return self._write(peer, src, dst)
+
+    def _write(self, peer: dict, src: list[int], dst: list[int]) -> int:
         regs = regions(self.pool, peer, src, dst)
         local = self.agent.get_xfer_descs([(a, n, 0) for a, _, n in regs], "DRAM")
         remote = self.agent.get_xfer_descs([(b, n, 0) for _, b, n in regs], "DRAM")
