@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
 import queue
 import signal
 import subprocess
@@ -33,6 +35,19 @@ def test_top_level_usage_and_unknown_command() -> None:
 def test_launch_rejects_contradicting_options() -> None:
     out = run("launch", "--worker-urls", "http://127.0.0.1:9", "--prefill", "http://127.0.0.1:8")
     assert out.returncode != 0 and "pd-disaggregation" in (out.stderr + out.stdout)
+
+
+def test_launch_with_discovery_but_no_kubernetes_refuses_to_start(tmp_path: pathlib.Path) -> None:
+    """Fail fast: a gateway that cannot reach Kubernetes must not serve an empty pool forever."""
+    pytest.importorskip("pdgate._core", reason="needs the compiled gateway (pip install .)")
+    missing = str(tmp_path / "no-such-kubeconfig")
+    out = run("launch", "--service-discovery", "--selector", "app=llm", "--port", "0", "--kubeconfig", missing)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "service discovery" in out.stderr and missing in out.stderr
+    assert "listening" not in out.stdout
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    out = subprocess.run([*PDGATE, "launch", "--service-discovery", "--selector", "app=llm", "--port", "0"], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 1 and "in-cluster" in out.stderr, out.stdout + out.stderr
 
 
 def test_engine_help_comes_from_the_engine() -> None:

@@ -24,6 +24,8 @@ pub enum StartError {
     Config(#[from] ConfigError),
     #[error("cannot listen on {addr}: {source}")]
     Bind { addr: String, source: std::io::Error },
+    #[error("{0}")]
+    Discovery(String),
 }
 
 pub struct RunningGateway {
@@ -56,6 +58,7 @@ impl RunningGateway {
 pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> {
     config.validate()?;
     let workers = config.workers()?;
+    let discovery = crate::discovery::prepare(&config).await.map_err(StartError::Discovery)?;
     let bind = format!("{}:{}", config.host, config.port);
     let listener = TcpListener::bind(&bind).await.map_err(|source| StartError::Bind { addr: bind.clone(), source })?;
     let addr = listener.local_addr().map_err(|source| StartError::Bind { addr: bind, source })?;
@@ -65,7 +68,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     let (tx, rx) = watch::channel(false);
     health::spawn_supervisor(&state, rx.clone());
     load::spawn_poller(&state, rx.clone());
-    crate::discovery::spawn(&state, rx.clone());
+    crate::discovery::spawn(&state, discovery, rx.clone());
     let app = front::router(state);
     // A peer gateway without TCP_NODELAY loses 40 ms per streamed response to Nagle + delayed ACK.
     let listener = listener.tap_io(|tcp| {

@@ -13,6 +13,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use pdgate_core::GatewayConfig;
 use tokio::sync::watch;
 
 use crate::state::AppState;
@@ -29,19 +30,38 @@ mod sync;
 /// How often `pdgate_workers{source}` is refreshed when discovery is off.
 const GAUGE_REFRESH: Duration = Duration::from_secs(5);
 
-/// Starts discovery when `--service-discovery` is set; runs until `shutdown` turns true.
-pub fn spawn(state: &Arc<AppState>, shutdown: watch::Receiver<bool>) {
-    if !state.config.service_discovery {
-        spawn_gauge_refresh(state, shutdown);
-        return;
+/// What discovery needs before the gateway serves: the Kubernetes client, when asked for.
+pub struct Prepared {
+    #[cfg(feature = "kubernetes")]
+    client: Option<kube::Client>,
+}
+
+/// Checks, before anything is bound, that discovery can run: with `--service-discovery`, the
+/// kube client must build (kubeconfig readable, or in-cluster credentials present). Otherwise
+/// the gateway would serve with an empty pool forever while logging retries.
+pub async fn prepare(config: &GatewayConfig) -> Result<Prepared, String> {
+    if !config.service_discovery {
+        #[cfg(feature = "kubernetes")]
+        return Ok(Prepared { client: None });
+        #[cfg(not(feature = "kubernetes"))]
+        return Ok(Prepared {});
     }
     #[cfg(feature = "kubernetes")]
-    {
-        let state = state.clone();
-        tokio::spawn(run::run(state, shutdown));
+    return run::client(config).await.map(|c| Prepared { client: Some(c) }).map_err(|e| format!("service discovery: {e}"));
+    #[cfg(not(feature = "kubernetes"))]
+    Err("--service-discovery is set but this gateway was built without the `kubernetes` feature".into())
+}
+
+/// Starts discovery when it was prepared; runs until `shutdown` turns true.
+pub fn spawn(state: &Arc<AppState>, prepared: Prepared, shutdown: watch::Receiver<bool>) {
+    #[cfg(feature = "kubernetes")]
+    if let Some(client) = prepared.client {
+        tokio::spawn(run::run(state.clone(), client, shutdown));
+        return;
     }
     #[cfg(not(feature = "kubernetes"))]
-    tracing::error!("--service-discovery is set but this gateway was built without the `kubernetes` feature");
+    let Prepared {} = prepared;
+    spawn_gauge_refresh(state, shutdown);
 }
 
 fn spawn_gauge_refresh(state: &Arc<AppState>, mut shutdown: watch::Receiver<bool>) {

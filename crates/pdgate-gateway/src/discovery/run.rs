@@ -29,8 +29,6 @@ const WATCH_TIMEOUT_SECS: u32 = 120;
 /// Backoff after a failed list or watch: doubles from the first to the last, with jitter.
 const BACKOFF_FIRST: Duration = Duration::from_millis(250);
 const BACKOFF_MAX: Duration = Duration::from_secs(15);
-/// Wait before retrying to build the kube client (bad kubeconfig, no in-cluster environment).
-const CLIENT_RETRY: Duration = Duration::from_secs(10);
 
 /// Exponential backoff with jitter, reset by the first event after a failure.
 struct WatchBackoff(Duration);
@@ -66,7 +64,9 @@ pub fn role_selectors(config: &GatewayConfig) -> Vec<RoleSelector> {
     ]
 }
 
-async fn client(config: &GatewayConfig) -> Result<Client, String> {
+/// The kube client from `--kubeconfig` or the in-cluster service account. Built at start: a
+/// gateway asked to discover workers but unable to reach Kubernetes refuses to start.
+pub async fn client(config: &GatewayConfig) -> Result<Client, String> {
     let kube_config = match &config.kubeconfig {
         Some(path) => {
             let file = Kubeconfig::read_from(path).map_err(|e| format!("--kubeconfig {path}: {e}"))?;
@@ -92,17 +92,7 @@ fn watch_streams(client: Client, config: &GatewayConfig, roles: &[RoleSelector])
 }
 
 /// Runs discovery until shutdown.
-pub async fn run(state: Arc<AppState>, mut shutdown: watch::Receiver<bool>) {
-    let client = loop {
-        match client(&state.config).await {
-            Ok(c) => break c,
-            Err(e) => tracing::error!(error = %e, "service discovery cannot start; retrying"),
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(CLIENT_RETRY) => {}
-            _ = shutdown.changed() => return,
-        }
-    };
+pub async fn run(state: Arc<AppState>, client: Client, mut shutdown: watch::Receiver<bool>) {
     let roles = role_selectors(&state.config);
     // Export the counter at 0 from the start.
     state.metrics.discovery_watch_restarts.with_label_values(&[] as &[&str]).inc_by(0);
