@@ -73,7 +73,8 @@ for name in $GATEWAYS; do
         sleep 0.3
     done
     wrk -t2 -c32 -d2s -s bench/gateway/post.lua "$URL" > /dev/null
-    if [ -n "${PERF:-}" ]; then perf record -F 1999 -g -p "$GW" -o "$D/$name.perf" -- sleep 5 > /dev/null 2>&1 & fi
+    PERF_PID=
+    if [ -n "${PERF:-}" ]; then perf record -F 1999 -g -p "$GW" -o "$D/$name.perf" -- sleep 5 > /dev/null 2>&1 & PERF_PID=$!; fi
     read -r ub sb < <(awk '{print $14, $15}' "/proc/$GW/stat")
     wrk -t2 -c32 -d"$DURATION" -s bench/gateway/post.lua "$URL" > "$D/$name.wrk"
     read -r ua sa < <(awk '{print $14, $15}' "/proc/$GW/stat")
@@ -87,7 +88,7 @@ for name in $GATEWAYS; do
         "$(( (ua - ub) * tick / n ))" "$(( (sa - sb) * tick / n ))" \
         "$(awk -v a="$us" -v b="$base" 'BEGIN {printf "%.2f", a / b}')" "$([ "$errors" = 0 ] && echo none || echo SEE_$D)"
     if [ -n "${PERF:-}" ]; then
-        wait %2 2>/dev/null || sleep 1
+        wait "$PERF_PID" 2>/dev/null || true
         perf report -i "$D/$name.perf" --no-children --sort dso,symbol --stdio -g none 2>/dev/null | grep -E '^ +[0-9]' | head -25
     fi
     kill "$GW" 2>/dev/null || true; wait "$GW" 2>/dev/null || true; GW=

@@ -95,3 +95,24 @@ def test_nixl_pull_over_backend(mc_workers, colocated):
         assert rd.json()["choices"][0]["logprobs"]["tokens"] == ref["choices"][0]["logprobs"]["tokens"]
     assert loads(d)["disaggregation"]["kv_bytes_via_backend"] > before
     assert_clean(p, d)
+
+
+@pytest.mark.skipif(not _installed("nixl"), reason="needs nixl-cu12")
+def test_nixl_sink_progress_thread_polls_instead_of_spinning(monkeypatch):
+    """The wrapper builds every agent with pthrDelay = 0 (a busy loop: a whole core per idle
+    decode engine); make_agent must hand the native constructor our delay, then put it back."""
+    from pdgate.engine.transfer import nixl_dp
+
+    nixl_agent, _ = nixl_dp._import_nixl()
+    bindings = __import__(nixl_agent.__module__, fromlist=["nixlBind"]).nixlBind
+    seen = []
+    native = bindings.nixlAgent
+
+    def recorder(name, config):
+        seen.append((config.useProgThread, config.pthrDelay))
+        return native(name, config)
+
+    monkeypatch.setattr(bindings, "nixlAgent", recorder)
+    nixl_dp.make_agent("pdgate-test-delay", progress_thread=True)
+    assert seen == [(True, nixl_dp.PROGRESS_DELAY_US)] and nixl_dp.PROGRESS_DELAY_US > 0
+    assert bindings.nixlAgent is recorder

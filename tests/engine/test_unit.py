@@ -127,6 +127,13 @@ def test_page_bytes_roundtrip():
     dst.write_pages([3, 0], src.read_pages([1, 2]))
     np.testing.assert_array_equal(dst.k[:, [3, 0]], src.k[:, [1, 2]])
     np.testing.assert_array_equal(dst.v[:, [3, 0]], src.v[:, [1, 2]])
+    # out of order on both sides (a gather and a scatter, not views)
+    dst.write_pages([2, 1], src.read_pages([3, 0]))
+    np.testing.assert_array_equal(dst.k[:, [2, 1]], src.k[:, [3, 0]])
+    np.testing.assert_array_equal(dst.v[:, [2, 1]], src.v[:, [3, 0]])
+    # consecutive pages are sent straight from the pool: a view, no copy
+    run = src.read_pages([1, 2])
+    assert len(run) == 2 * src.page_bytes and np.shares_memory(np.frombuffer(run, np.float32), src.kv)
     with pytest.raises(ValueError):
         dst.write_pages([0], b"\0" * 8)
 

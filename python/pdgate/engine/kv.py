@@ -97,16 +97,20 @@ class KVPool:
         return out
 
     # ---- bytes in and out (the transport's view) -------------------------------------------
-    def read_pages(self, pages: list[int]) -> bytes:
-        """K then V of the given pages, layout [layer, page, slot, kv_head, dim], float32."""
-        idx = np.asarray(pages, dtype=np.int64)
-        return self.k[:, idx].tobytes() + self.v[:, idx].tobytes()
+    def read_pages(self, pages: list[int]) -> memoryview:
+        """The given pages in the pool's own layout ([page, K|V, layer, slot, kv_head, dim],
+        float32). Consecutive pages are a view of the pool, not a copy: the caller keeps them
+        pinned until the bytes are sent."""
+        if pages and pages[-1] - pages[0] == len(pages) - 1 and pages == list(range(pages[0], pages[-1] + 1)):
+            return memoryview(self.kv[pages[0]:pages[-1] + 1]).cast("B")
+        return memoryview(self.kv[np.asarray(pages, dtype=np.int64)]).cast("B")
 
     def write_pages(self, pages: list[int], payload: bytes | memoryview) -> None:
-        idx = np.asarray(pages, dtype=np.int64)
-        half = len(payload) // 2
-        shape = (self.k.shape[0], len(pages)) + self.k.shape[2:]
-        if half * 2 != len(payload) or half != int(np.prod(shape)) * 4:
+        shape = (len(pages),) + self.kv.shape[1:]
+        if len(payload) != int(np.prod(shape)) * 4:
             raise ValueError(f"payload of {len(payload)} bytes does not fit {len(pages)} pages")
-        self.k[:, idx] = np.frombuffer(payload, dtype=np.float32, count=half // 4).reshape(shape)
-        self.v[:, idx] = np.frombuffer(payload, dtype=np.float32, offset=half).reshape(shape)
+        data = np.frombuffer(payload, dtype=np.float32).reshape(shape)
+        if pages and pages == list(range(pages[0], pages[0] + len(pages))):
+            self.kv[pages[0]:pages[0] + len(pages)] = data
+        else:
+            self.kv[np.asarray(pages, dtype=np.int64)] = data

@@ -1,7 +1,9 @@
 """Framing of the built-in TCP transport.
 
 A frame is `!IQ` (header length, payload length), a JSON header, then raw payload bytes.
-KV payloads are K then V of a run of pages, float32, layout [layer, page, slot, kv_head, dim].
+KV payloads are a run of pages in the pool's own layout, float32,
+[page, K|V, layer, slot, kv_head, dim] (`KVPool.read_pages`), so a run of consecutive pages is
+sent straight from the pool without a copy.
 The sink validates every frame against its own reservation, so a source can never write outside
 the pages the sink reserved, and the final `done` frame carries the metadata row (first token,
 its logprob, cached tokens, the room or transfer id, the attempt key) that the sink checks
@@ -23,7 +25,7 @@ class WireError(Exception):
     """The peer broke the framing or closed the connection."""
 
 
-async def send(writer: asyncio.StreamWriter, header: dict, payload: bytes = b"") -> None:
+async def send(writer: asyncio.StreamWriter, header: dict, payload: bytes | memoryview = b"") -> None:
     h = json.dumps(header).encode()
     writer.write(_HDR.pack(len(h), len(payload)) + h)
     if payload:
