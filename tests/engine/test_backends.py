@@ -97,22 +97,35 @@ def test_nixl_pull_over_backend(mc_workers, colocated):
     assert_clean(p, d)
 
 
+_DELAY_PROBE = """
+import json, os, sys
+from pdgate.engine.transfer import nixl_dp
+nixl_agent, _ = nixl_dp._import_nixl()
+bindings = __import__(nixl_agent.__module__, fromlist=["nixlBind"]).nixlBind
+native, seen = bindings.nixlAgent, []
+def recorder(name, config):
+    seen.append([config.useProgThread, config.pthrDelay])
+    return native(name, config)
+bindings.nixlAgent = recorder
+nixl_dp.make_agent("pdgate-test-delay", progress_thread=True)
+print(json.dumps({"seen": seen, "delay": nixl_dp.PROGRESS_DELAY_US, "restored": bindings.nixlAgent is recorder}))
+sys.stdout.flush()
+os._exit(0)  # a NIXL agent with a progress thread crashes the interpreter's shutdown (nixl-cu12 1.5.1)
+"""
+
+
 @pytest.mark.skipif(not _installed("nixl"), reason="needs nixl-cu12")
-def test_nixl_sink_progress_thread_polls_instead_of_spinning(monkeypatch):
+def test_nixl_sink_progress_thread_polls_instead_of_spinning():
     """The wrapper builds every agent with pthrDelay = 0 (a busy loop: a whole core per idle
-    decode engine); make_agent must hand the native constructor our delay, then put it back."""
-    from pdgate.engine.transfer import nixl_dp
+    decode engine); make_agent must hand the native constructor our delay, then put it back.
+    In a child process: the agent must not live in the test runner (see _DELAY_PROBE)."""
+    import json
+    import os
+    import subprocess
+    import sys
 
-    nixl_agent, _ = nixl_dp._import_nixl()
-    bindings = __import__(nixl_agent.__module__, fromlist=["nixlBind"]).nixlBind
-    seen = []
-    native = bindings.nixlAgent
-
-    def recorder(name, config):
-        seen.append((config.useProgThread, config.pthrDelay))
-        return native(name, config)
-
-    monkeypatch.setattr(bindings, "nixlAgent", recorder)
-    nixl_dp.make_agent("pdgate-test-delay", progress_thread=True)
-    assert seen == [(True, nixl_dp.PROGRESS_DELAY_US)] and nixl_dp.PROGRESS_DELAY_US > 0
-    assert bindings.nixlAgent is recorder
+    env = dict(os.environ)
+    out = subprocess.run([sys.executable, "-c", _DELAY_PROBE], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["delay"] > 0 and got["seen"] == [[True, got["delay"]]] and got["restored"]
