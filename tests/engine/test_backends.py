@@ -129,3 +129,14 @@ def test_nixl_sink_progress_thread_polls_instead_of_spinning():
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["delay"] > 0 and got["seen"] == [[True, got["delay"]]] and got["restored"]
+
+
+@pytest.mark.skipif(not _installed("nixl"), reason="needs nixl-cu12")
+def test_nixl_engine_stops_cleanly():
+    """SIGTERM (what Kubernetes sends) ends a NIXL engine with exit code 0, not the SIGSEGV
+    nixl-cu12 causes in the interpreter's teardown; a supervisor must not see a crash."""
+    w = ReferenceWorker("decode", kv_connector="NixlConnector", transfer_backend="nixl")
+    start_all(w)
+    proc = w.proc
+    w.stop()
+    assert proc.returncode == 0
