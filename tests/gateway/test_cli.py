@@ -37,6 +37,12 @@ def test_launch_rejects_contradicting_options() -> None:
     assert out.returncode != 0 and "pd-disaggregation" in (out.stderr + out.stdout)
 
 
+def test_launch_version_names_pdgate_launch() -> None:
+    pytest.importorskip("pdgate._core", reason="needs the compiled gateway (pip install .)")
+    out = run("launch", "--version")
+    assert out.returncode == 0 and out.stdout.startswith("pdgate launch "), out.stdout + out.stderr
+
+
 def test_launch_with_discovery_but_no_kubernetes_refuses_to_start(tmp_path: pathlib.Path) -> None:
     """Fail fast: a gateway that cannot reach Kubernetes must not serve an empty pool forever."""
     pytest.importorskip("pdgate._core", reason="needs the compiled gateway (pip install .)")

@@ -251,13 +251,20 @@ pub enum ConfigError {
 }
 
 impl GatewayConfig {
-    /// Parse a command line (the first item is the program name).
+    /// Parse a command line (the first item is the program name, which `--version` and
+    /// `--help` then show: `pdgate launch 0.1.0` from Python, not the Rust binary's name).
     pub fn parse_cli<I, T>(args: I) -> Result<Self, clap::Error>
     where
         I: IntoIterator<Item = T>,
         T: Into<std::ffi::OsString> + Clone,
     {
-        Self::try_parse_from(args)
+        use clap::{CommandFactory, FromArgMatches};
+        let args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
+        let mut command = Self::command();
+        if let Some(name) = args.first() {
+            command = command.display_name(name.to_string_lossy().into_owned());
+        }
+        Self::from_arg_matches(&command.try_get_matches_from(args)?)
     }
 
     /// Parse the JSON form used by the Python API; missing keys take the CLI defaults.

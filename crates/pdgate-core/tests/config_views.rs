@@ -81,3 +81,13 @@ fn schema_lists_every_serde_field_once_with_its_flag() {
         assert_eq!(o["flag"].as_str().unwrap(), format!("--{}", o["name"].as_str().unwrap().replace('_', "-")));
     }
 }
+
+#[test]
+fn version_and_help_name_the_program_they_were_called_as() {
+    let err = GatewayConfig::parse_cli(["pdgate launch", "--version"]).err().map(|e| (e.kind(), e.to_string()));
+    let (kind, text) = err.unwrap_or_else(|| panic!("--version must stop parsing"));
+    assert_eq!(kind, clap::error::ErrorKind::DisplayVersion);
+    assert_eq!(text.trim(), format!("pdgate launch {}", env!("CARGO_PKG_VERSION")));
+    let help = GatewayConfig::parse_cli(["pdgate-gateway", "--help"]).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(help.contains("Usage: pdgate-gateway"), "{help}");
+}
