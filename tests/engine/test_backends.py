@@ -101,7 +101,7 @@ _DELAY_PROBE = """
 import json, os, sys
 from pdgate.engine.transfer import nixl_dp
 nixl_agent, _ = nixl_dp._import_nixl()
-bindings = __import__(nixl_agent.__module__, fromlist=["nixlBind"]).nixlBind
+bindings = sys.modules[nixl_agent.__module__].nixlBind
 native, seen = bindings.nixlAgent, []
 def recorder(name, config):
     seen.append([config.useProgThread, config.pthrDelay])
@@ -120,12 +120,10 @@ def test_nixl_sink_progress_thread_polls_instead_of_spinning():
     decode engine); make_agent must hand the native constructor our delay, then put it back.
     In a child process: the agent must not live in the test runner (see _DELAY_PROBE)."""
     import json
-    import os
     import subprocess
     import sys
 
-    env = dict(os.environ)
-    out = subprocess.run([sys.executable, "-c", _DELAY_PROBE], capture_output=True, text=True, timeout=60, env=env)
+    out = subprocess.run([sys.executable, "-c", _DELAY_PROBE], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["delay"] > 0 and got["seen"] == [[True, got["delay"]]] and got["restored"]

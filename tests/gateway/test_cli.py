@@ -19,8 +19,8 @@ from tests.conftest import Processes
 PDGATE = [sys.executable, "-m", "pdgate.cli"]
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*PDGATE, *args], capture_output=True, text=True, timeout=60)
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*PDGATE, *args], capture_output=True, text=True, timeout=60, env=env)
 
 
 def test_top_level_usage_and_unknown_command() -> None:
@@ -52,7 +52,7 @@ def test_launch_with_discovery_but_no_kubernetes_refuses_to_start(tmp_path: path
     assert "service discovery" in out.stderr and missing in out.stderr
     assert "listening" not in out.stdout
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
-    out = subprocess.run([*PDGATE, "launch", "--service-discovery", "--selector", "app=llm", "--port", "0"], capture_output=True, text=True, timeout=60, env=env)
+    out = run("launch", "--service-discovery", "--selector", "app=llm", "--port", "0", env=env)
     assert out.returncode == 1 and "in-cluster" in out.stderr, out.stdout + out.stderr
 
 

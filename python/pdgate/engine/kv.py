@@ -101,16 +101,17 @@ class KVPool:
         """The given pages in the pool's own layout ([page, K|V, layer, slot, kv_head, dim],
         float32). Consecutive pages are a view of the pool, not a copy: the caller keeps them
         pinned until the bytes are sent."""
-        if pages and pages[-1] - pages[0] == len(pages) - 1 and pages == list(range(pages[0], pages[-1] + 1)):
-            return memoryview(self.kv[pages[0]:pages[-1] + 1]).cast("B")
-        return memoryview(self.kv[np.asarray(pages, dtype=np.int64)]).cast("B")
+        return memoryview(self.kv[_index(pages)]).cast("B")
 
     def write_pages(self, pages: list[int], payload: bytes | memoryview) -> None:
         shape = (len(pages),) + self.kv.shape[1:]
         if len(payload) != int(np.prod(shape)) * 4:
             raise ValueError(f"payload of {len(payload)} bytes does not fit {len(pages)} pages")
-        data = np.frombuffer(payload, dtype=np.float32).reshape(shape)
-        if pages and pages == list(range(pages[0], pages[0] + len(pages))):
-            self.kv[pages[0]:pages[0] + len(pages)] = data
-        else:
-            self.kv[np.asarray(pages, dtype=np.int64)] = data
+        self.kv[_index(pages)] = np.frombuffer(payload, dtype=np.float32).reshape(shape)
+
+
+def _index(pages: list[int]) -> slice | np.ndarray:
+    """Consecutive pages as a slice (a view of the pool, no copy), any others as an index array."""
+    if pages and pages == list(range(pages[0], pages[0] + len(pages))):
+        return slice(pages[0], pages[0] + len(pages))
+    return np.asarray(pages, dtype=np.int64)

@@ -18,6 +18,7 @@ A sink's progress thread polls every `PROGRESS_DELAY_US` instead of spinning (`m
 from __future__ import annotations
 
 import base64
+import sys
 import threading
 import time
 
@@ -50,7 +51,7 @@ def make_agent(name: str, progress_thread: bool):
     """A NIXL agent with the UCX backend; `progress_thread=False` for one that only initiates."""
     nixl_agent, nixl_agent_config = _import_nixl()
     config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
-    bindings = getattr(__import__(nixl_agent.__module__, fromlist=["nixlBind"]), "nixlBind", None)
+    bindings = getattr(sys.modules.get(nixl_agent.__module__), "nixlBind", None)
     real = getattr(bindings, "nixlAgent", None)
     if real is None:  # another wrapper layout: keep its defaults
         return nixl_agent(name, config)
