@@ -10,6 +10,7 @@ anything this package raises on purpose::
         ├── GatewayStartError                it could not start (port in use, bad address, ...)
         ├── GatewayStateError                the call does not fit its state (start() twice, ...)
         └── WorkerError                      the worker API refused a call (.status, .code)
+    WorkerStartError (pdgate.workers; also a RuntimeError)  a reference worker did not start
 
 The compiled extension (``pdgate._core``) raises these same classes; they are defined only here.
 """

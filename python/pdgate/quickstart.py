@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                 stack.callback(worker.stop)  # registered first, so a failed start still cleans up
                 worker.start(args.worker_start_timeout)
                 workers[mode].append(worker)
-                print(f"pdgate quickstart: {mode} worker at {worker.url}", flush=True)
+                print(f"pdgate quickstart: {mode} worker at {worker.url} (pid {worker.pid}, log {worker.log_path})", flush=True)
         gateway = Gateway(
             host=args.host,
             port=args.port,

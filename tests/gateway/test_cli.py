@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -62,12 +63,10 @@ def test_engine_help_comes_from_the_engine() -> None:
     assert out.returncode == 0 and "usage: pdgate engine" in out.stdout
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("connector,workers", [("bootstrap", 1), ("nixl", 1), ("mooncake", 1), ("bootstrap", 2)])
-def test_quickstart_serves_through_reference_workers(connector: str, workers: int, processes: Processes) -> None:
+def start_quickstart(processes: Processes, *args: str) -> tuple[subprocess.Popen, str, list[str]]:
+    """Runs `pdgate quickstart --port 0 ARGS` until it says the gateway is ready."""
     pytest.importorskip("pdgate.workers")
-    counts = ["--prefill-workers", str(workers), "--decode-workers", str(workers)]
-    proc = processes.popen([*PDGATE, "quickstart", "--port", "0", "--kv-connector", connector, "--log-level", "warn", *counts],
+    proc = processes.popen([*PDGATE, "quickstart", "--port", "0", "--log-level", "warn", *args],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: "queue.Queue[str]" = queue.Queue()
     output: list[str] = []
@@ -88,8 +87,36 @@ def test_quickstart_serves_through_reference_workers(connector: str, workers: in
         if "gateway ready at " in line:
             url = line.rsplit("gateway ready at ", 1)[1].strip()
     assert url, "quickstart did not come up:\n" + "".join(output)
+    return proc, url, output
+
+
+def worker_pids(output: list[str]) -> list[int]:
+    """The pids quickstart printed for its workers ('... worker at URL (pid N, log PATH)')."""
+    return [int(m.group(1)) for line in output if (m := re.search(r"worker at \S+ \(pid (\d+), log (\S+)\)", line))]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead but not yet reaped by its (new) parent.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("connector,workers", [("bootstrap", 1), ("nixl", 1), ("mooncake", 1), ("bootstrap", 2)])
+def test_quickstart_serves_through_reference_workers(connector: str, workers: int, processes: Processes) -> None:
+    counts = ["--prefill-workers", str(workers), "--decode-workers", str(workers)]
+    proc, url, output = start_quickstart(processes, "--kv-connector", connector, *counts)
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
     assert "".join(output).count("worker at http") == 2 * workers
+    pids = worker_pids(output)
+    assert len(pids) == 2 * workers, "quickstart must print each worker's pid and log path:\n" + "".join(output)
     for _ in range(2 * workers):  # round robin visits every worker
         out = client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=4, temperature=0)
         # The tiny random-weight model may sample its end-of-sequence token early.
@@ -99,3 +126,22 @@ def test_quickstart_serves_through_reference_workers(connector: str, workers: in
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0
     assert "stopping" in "".join(output)
+    assert not [p for p in pids if alive(p)], "Ctrl-C left workers behind"
+
+
+@pytest.mark.timeout(300)
+def test_quickstart_workers_die_when_quickstart_is_killed(processes: Processes) -> None:
+    """SIGKILL runs no cleanup in quickstart: the workers must notice on their own and exit."""
+    proc, _url, output = start_quickstart(processes)
+    pids = worker_pids(output)
+    assert len(pids) == 2, "".join(output)
+    assert all(alive(p) for p in pids)
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"workers {left} outlived their killed quickstart"

@@ -93,8 +93,10 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .parent_watch import install_from_env
     from .server import serve  # numpy and aiohttp load only when a worker really runs
 
+    install_from_env()
     args = resolve(args)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

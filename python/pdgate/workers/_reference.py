@@ -9,15 +9,18 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 
+from pdgate.errors import PdgateError
+
 _CONNECTORS = ("NixlConnector", "MooncakeConnector")
 
 
-class WorkerStartError(RuntimeError):
+class WorkerStartError(PdgateError, RuntimeError):
     """The worker exited or did not become healthy in time; the message ends with its log."""
 
 
@@ -106,6 +109,9 @@ class ReferenceWorker:
         env.setdefault("OPENBLAS_NUM_THREADS", "1")
         env.setdefault("OMP_NUM_THREADS", "1")
         env.update(self.env)
+        # The worker dies with this process, even when it is killed (engine/parent_watch.py).
+        env["PDGATE_PARENT_PID"] = str(os.getpid())
+        env["PDGATE_PARENT_MAIN_THREAD"] = "1" if threading.current_thread() is threading.main_thread() else "0"
         src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         if self.log_path is None:
