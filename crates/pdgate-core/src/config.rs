@@ -179,7 +179,8 @@ pub struct GatewayConfig {
     #[arg(long, default_value = "/health")]
     pub health_check_endpoint: String,
 
-    /// Log filter (tracing env-filter syntax), e.g. `info` or `pdgate_gateway=debug`.
+    /// Log level: debug, info, warn (or warning), error, trace or off; or per-target
+    /// directives such as `pdgate_gateway=debug,info`. Anything else is refused.
     #[arg(long, default_value = "info")]
     pub log_level: String,
 
@@ -238,6 +239,26 @@ impl Default for GatewayConfig {
     fn default() -> Self {
         // The clap defaults are the only defaults: parse an empty command line.
         Self::parse_from(["pdgate-gateway"])
+    }
+}
+
+/// Level names `--log-level` accepts, alone or per target (`pdgate_gateway=debug`).
+pub const LOG_LEVELS: [&str; 7] = ["trace", "debug", "info", "warn", "warning", "error", "off"];
+
+/// `--log-level`: a level name, or comma-separated `target=level` directives with level names.
+/// Anything else is refused: a typo such as `warnn` would otherwise parse as a target name and
+/// silently mute every log line.
+pub fn validate_log_level(value: &str) -> Result<(), String> {
+    let level_ok = |l: &str| LOG_LEVELS.contains(&l.trim().to_ascii_lowercase().as_str());
+    let ok = !value.trim().is_empty()
+        && value.split(',').all(|d| match d.split_once('=') {
+            None => level_ok(d),
+            Some((target, level)) => !target.trim().is_empty() && level_ok(level),
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("--log-level {value:?}: expected one of {} (or TARGET=LEVEL directives)", LOG_LEVELS.join(", ")))
     }
 }
 
@@ -303,6 +324,7 @@ impl GatewayConfig {
         if self.balance_rel_threshold.is_nan() || self.balance_rel_threshold < 1.0 {
             return bad(format!("--balance-rel-threshold must be at least 1.0, not {}", self.balance_rel_threshold));
         }
+        validate_log_level(&self.log_level).map_err(ConfigError::Invalid)?;
         self.validate_discovery()?;
         self.workers().map(|_| ())
     }
