@@ -117,6 +117,9 @@ fn check_context(ctx: &Ctx) -> Result<(), GatewayError> {
 
 pub async fn execute(mut ctx: Ctx) -> Response {
     let mut record = Record::default();
+    if ctx.req.rewritten {
+        tracing::debug!(request_id = %ctx.request_id, "removed rendezvous fields the client sent (they are the gateway's)");
+    }
     if let Err(err) = check_context(&ctx) {
         return finish(&ctx, error_response(&err), &record);
     }
