@@ -159,6 +159,37 @@ pub struct GatewayConfig {
     #[arg(long, default_value_t = 32 * 1024 * 1024)]
     pub max_payload_size: usize,
 
+    // --- Request bounds (pdgate-protocol `limits`): each violation is a 400 naming the field ---
+    /// Largest `n` (choices per prompt), `best_of` and `/generate` `sampling_params.n`.
+    #[arg(long, default_value_t = 128)]
+    pub max_n: u64,
+
+    /// Most sequences one request may run: prompts in a list (`prompt`, `/generate` `text` or
+    /// `input_ids`) times `n`.
+    #[arg(long, default_value_t = 1024)]
+    pub max_batch_size: u64,
+
+    /// Largest prompt text in UTF-8 bytes, summed over the request (prompts, `text`, message
+    /// contents); token-id prompts are bounded by --max-payload-size and the context length.
+    #[arg(long, default_value_t = 8 * 1024 * 1024)]
+    pub max_prompt_bytes: usize,
+
+    /// Most entries in `stop` (and in `stop_token_ids`). OpenAI allows 4; engines accept more.
+    #[arg(long, default_value_t = 32)]
+    pub max_stop_sequences: usize,
+
+    /// Largest `stop` string, in bytes.
+    #[arg(long, default_value_t = 1024)]
+    pub max_stop_bytes: usize,
+
+    /// Most entries in `logit_bias`.
+    #[arg(long, default_value_t = 2048)]
+    pub max_logit_bias: usize,
+
+    /// Most entries in `tools` (and the legacy `functions`). OpenAI allows 128.
+    #[arg(long, default_value_t = 512)]
+    pub max_tools: usize,
+
     /// Seconds between active health checks of each worker.
     #[arg(long, default_value_t = 5)]
     pub health_check_interval_secs: u64,
@@ -312,6 +343,9 @@ impl GatewayConfig {
         if self.request_timeout_secs == 0 {
             return bad("--request-timeout-secs must be at least 1".into());
         }
+        if self.max_n == 0 || self.max_batch_size == 0 {
+            return bad("--max-n and --max-batch-size must be at least 1".into());
+        }
         if self.health_failure_threshold == 0 || self.health_success_threshold == 0 {
             return bad("health thresholds must be at least 1".into());
         }
@@ -361,6 +395,19 @@ impl GatewayConfig {
             return bad("--service-discovery-port must be at least 1".into());
         }
         Ok(())
+    }
+
+    /// The request bounds, as the parser takes them.
+    pub fn limits(&self) -> pdgate_protocol::Limits {
+        pdgate_protocol::Limits {
+            max_n: self.max_n,
+            max_batch_size: self.max_batch_size,
+            max_prompt_bytes: self.max_prompt_bytes,
+            max_stop_sequences: self.max_stop_sequences,
+            max_stop_bytes: self.max_stop_bytes,
+            max_logit_bias: self.max_logit_bias,
+            max_tools: self.max_tools,
+        }
     }
 
     /// The policy that picks prefill workers (regular workers use `policy`).

@@ -29,12 +29,14 @@ pub struct WorkerView {
     pub breaker: BreakerState,
     /// Model names the worker serves, when known.
     pub models: Vec<String>,
+    /// The engine's context length (`max_model_len`, `context_length`), when it reports one.
+    pub context_length: Option<u64>,
 }
 
 impl WorkerView {
     /// A healthy-or-not, enabled, not draining worker with a closed breaker.
     pub fn new(spec: Arc<WorkerSpec>, healthy: bool) -> Self {
-        WorkerView { spec, healthy, enabled: true, draining: false, breaker: BreakerState::Closed, models: Vec::new() }
+        WorkerView { spec, healthy, enabled: true, draining: false, breaker: BreakerState::Closed, models: Vec::new(), context_length: None }
     }
 
     /// Healthy, enabled, not draining, and the breaker lets requests through.
@@ -49,6 +51,14 @@ pub struct SnapshotOptions {
     /// The connector of workers registered without one.
     pub default_connector: KvConnector,
     pub pairing_mode: PairingMode,
+}
+
+/// The smaller of two lengths where either may be unknown.
+fn min_known(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
 }
 
 const ROLES: [WorkerRole; 3] = [WorkerRole::Regular, WorkerRole::Prefill, WorkerRole::Decode];
@@ -72,6 +82,11 @@ pub struct PoolSnapshot {
     pairing: PairingIndex,
     /// Consistent-hash rings per role over all workers of the role, eligible or not.
     rings: [OnceLock<Arc<HashRing>>; 3],
+    /// Smallest reported context length among eligible workers, per model they serve (`None`
+    /// when none of them reports one).
+    context_by_model: HashMap<String, Option<u64>>,
+    /// Smallest reported context length among all eligible workers.
+    context_any: Option<u64>,
 }
 
 impl PoolSnapshot {
@@ -89,6 +104,12 @@ impl PoolSnapshot {
             snap.keys.push(PairingKey::of(&w.spec, options.default_connector));
             if w.eligible() {
                 snap.eligible[role_slot(w.spec.role)].push(i);
+                let len = w.context_length;
+                snap.context_any = min_known(snap.context_any, len);
+                for m in &w.models {
+                    let c = snap.context_by_model.entry(m.clone()).or_insert(len);
+                    *c = min_known(*c, len);
+                }
             }
         }
         snap.pairing = PairingIndex::build(&snap.keys, &snap.eligible[1], &snap.eligible[2], options.pairing_mode);
@@ -173,11 +194,51 @@ impl PoolSnapshot {
         self.rings[role_slot(role)].get_or_init(|| Arc::new(HashRing::build(self.members(role))))
     }
 
+    /// The longest sequence every eligible worker for `model` can hold: the smallest reported
+    /// context length among eligible workers serving it, or among all eligible workers when no
+    /// worker lists the model (or none was named). `None` when no such worker reports one.
+    pub fn context_limit(&self, model: Option<&str>) -> Option<u64> {
+        match model.and_then(|m| self.context_by_model.get(m)) {
+            Some(served) => *served,
+            None => self.context_any,
+        }
+    }
+
     /// Models served by eligible workers, sorted and deduplicated.
     pub fn models(&self) -> Vec<String> {
         let mut out: Vec<String> = self.workers.iter().filter(|w| w.eligible()).flat_map(|w| w.models.iter().cloned()).collect();
         out.sort();
         out.dedup();
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(url: &str, models: &[&str], context: Option<u64>, healthy: bool) -> WorkerView {
+        let spec = Arc::new(WorkerSpec::new(url, WorkerRole::Regular).unwrap());
+        WorkerView { models: models.iter().map(|m| m.to_string()).collect(), context_length: context, ..WorkerView::new(spec, healthy) }
+    }
+
+    #[test]
+    fn context_limit_is_the_smallest_among_eligible_workers_of_the_model() {
+        let snap = PoolSnapshot::build(
+            vec![
+                view("http://a:1", &["m"], Some(4096), true),
+                view("http://b:1", &["m"], Some(2048), true),
+                view("http://c:1", &["m"], Some(16), false),
+                view("http://d:1", &["big"], Some(131072), true),
+                view("http://e:1", &["silent"], None, true),
+            ],
+            KvConnector::Bootstrap,
+        );
+        assert_eq!(snap.context_limit(Some("m")), Some(2048), "the unhealthy worker does not count");
+        assert_eq!(snap.context_limit(Some("big")), Some(131072));
+        assert_eq!(snap.context_limit(Some("silent")), None, "its workers report nothing: no check");
+        assert_eq!(snap.context_limit(Some("unknown")), Some(2048), "no worker lists it: any eligible worker");
+        assert_eq!(snap.context_limit(None), Some(2048));
+        assert_eq!(PoolSnapshot::default().context_limit(None), None);
     }
 }

@@ -102,3 +102,12 @@ fn version_and_help_name_the_program_they_were_called_as() {
     let help = GatewayConfig::parse_cli(["pdgate-gateway", "--help"]).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(help.contains("Usage: pdgate-gateway"), "{help}");
 }
+
+#[test]
+fn request_bounds_default_to_the_parsers_defaults_and_are_flags() {
+    assert_eq!(GatewayConfig::default().limits(), pdgate_protocol::Limits::default());
+    let c = cli(&["--max-n", "4", "--max-batch-size", "8", "--max-tools", "1"]);
+    let l = c.limits();
+    assert_eq!((l.max_n, l.max_batch_size, l.max_tools), (4, 8, 1));
+    assert!(cli(&["--max-n", "0"]).validate().is_err());
+}

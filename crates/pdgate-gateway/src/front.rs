@@ -14,7 +14,7 @@ use serde_json::json;
 use tokio::time::Instant;
 
 use crate::exec::{execute, Ctx};
-use crate::{auth, workers_api};
+use crate::{auth, request_id, workers_api};
 use crate::render::error_response;
 use crate::state::AppState;
 
@@ -83,24 +83,20 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
             return client_error(&state, route, &err);
         }
     };
-    let req = match parse_request(endpoint, &raw) {
+    let req = match parse_request(endpoint, &raw, &state.limits) {
         Ok(r) => r,
         Err(e) => return client_error(&state, route, &GatewayError::invalid(e.param.as_deref(), e.message)),
     };
-    let request_id = headers
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| !v.is_empty() && v.len() <= 256)
-        .map(str::to_string)
-        // From the thread-local rng: uuid's v4 would cost a getrandom syscall per request.
-        .unwrap_or_else(|| format!("pdgate-{:032x}", rand::random::<u128>()));
+    // The client's id only after validation; the legs get a minted one (see `request_id`).
+    let client_request_id = request_id::client_id(&headers);
+    let request_id = request_id::mint(client_request_id.as_deref());
     let session_key = headers
         .get("x-session-id")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string)
         .or_else(|| req.body.get("user").and_then(|u| u.as_str()).map(str::to_string));
     let deadline = Instant::now() + state.request_timeout();
-    execute(Ctx { state, req, raw, request_id, session_key, deadline, started, route }).await
+    execute(Ctx { state, req, raw, request_id, client_request_id, session_key, deadline, started, route }).await
 }
 
 async fn liveness() -> Response {

@@ -76,14 +76,28 @@ pub async fn get_json(state: &AppState, url: &str) -> Option<Value> {
     serde_json::from_slice(&body).ok()
 }
 
-/// Models from `/v1/models`; mode and runtime from `/server_info` (SGLang, reference engine).
+/// Models from `/v1/models`; mode and runtime from `/server_info` (SGLang, reference engine);
+/// the context length from the model cards' `max_model_len` (vLLM, SGLang, reference engine),
+/// else `/server_info`'s `context_length` (SGLang).
 pub async fn engine_info(state: &AppState, base: &str) -> EngineInfo {
-    let models = get_json(state, &format!("{base}/v1/models"))
-        .await
-        .and_then(|v| Some(v.get("data")?.as_array()?.iter().filter_map(|m| m.get("id")?.as_str().map(str::to_string)).collect()))
-        .unwrap_or_default();
+    let cards = get_json(state, &format!("{base}/v1/models")).await;
+    let (models, card_context) = cards.as_ref().map(model_cards).unwrap_or_default();
     let server = get_json(state, &format!("{base}/server_info")).await;
-    EngineInfo { models, ..server.as_ref().map(server_info_facts).unwrap_or_default() }
+    let facts = server.as_ref().map(server_info_facts).unwrap_or_default();
+    EngineInfo { models, context_length: card_context.or(facts.context_length), ..facts }
+}
+
+/// Model ids and the smallest `max_model_len` of a `/v1/models` answer.
+pub fn model_cards(v: &Value) -> (Vec<String>, Option<u64>) {
+    let Some(data) = v.get("data").and_then(Value::as_array) else { return (vec![], None) };
+    let models = data.iter().filter_map(|m| m.get("id")?.as_str().map(str::to_string)).collect();
+    let context = data.iter().filter_map(|m| positive(m.get("max_model_len")?)).min();
+    (models, context)
+}
+
+/// A context length as engines report it: a positive integer (SGLang may say `null`).
+fn positive(v: &Value) -> Option<u64> {
+    v.as_u64().filter(|n| *n > 0)
 }
 
 /// Mode, runtime and KV layout from an SGLang-style `/server_info` (the reference engine adds
@@ -98,6 +112,7 @@ pub fn server_info_facts(s: &Value) -> EngineInfo {
         mode: text("disaggregation_mode"),
         runtime: Some(text("engine").unwrap_or_else(|| "sglang".into())),
         kv_layout: KvLayout { page_size: num("page_size"), kv_dtype, tp_size: num("tp_size") },
+        context_length: s.get("context_length").and_then(positive),
     }
 }
 
@@ -115,5 +130,16 @@ mod tests {
         let reference = server_info_facts(&json!({"engine": "pdgate-reference", "page_size": 16, "kv_cache_dtype": "fp8_e4m3"}));
         assert_eq!(reference.runtime.as_deref(), Some("pdgate-reference"));
         assert_eq!(reference.kv_layout.kv_dtype.as_deref(), Some("fp8_e4m3"));
+        assert_eq!(reference.context_length, None);
+        assert_eq!(server_info_facts(&json!({"context_length": 8192})).context_length, Some(8192));
+        assert_eq!(server_info_facts(&json!({"context_length": null})).context_length, None);
+    }
+
+    #[test]
+    fn model_cards_give_ids_and_the_smallest_context() {
+        let v = json!({"data": [{"id": "a", "max_model_len": 4096}, {"id": "b", "max_model_len": 2048}, {"id": "c"}]});
+        assert_eq!(model_cards(&v), (vec!["a".into(), "b".into(), "c".into()], Some(2048)));
+        assert_eq!(model_cards(&json!({"data": [{"id": "a", "max_model_len": 0}]})).1, None);
+        assert_eq!(model_cards(&json!({})), (vec![], None));
     }
 }

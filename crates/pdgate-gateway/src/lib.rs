@@ -12,6 +12,7 @@ mod metrics;
 mod record;
 mod registry;
 mod render;
+mod request_id;
 mod server;
 mod state;
 mod upstream;

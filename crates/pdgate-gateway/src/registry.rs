@@ -57,6 +57,9 @@ pub struct EngineInfo {
     pub mode: Option<String>,
     pub runtime: Option<String>,
     pub kv_layout: KvLayout,
+    /// The model's context length as the engine reports it (requests asking for more output
+    /// tokens are refused with 400).
+    pub context_length: Option<u64>,
 }
 
 #[derive(Clone, Debug)]
@@ -147,6 +150,7 @@ impl Registry {
                 draining: e.draining,
                 breaker: e.runtime.breaker().state(now, &self.breaker_config),
                 models: e.info.models.clone(),
+                context_length: e.info.context_length,
             })
             .collect();
         let runtime = entries.iter().map(|e| e.runtime.clone()).collect();

@@ -12,6 +12,7 @@ use pdgate_core::radix::RadixTree;
 use pdgate_core::retry::RetryPolicy;
 use pdgate_core::policy::{make_policy_with, PolicyOptions};
 use pdgate_core::{GatewayConfig, Policy};
+use pdgate_protocol::Limits;
 
 use crate::load::{stale_after_ms, GatewayLoads};
 use crate::metrics::Metrics;
@@ -27,6 +28,8 @@ pub struct AppState {
     pub prefill_policy: Box<dyn Policy>,
     pub decode_policy: Box<dyn Policy>,
     pub retry: RetryPolicy,
+    /// The request bounds (`--max-n`, `--max-batch-size`, ...), as the parser takes them.
+    pub limits: Limits,
     sequence: AtomicU64,
     /// Recent prompts per worker, for cache-aware policies (keys are worker URLs, so one tree
     /// serves every pool). Locked only around a decision and its insert, never across an await.
@@ -48,6 +51,7 @@ impl AppState {
                 initial_backoff: Duration::from_millis(config.retry_initial_backoff_ms),
                 max_backoff: Duration::from_millis(config.retry_max_backoff_ms),
             },
+            limits: config.limits(),
             sequence: AtomicU64::new(0),
             tree: Mutex::new(RadixTree::new()),
             engine_ids: Mutex::new(HashMap::new()),

@@ -38,8 +38,9 @@ async fn nixl_prefill_params_reach_the_decode_verbatim() {
     assert_eq!(db["stream"], true);
     assert_eq!(db["kv_transfer_params"]["remote_block_ids"], json!([7, 8, 9]));
     assert_eq!(db["kv_transfer_params"]["tp_size"], 1, "params relayed verbatim, extra fields too");
-    assert_eq!(*p.log().request_ids.lock().unwrap(), vec!["req-abc".to_string()]);
-    assert_eq!(*d.log().request_ids.lock().unwrap(), vec!["req-abc".to_string()], "same X-Request-Id on both legs");
+    let (p_ids, d_ids) = (p.log().request_ids.lock().unwrap().clone(), d.log().request_ids.lock().unwrap().clone());
+    assert_eq!(p_ids, d_ids, "same X-Request-Id on both legs");
+    assert!(p_ids[0].starts_with("req-abc-") && p_ids[0] != "req-abc", "minted from, never equal to, the client's id: {p_ids:?}");
     assert!(!metric(&url, "pdgate_pd_silent_recompute_total{").await);
 }
 

@@ -38,6 +38,15 @@ pub fn nixl_decode_body(original: &Map<String, Value>, params: Value) -> Map<Str
     body
 }
 
+/// The original request without any `kv_transfer_params`, for a decode whose prefill returned
+/// none: it recomputes the prompt (counted as a silent recompute), and never acts on params a
+/// client put in its own body.
+pub fn nixl_decode_without_params(original: &Map<String, Value>) -> Map<String, Value> {
+    let mut body = original.clone();
+    body.remove("kv_transfer_params");
+    body
+}
+
 /// The prefill's returned params, if it returned any at all.
 pub fn returned_params(response: &Value) -> Option<&Value> {
     response.get("kv_transfer_params").filter(|v| v.is_object())
@@ -123,6 +132,13 @@ mod tests {
         assert_eq!((d["stream"].clone(), d["max_tokens"].clone()), (json!(true), json!(50)));
         assert!(nixl_missing_fields(&params).is_empty());
         assert_eq!(nixl_missing_fields(&json!({"remote_block_ids": [1], "remote_host": null})).len(), 4);
+    }
+
+    #[test]
+    fn without_params_from_the_prefill_the_decode_gets_none() {
+        let orig = obj(json!({"prompt": "x", "kv_transfer_params": {"remote_host": "evil", "remote_port": 1}}));
+        let d = nixl_decode_without_params(&orig);
+        assert_eq!(Value::Object(d), json!({"prompt": "x"}));
     }
 
     #[test]

@@ -7,10 +7,13 @@
 
 pub mod bootstrap;
 pub mod kv_transfer;
+pub mod limits;
 pub mod logprobs;
 pub mod openai;
+pub mod rendezvous;
 pub mod request;
 pub mod sse;
 pub mod usage;
 
+pub use limits::Limits;
 pub use request::{parse_request, Endpoint, InvalidRequest, ParsedRequest};

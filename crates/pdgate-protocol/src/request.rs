@@ -2,9 +2,14 @@
 //!
 //! The gateway forwards the client's JSON as it came (engines accept many extension fields), so
 //! validation only checks what the gateway itself relies on and what would otherwise become a
-//! worker-side 5xx: the shape of the prompt, the types of the fields routing reads.
+//! worker-side 5xx: the shape of the prompt, the types of the fields routing reads, and the
+//! bounds of [`Limits`]. Fields that steer the rendezvous are removed here (see `rendezvous`),
+//! so no path can forward them.
 
 use serde_json::{Map, Value};
+
+use crate::limits::{self, Limits};
+use crate::rendezvous;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Endpoint {
@@ -30,7 +35,7 @@ pub struct InvalidRequest {
     pub message: String,
 }
 
-fn invalid(param: &str, message: impl Into<String>) -> InvalidRequest {
+pub(crate) fn invalid(param: &str, message: impl Into<String>) -> InvalidRequest {
     InvalidRequest { param: Some(param.to_string()), message: message.into() }
 }
 
@@ -46,6 +51,12 @@ pub struct ParsedRequest {
     /// `/generate` with `return_logprob`: prefill's input logprobs must be merged into decode's.
     pub wants_input_logprobs: bool,
     pub model: Option<String>,
+    /// The output length asked for, with the field that asked: the largest of `max_tokens`,
+    /// `max_completion_tokens` and `/generate` `sampling_params.max_new_tokens`.
+    pub max_tokens: Option<(u64, &'static str)>,
+    /// Gateway-owned fields were removed: `body` differs from the bytes received, so a leg that
+    /// would forward those bytes must encode `body` instead.
+    pub rewritten: bool,
 }
 
 impl ParsedRequest {
@@ -68,36 +79,58 @@ impl ParsedRequest {
     }
 }
 
-pub fn parse_request(endpoint: Endpoint, bytes: &[u8]) -> Result<ParsedRequest, InvalidRequest> {
+/// Parses and validates one client body against `limits`, and removes the fields that belong
+/// to the gateway (the request then says `rewritten`).
+pub fn parse_request(endpoint: Endpoint, bytes: &[u8], limits: &Limits) -> Result<ParsedRequest, InvalidRequest> {
     let value: Value = serde_json::from_slice(bytes).map_err(|e| InvalidRequest {
         param: None,
         message: format!("request body is not valid JSON: {e}"),
     })?;
-    let Value::Object(body) = value else {
+    let Value::Object(mut body) = value else {
         return Err(InvalidRequest { param: None, message: "request body must be a JSON object".into() });
     };
-    check_common(&body)?;
-    let (prompt_items, n) = match endpoint {
-        Endpoint::Completions => (completion_prompt_items(&body)?, positive_int(&body, "n")?),
+    check_common(&body, limits)?;
+    let batch_items = match endpoint {
+        Endpoint::Completions => {
+            let items = completion_prompt_items(&body)?;
+            limits::check_prompt_bytes(body.get("prompt").map_or(0, limits::text_bytes), "prompt", limits)?;
+            let n = limits::bounded_count(&body, "n", "n", limits.max_n)?.unwrap_or(1);
+            let best_of = limits::bounded_count(&body, "best_of", "best_of", limits.max_n)?.unwrap_or(1);
+            // best_of sequences run per prompt, n of them returned: the engine runs the larger.
+            let (runs, param) = if best_of > n { (best_of, "best_of") } else { (n, "n") };
+            limits::batch_size(items, "prompt", runs, param, limits)?
+        }
         Endpoint::ChatCompletions => {
             check_messages(&body)?;
-            (None, positive_int(&body, "n")?)
+            limits::check_prompt_bytes(body.get("messages").map_or(0, limits::text_bytes), "messages", limits)?;
+            let n = limits::bounded_count(&body, "n", "n", limits.max_n)?.unwrap_or(1);
+            limits::batch_size(None, "messages", n, "n", limits)?
         }
-        Endpoint::Generate => generate_items(&body)?,
-    };
-    let n = n.unwrap_or(1);
-    let batch_items = match (prompt_items, n) {
-        (None, 1) => None,
-        (None, n) => Some(n as usize),
-        (Some(items), n) => Some(items * n as usize),
+        Endpoint::Generate => generate_items(&body, limits)?,
     };
     let stream = optional_bool(&body, "stream")?.unwrap_or(false);
     let wants_input_logprobs = endpoint == Endpoint::Generate && optional_bool(&body, "return_logprob")?.unwrap_or(false);
     let model = body.get("model").and_then(Value::as_str).map(str::to_string);
-    Ok(ParsedRequest { endpoint, body, stream, batch_items, wants_input_logprobs, model })
+    let max_tokens = requested_tokens(&body);
+    let rewritten = rendezvous::has_gateway_fields(&body);
+    if rewritten {
+        rendezvous::strip_gateway_fields(&mut body);
+    }
+    Ok(ParsedRequest { endpoint, body, stream, batch_items, wants_input_logprobs, model, max_tokens, rewritten })
 }
 
-fn check_common(body: &Map<String, Value>) -> Result<(), InvalidRequest> {
+/// The largest output length the request asks for, and the field it is in.
+fn requested_tokens(body: &Map<String, Value>) -> Option<(u64, &'static str)> {
+    let sp = body.get("sampling_params").and_then(Value::as_object);
+    let found = [
+        (body.get("max_tokens"), "max_tokens"),
+        (body.get("max_completion_tokens"), "max_completion_tokens"),
+        (sp.and_then(|sp| sp.get("max_new_tokens")), "sampling_params.max_new_tokens"),
+    ];
+    found.into_iter().filter_map(|(v, k)| Some((v?.as_u64()?, k))).max_by_key(|(v, _)| *v)
+}
+
+fn check_common(body: &Map<String, Value>, limits: &Limits) -> Result<(), InvalidRequest> {
     optional_bool(body, "stream")?;
     if let Some(m) = body.get("model") {
         if !m.is_string() && !m.is_null() {
@@ -123,7 +156,8 @@ fn check_common(body: &Map<String, Value>) -> Result<(), InvalidRequest> {
             return Err(invalid("stream_options", "'stream_options' must be an object"));
         }
     }
-    Ok(())
+    limits::check_sampling(body, "", limits)?;
+    limits::check_tools(body, limits)
 }
 
 fn optional_bool(body: &Map<String, Value>, key: &str) -> Result<Option<bool>, InvalidRequest> {
@@ -131,16 +165,6 @@ fn optional_bool(body: &Map<String, Value>, key: &str) -> Result<Option<bool>, I
         None | Some(Value::Null) => Ok(None),
         Some(Value::Bool(b)) => Ok(Some(*b)),
         Some(_) => Err(invalid(key, format!("'{key}' must be a boolean"))),
-    }
-}
-
-fn positive_int(body: &Map<String, Value>, key: &str) -> Result<Option<u64>, InvalidRequest> {
-    match body.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => match v.as_u64() {
-            Some(n) if n >= 1 => Ok(Some(n)),
-            _ => Err(invalid(key, format!("'{key}' must be a positive integer"))),
-        },
     }
 }
 
@@ -184,18 +208,19 @@ fn check_messages(body: &Map<String, Value>) -> Result<(), InvalidRequest> {
 }
 
 /// `/generate`: `text` (string or list) or `input_ids` (list or list of lists); `n` lives in
-/// `sampling_params` there.
-fn generate_items(body: &Map<String, Value>) -> Result<(Option<usize>, Option<u64>), InvalidRequest> {
-    let items = match (body.get("text").filter(|v| !v.is_null()), body.get("input_ids").filter(|v| !v.is_null())) {
+/// `sampling_params` there. Returns the batch size as `ParsedRequest::batch_items`.
+fn generate_items(body: &Map<String, Value>, limits: &Limits) -> Result<Option<usize>, InvalidRequest> {
+    let (items, items_param) = match (body.get("text").filter(|v| !v.is_null()), body.get("input_ids").filter(|v| !v.is_null())) {
         (Some(_), Some(_)) => return Err(invalid("text", "give either 'text' or 'input_ids', not both")),
         (None, None) => return Err(invalid("text", "'text' or 'input_ids' is required")),
-        (Some(Value::String(_)), None) => None,
-        (Some(Value::Array(items)), None) if !items.is_empty() && items.iter().all(Value::is_string) => Some(items.len()),
+        (Some(Value::String(_)), None) => (None, "text"),
+        (Some(Value::Array(items)), None) if !items.is_empty() && items.iter().all(Value::is_string) => (Some(items.len()), "text"),
         (Some(_), None) => return Err(invalid("text", "'text' must be a string or a non-empty list of strings")),
-        (None, Some(ids)) if is_token_list(ids) && !ids.as_array().is_some_and(Vec::is_empty) => None,
-        (None, Some(Value::Array(items))) if !items.is_empty() && items.iter().all(is_token_list) => Some(items.len()),
+        (None, Some(ids)) if is_token_list(ids) && !ids.as_array().is_some_and(Vec::is_empty) => (None, "input_ids"),
+        (None, Some(Value::Array(items))) if !items.is_empty() && items.iter().all(is_token_list) => (Some(items.len()), "input_ids"),
         (None, Some(_)) => return Err(invalid("input_ids", "'input_ids' must be a list of token ids or a list of such lists")),
     };
+    limits::check_prompt_bytes(body.get("text").map_or(0, limits::text_bytes), "text", limits)?;
     let n = match body.get("sampling_params") {
         None | Some(Value::Null) => None,
         Some(Value::Object(sp)) => {
@@ -204,12 +229,13 @@ fn generate_items(body: &Map<String, Value>) -> Result<(Option<usize>, Option<u6
                     return Err(invalid("sampling_params.max_new_tokens", "'max_new_tokens' must be a non-negative integer"));
                 }
             }
-            positive_int(sp, "n")?
+            limits::check_sampling(sp, "sampling_params.", limits)?;
+            limits::bounded_count(sp, "n", "sampling_params.n", limits.max_n)?
         }
         Some(_) => return Err(invalid("sampling_params", "'sampling_params' must be an object")),
     };
     optional_bool(body, "return_logprob")?;
-    Ok((items, n))
+    limits::batch_size(items, items_param, n.unwrap_or(1), "sampling_params.n", limits)
 }
 
 #[cfg(test)]
@@ -217,7 +243,7 @@ mod tests {
     use super::*;
 
     fn parse(ep: Endpoint, s: &str) -> Result<ParsedRequest, InvalidRequest> {
-        parse_request(ep, s.as_bytes())
+        parse_request(ep, s.as_bytes(), &Limits::default())
     }
 
     #[test]
@@ -267,5 +293,80 @@ mod tests {
         assert_eq!(r.routing_text().as_deref(), Some("hello"));
         let c = parse(Endpoint::ChatCompletions, r#"{"messages":[{"role":"system","content":"a"},{"role":"user","content":"b"}]}"#).unwrap();
         assert_eq!(c.routing_text().as_deref(), Some("a\nb"));
+    }
+
+    /// The bodies from issue 11: each is refused with the field named, before any allocation in
+    /// proportion to the number (n = 10^12 used to abort the gateway collecting 10^12 rooms).
+    #[test]
+    fn client_numbers_are_bounded() {
+        let big_text = format!(r#"{{"text":[{}]}}"#, vec![r#""a""#; 1025].join(","));
+        let many_ids = format!(r#"{{"input_ids":[{}]}}"#, vec!["[1]"; 1025].join(","));
+        let many_prompts = format!(r#"{{"prompt":[{}]}}"#, vec![r#""a""#; 1025].join(","));
+        let long_prompt = format!(r#"{{"prompt":"{}"}}"#, "x".repeat(8 * 1024 * 1024 + 1));
+        let many_stops = format!(r#"{{"prompt":"x","stop":[{}]}}"#, vec![r#""s""#; 33].join(","));
+        let long_stop = format!(r#"{{"prompt":"x","stop":"{}"}}"#, "s".repeat(1025));
+        let bias: Vec<String> = (0..2049).map(|i| format!(r#""{i}":1"#)).collect();
+        let many_bias = format!(r#"{{"prompt":"x","logit_bias":{{{}}}}}"#, bias.join(","));
+        let many_tools = format!(r#"{{"messages":[{{"role":"user"}}],"tools":[{}]}}"#, vec!["{}"; 513].join(","));
+        let cases: Vec<(Endpoint, String, &str)> = vec![
+            (Endpoint::Completions, r#"{"prompt":"x","n":1000000000000}"#.into(), "n"),
+            (Endpoint::Completions, r#"{"prompt":"x","n":4611686018427387904}"#.into(), "n"),
+            (Endpoint::Completions, r#"{"prompt":"x","n":18446744073709551615}"#.into(), "n"),
+            (Endpoint::Completions, r#"{"prompt":"x","n":129}"#.into(), "n"),
+            (Endpoint::Completions, r#"{"prompt":"x","best_of":10000}"#.into(), "best_of"),
+            (Endpoint::Completions, r#"{"prompt":"x","n":1e300}"#.into(), "n"),
+            (Endpoint::ChatCompletions, r#"{"messages":[{"role":"user"}],"n":10000}"#.into(), "n"),
+            (Endpoint::Generate, r#"{"text":"a","sampling_params":{"n":10000}}"#.into(), "sampling_params.n"),
+            (Endpoint::Generate, big_text, "text"),
+            (Endpoint::Generate, many_ids, "input_ids"),
+            (Endpoint::Completions, many_prompts, "prompt"),
+            (Endpoint::Completions, format!(r#"{{"prompt":[{}],"n":128}}"#, vec![r#""a""#; 9].join(",")), "n"),
+            (Endpoint::Completions, long_prompt, "prompt"),
+            (Endpoint::Completions, many_stops, "stop"),
+            (Endpoint::Completions, long_stop, "stop"),
+            (Endpoint::Completions, r#"{"prompt":"x","stop":[1]}"#.into(), "stop"),
+            (Endpoint::Generate, format!(r#"{{"text":"a","sampling_params":{{"stop":[{}]}}}}"#, vec![r#""s""#; 33].join(",")), "sampling_params.stop"),
+            (Endpoint::Completions, many_bias, "logit_bias"),
+            (Endpoint::ChatCompletions, many_tools, "tools"),
+        ];
+        for (ep, body, param) in cases {
+            let err = parse(ep, &body).unwrap_err();
+            assert_eq!(err.param.as_deref(), Some(param), "{:.80}: {}", body, err.message);
+            assert!(err.message.len() < 200, "messages stay short: {}", err.message);
+        }
+    }
+
+    #[test]
+    fn limits_are_inclusive_and_configurable() {
+        let at = format!(r#"{{"text":[{}],"sampling_params":{{"n":1}}}}"#, vec![r#""a""#; 1024].join(","));
+        assert_eq!(parse(Endpoint::Generate, &at).unwrap().batch_items, Some(1024));
+        assert_eq!(parse(Endpoint::Completions, r#"{"prompt":"x","n":128}"#).unwrap().batch_items, Some(128));
+        let tight = Limits { max_n: 2, max_batch_size: 4, ..Limits::default() };
+        let r = parse_request(Endpoint::Completions, br#"{"prompt":["a","b"],"n":2}"#, &tight).unwrap();
+        assert_eq!(r.batch_items, Some(4));
+        let e = parse_request(Endpoint::Completions, br#"{"prompt":["a","b","c"],"n":2}"#, &tight).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("n"));
+        let e = parse_request(Endpoint::Completions, br#"{"prompt":"a","n":3}"#, &tight).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("n"));
+    }
+
+    #[test]
+    fn requested_output_length_and_its_field() {
+        assert_eq!(parse(Endpoint::Completions, r#"{"prompt":"x"}"#).unwrap().max_tokens, None);
+        let r = parse(Endpoint::ChatCompletions, r#"{"messages":[{"role":"user"}],"max_tokens":5,"max_completion_tokens":18446744073709551615}"#).unwrap();
+        assert_eq!(r.max_tokens, Some((u64::MAX, "max_completion_tokens")));
+        let g = parse(Endpoint::Generate, r#"{"text":"a","sampling_params":{"max_new_tokens":10000000}}"#).unwrap();
+        assert_eq!(g.max_tokens, Some((10_000_000, "sampling_params.max_new_tokens")));
+    }
+
+    #[test]
+    fn gateway_fields_are_stripped_and_flagged() {
+        let clean = parse(Endpoint::Completions, r#"{"prompt":"x","max_tokens":3}"#).unwrap();
+        assert!(!clean.rewritten);
+        let r = parse(Endpoint::Completions, r#"{"prompt":"x","kv_transfer_params":{"remote_host":"evil"},"bootstrap_room":1}"#).unwrap();
+        assert!(r.rewritten);
+        assert!(!r.body.contains_key("kv_transfer_params") && !r.body.contains_key("bootstrap_room"));
+        let g = parse(Endpoint::Generate, r#"{"text":"a","sampling_params":{"bootstrap_host":"evil","max_new_tokens":2}}"#).unwrap();
+        assert!(g.rewritten && !g.body["sampling_params"].as_object().unwrap().contains_key("bootstrap_host"));
     }
 }

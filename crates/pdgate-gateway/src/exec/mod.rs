@@ -34,7 +34,11 @@ pub struct Ctx {
     pub req: ParsedRequest,
     /// The client's body as received; forwarded unchanged where no rewrite is needed.
     pub raw: Bytes,
+    /// The id of the current attempt, sent to the workers as `X-Request-Id` (the id the legs
+    /// rendezvous on): minted by the gateway, fresh for every attempt (see `request_id`).
     pub request_id: String,
+    /// The client's own `X-Request-Id`, validated; for the logs and `x-client-request-id`.
+    pub client_request_id: Option<String>,
     /// Affinity key for consistent hashing: `x-session-id` header, else the body's `user`.
     pub session_key: Option<String>,
     pub deadline: Instant,
@@ -43,6 +47,15 @@ pub struct Ctx {
 }
 
 impl Ctx {
+    /// The client's body for a leg that forwards it as it came: the received bytes, unless the
+    /// parser removed gateway-owned fields (rare: then the cleaned body is encoded).
+    pub fn forward_body(&self) -> Result<Bytes, GatewayError> {
+        if !self.req.rewritten {
+            return Ok(self.raw.clone());
+        }
+        serde_json::to_vec(&self.req.body).map(Bytes::from).map_err(|e| GatewayError::internal(format!("cannot encode request: {e}")))
+    }
+
     /// The prompt text, only when a policy reads it (copying it for the others would be waste).
     pub fn routing_text(&self) -> Option<String> {
         if self.state.uses_tree() {
@@ -91,11 +104,32 @@ impl From<GatewayError> for AttemptFailure {
     }
 }
 
-pub async fn execute(ctx: Ctx) -> Response {
+/// A request for more tokens than the model's context length can never be served: refuse it
+/// (400 naming the field) instead of letting it wait on the workers until the deadline.
+fn check_context(ctx: &Ctx) -> Result<(), GatewayError> {
+    let Some((asked, field)) = ctx.req.max_tokens else { return Ok(()) };
+    let Some(limit) = ctx.state.registry.routing().snapshot.context_limit(ctx.req.model.as_deref()) else { return Ok(()) };
+    if asked > limit {
+        return Err(GatewayError::invalid(Some(field), format!("'{field}' is {asked}, more than the model's context length of {limit} tokens")));
+    }
+    Ok(())
+}
+
+pub async fn execute(mut ctx: Ctx) -> Response {
     let mut record = Record::default();
+    if ctx.req.rewritten {
+        tracing::debug!(request_id = %ctx.request_id, "removed rendezvous fields the client sent (they are the gateway's)");
+    }
+    if let Err(err) = check_context(&ctx) {
+        return finish(&ctx, error_response(&err), &record);
+    }
     let mut failed: Vec<String> = Vec::new();
     let response = loop {
         record.attempts += 1;
+        if record.attempts > 1 {
+            // A retry is a new rendezvous: the old id may still be live on the failed pair.
+            ctx.request_id = crate::request_id::mint(ctx.client_request_id.as_deref());
+        }
         let result = if ctx.state.config.pd_disaggregation {
             pd::attempt(&ctx, &failed, &mut record).await
         } else {
@@ -119,9 +153,9 @@ pub async fn execute(ctx: Ctx) -> Response {
             metrics.leg_errors.with_label_values(&[leg.as_str(), &err.code()]).inc();
         }
         let left = ctx.deadline.saturating_duration_since(Instant::now());
-        tracing::debug!(attempt = record.attempts, error = %err, route = %record.header_value(), "attempt failed");
+        tracing::debug!(request_id = %ctx.request_id, attempt = record.attempts, error = %err, route = %record.full(), "attempt failed");
         if !ctx.state.retry.should_retry(err, record.attempts, false, left) {
-            tracing::warn!(error = %err, code = %err.code(), route = %record.header_value(), "request failed");
+            tracing::warn!(request_id = %ctx.request_id, client_request_id = ctx.client_request_id.as_deref().unwrap_or("-"), error = %err, code = %err.code(), route = %record.header_value(), "request failed");
             break error_response(err);
         }
         metrics.retries.with_label_values(&[err.reason()]).inc();
@@ -136,14 +170,19 @@ pub async fn execute(ctx: Ctx) -> Response {
 }
 
 fn finish(ctx: &Ctx, mut response: Response, record: &Record) -> Response {
-    let value = record.header_value();
-    tracing::debug!(request_id = %ctx.request_id, route = %value, status = response.status().as_u16(), "routed");
+    // The full record (every room of a batch) goes to the debug log only, formatted only when
+    // that level is on; the header is bounded (see `record`).
+    tracing::debug!(request_id = %ctx.request_id, client_request_id = ctx.client_request_id.as_deref().unwrap_or("-"), route = %record.full(), status = response.status().as_u16(), "routed");
     let headers = response.headers_mut();
-    if let Ok(v) = HeaderValue::from_str(&value) {
+    if let Ok(v) = HeaderValue::from_str(&record.header_value()) {
         headers.insert(ROUTE_HEADER, v);
     }
+    // Both ids are of the safe charset (validated or minted), so they are valid header values.
     if let Ok(v) = HeaderValue::from_str(&ctx.request_id) {
         headers.insert("x-request-id", v);
+    }
+    if let Some(v) = ctx.client_request_id.as_deref().and_then(|c| HeaderValue::from_str(c).ok()) {
+        headers.insert(crate::request_id::CLIENT_ID_HEADER, v);
     }
     let status = response.status();
     ctx.state.metrics.requests.with_label_values(&[ctx.route, status.as_str()]).inc();

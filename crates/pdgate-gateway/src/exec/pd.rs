@@ -25,7 +25,7 @@ use super::single::relay_leg;
 use super::{AttemptFailure, Ctx};
 use crate::metrics::InflightGuard;
 use crate::registry::Runtime;
-use crate::record::Record;
+use crate::record::{Record, Rendezvous};
 
 /// Default port of an engine's bootstrap server when the gateway was given none.
 const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
@@ -141,10 +141,11 @@ fn mint_rooms(batch_items: Option<usize>) -> Rooms {
 }
 
 async fn run_bootstrap(ctx: &Ctx, p: &Picked, d: &Picked, record: &mut Record) -> Result<Response, GatewayError> {
+    // batch_items is bounded by --max-batch-size in the parser: at most that many rooms.
     let rooms = mint_rooms(ctx.req.batch_items);
-    record.rendezvous = Some(format!("room={}", rooms.describe()));
     let mut body = ctx.req.body.clone();
     bootstrap::inject(&mut body, &p.spec.host, p.spec.bootstrap_port, &rooms);
+    record.rendezvous = Some(Rendezvous::Rooms(rooms));
     let bytes = to_bytes(&body)?;
     let prefill = spawn_prefill(ctx, p, bytes.clone(), KvConnector::Bootstrap);
     let merge = ctx.req.wants_input_logprobs;
@@ -152,7 +153,7 @@ async fn run_bootstrap(ctx: &Ctx, p: &Picked, d: &Picked, record: &mut Record) -
 }
 
 async fn run_nixl(ctx: &Ctx, p: &Picked, d: &Picked, record: &mut Record) -> Result<Response, GatewayError> {
-    record.rendezvous = Some(format!("request_id={}", ctx.request_id));
+    record.rendezvous = Some(Rendezvous::RequestId(ctx.request_id.clone()));
     let p_body = to_bytes(&kv_transfer::nixl_prefill_body(&ctx.req.body))?;
     let accounting = finish(ctx, KvConnector::Nixl, p, d);
     let answer = spawn_prefill(ctx, p, p_body, KvConnector::Nixl).await?;
@@ -171,7 +172,8 @@ async fn run_nixl(ctx: &Ctx, p: &Picked, d: &Picked, record: &mut Record) -> Res
         None => {
             tracing::warn!(prefill = %p.spec.url, "prefill returned no kv_transfer_params; decode will recompute the prompt");
             metrics.silent_recompute.with_label_values(&["nixl", "no_params"]).inc();
-            (ctx.req.body.clone(), true)
+            // Never the client's own params: with none from the prefill, the decode gets none.
+            (kv_transfer::nixl_decode_without_params(&ctx.req.body), true)
         }
     };
     let finish = Finish { recompute_counted: counted, ..accounting };
@@ -212,9 +214,9 @@ async fn engine_id(ctx: &Ctx, p: &WorkerSpec) -> Result<String, GatewayError> {
 async fn run_mooncake(ctx: &Ctx, p: &Picked, d: &Picked, record: &mut Record) -> Result<Response, GatewayError> {
     let engine = engine_id(ctx, &p.spec).await?;
     let transfer_id = kv_transfer::mooncake_transfer_id(&uuid::Builder::from_random_bytes(rand::random()).into_uuid().to_string());
-    record.rendezvous = Some(format!("transfer_id={transfer_id}"));
     let p_body = to_bytes(&kv_transfer::mooncake_prefill_body(&ctx.req.body, &transfer_id))?;
     let d_body = to_bytes(&kv_transfer::mooncake_decode_body(&ctx.req.body, &transfer_id, &engine, &bootstrap_base(&p.spec)))?;
+    record.rendezvous = Some(Rendezvous::TransferId(transfer_id));
     let prefill = spawn_prefill(ctx, p, p_body, KvConnector::Mooncake);
     relay_leg(ctx, &d.spec.url, Leg::Decode, d_body, Some(prefill), false, finish(ctx, KvConnector::Mooncake, p, d)).await
 }

@@ -43,7 +43,9 @@ pub async fn regular_attempt(ctx: &Ctx, failed: &[String], record: &mut Record) 
         recompute_counted: false,
         guards: vec![InflightGuard::new(&ctx.state.metrics, &runtime, &url, WorkerRole::Regular.as_str())],
     };
-    relay_leg(ctx, &url, Leg::Regular, ctx.raw.clone(), None, false, finish)
+    // The received bytes unless the parser removed gateway-owned fields (see `Ctx::forward_body`).
+    let body = ctx.forward_body().map_err(|error| AttemptFailure { error, worker: None })?;
+    relay_leg(ctx, &url, Leg::Regular, body, None, false, finish)
         .await
         .map_err(|error| AttemptFailure { error, worker: Some(url) })
 }

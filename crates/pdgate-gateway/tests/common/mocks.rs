@@ -19,6 +19,9 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 
+/// The context length every mock reports in `/v1/models` (`max_model_len`).
+pub const MOCK_CONTEXT: u64 = 4096;
+
 /// What a mock does with a request.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub enum Fault {
@@ -122,7 +125,7 @@ pub async fn spawn(role: &'static str, rdv: Arc<Rendezvous>, fault: Fault) -> Mo
     };
     let app = Router::new()
         .route("/health", get(|| async { "ok" }))
-        .route("/v1/models", get(|| async { Json(json!({"object": "list", "data": [{"id": "mock-model", "object": "model"}]})) }))
+        .route("/v1/models", get(|| async { Json(json!({"object": "list", "data": [{"id": "mock-model", "object": "model", "max_model_len": MOCK_CONTEXT}]})) }))
         .route("/v1/completions", post(handle))
         .route("/v1/chat/completions", post(handle))
         .route("/generate", post(handle))
