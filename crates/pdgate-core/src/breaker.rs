@@ -93,10 +93,13 @@ impl Outcome {
     }
 
     /// From the error a leg ended with. Errors that are not the worker's (client, gateway,
-    /// the whole request's deadline) are neutral; a leg's timeout is the worker's.
+    /// the whole request's deadline) are neutral. A leg whose worker gave no answer by the
+    /// deadline fails; one whose worker was still answering (head received, data arriving) is
+    /// neutral: a request that outlives its deadline says nothing against the worker.
     pub fn from_error(e: &GatewayError) -> Self {
         match &e.kind {
             ErrorKind::WorkerUnreachable | ErrorKind::WorkerProtocol => Outcome::Failure,
+            ErrorKind::BadWorkerResponse | ErrorKind::StreamTruncated => Outcome::Failure,
             ErrorKind::WorkerStatus { status, .. } => Outcome::from_status(*status),
             ErrorKind::Timeout if e.leg.is_some() => Outcome::Failure,
             _ => Outcome::Neutral,
@@ -261,5 +264,8 @@ mod tests {
         assert_eq!(Outcome::from_error(&GatewayError::worker_status(Leg::Decode, 400, None)), Outcome::Neutral);
         assert_eq!(Outcome::from_error(&GatewayError::timeout("deadline")), Outcome::Neutral);
         assert_eq!(Outcome::from_error(&GatewayError::timeout("slow").on(Leg::Prefill)), Outcome::Failure);
+        assert_eq!(Outcome::from_error(&GatewayError::timeout_while_answering(Leg::Decode, "long")), Outcome::Neutral);
+        assert_eq!(Outcome::from_error(&GatewayError::bad_worker_response(Leg::Decode, "html")), Outcome::Failure);
+        assert_eq!(Outcome::from_error(&GatewayError::stream_truncated(Leg::Regular)), Outcome::Failure);
     }
 }
