@@ -217,6 +217,13 @@ impl StreamRelay {
         }
     }
 
+    /// A failure after commit is a failed leg like one before (`pdgate_worker_errors_total`).
+    fn count_error(&self, err: &GatewayError) {
+        if let (Some(f), Some(leg)) = (&self.finish, err.leg) {
+            f.state.metrics.leg_errors.with_label_values(&[leg.as_str(), &err.code()]).inc();
+        }
+    }
+
     /// Whether the client has part of an event: a rewriting relay holds partial events back,
     /// a pass-through one has sent whatever the worker sent.
     fn client_mid_event(&self) -> bool {
@@ -227,6 +234,7 @@ impl StreamRelay {
     fn fail(&mut self, err: &GatewayError) -> Option<Bytes> {
         tracing::warn!(error = %err, code = %err.code(), "stream ended by an error after bytes reached the client");
         self.record(Outcome::from_error(err));
+        self.count_error(err);
         // Close a half-sent event first, so the error event reads as an event of its own.
         let sep = if self.client_mid_event() { "\n\n" } else { "" };
         self.end();
