@@ -51,7 +51,9 @@ pub async fn regular_attempt(ctx: &Ctx, failed: &[String], record: &mut Record) 
 }
 
 /// Runs `fut` while watching the prefill leg: a prefill failure aborts `fut` (which drops the
-/// decode connection) and becomes the result; a prefill success is kept in `p_out`.
+/// decode connection) and becomes the result; a prefill success is kept in `p_out`. When both
+/// end at once (the deadline, with neither leg answering: in SGLang bootstrap each waits for
+/// the other) the relayed leg's result wins, so the blame is not a coin toss.
 async fn race<T>(
     p: &mut Option<PrefillFuture>,
     p_out: &mut Option<Bytes>,
@@ -60,6 +62,7 @@ async fn race<T>(
     tokio::pin!(fut);
     loop {
         let prefill = tokio::select! {
+            biased;
             r = &mut fut => return r,
             pr = wait_prefill(p) => pr,
         };
