@@ -121,3 +121,21 @@ async fn a_worker_that_never_answers_opens_its_breaker_regular() {
 async fn a_decode_that_never_answers_opens_its_breaker_pd() {
     never_answers(&bootstrap(Fault::Hang).await, "decode_timeout").await;
 }
+
+/// Real engines send a non-streamed answer's head only with its end, so a long one is silent
+/// until then. While the worker answers other clients, such silences are not held against it.
+#[tokio::test(start_paused = true)]
+async fn silent_long_requests_on_a_worker_answering_others_leave_the_breaker_closed() {
+    let s = regular(Fault::HangIfLong).await;
+    let long = n_past_the_deadline(&s, false, 504, "worker_timeout");
+    let others = async {
+        for _ in 0..8 {
+            let (status, text) = post(&s.url, &json!({"prompt": "short", "max_tokens": 3})).await;
+            assert_eq!(status, 200, "{text}");
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    };
+    tokio::join!(long, others);
+    assert_ne!(breaker(&s).await, Some(1.0), "the breaker opened on long requests");
+    assert_eq!(post(&s.url, &json!({"prompt": "x"})).await.0, 200);
+}

@@ -116,7 +116,7 @@ pub async fn execute(ctx: Ctx) -> Response {
         };
         let err = &failure.error;
         if let Some(url) = &failure.worker {
-            ctx.state.record_outcome(url, Outcome::from_error(err));
+            ctx.state.record_outcome(url, Outcome::of_attempt(err, ctx.started));
         }
         let metrics = &ctx.state.metrics;
         if let Some(leg) = err.leg {

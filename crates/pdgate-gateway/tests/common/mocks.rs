@@ -28,6 +28,9 @@ pub enum Fault {
     Status(u16),
     /// Never answer.
     Hang,
+    /// Never answer a request for 1000 tokens or more (a long non-streamed request, whose
+    /// head real engines send only with its end); answer the others.
+    HangIfLong,
     /// Stream two chunks, then drop the connection.
     DieMidStream,
     /// Answer normally after this many milliseconds.
@@ -187,6 +190,9 @@ async fn handle(State(s): State<MockState>, headers: HeaderMap, Json(body): Json
     match fault {
         Fault::Status(code) => return (StatusCode::from_u16(code).unwrap(), Json(json!({"error": {"message": "injected", "type": "x", "code": "injected"}}))).into_response(),
         Fault::Hang => {
+            std::future::pending::<()>().await;
+        }
+        Fault::HangIfLong if body.get("max_tokens").and_then(Value::as_u64).unwrap_or(0) >= 1000 => {
             std::future::pending::<()>().await;
         }
         Fault::Slow(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
