@@ -320,3 +320,7 @@ impl Drop for StreamRelay {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "relay_props.rs"]
+mod props;
