@@ -155,6 +155,17 @@ pub struct GatewayConfig {
     #[arg(long, default_value_t = 1000)]
     pub retry_max_backoff_ms: u64,
 
+    /// Largest non-streamed worker answer the gateway reads, in bytes. A larger one fails the
+    /// leg with 502 `bad_worker_response` (workers are not trusted to bound their answers).
+    #[arg(long, default_value_t = 64 * 1024 * 1024)]
+    pub max_response_bytes: usize,
+
+    /// Longest SSE event (and so line) a worker may stream, in bytes. A longer one ends the
+    /// stream with an error event; without it a worker streaming one endless line grows the
+    /// gateway's memory without bound.
+    #[arg(long, default_value_t = 4 * 1024 * 1024)]
+    pub max_sse_event_bytes: usize,
+
     /// Largest request body accepted, in bytes.
     #[arg(long, default_value_t = 32 * 1024 * 1024)]
     pub max_payload_size: usize,
