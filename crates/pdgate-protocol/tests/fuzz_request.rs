@@ -4,15 +4,15 @@
 //! 256 cases by default (a few seconds); `PROPTEST_CASES=100000 cargo test -p pdgate-protocol
 //! --test fuzz_request` searches longer.
 
-use pdgate_protocol::{parse_request, Endpoint, InvalidRequest, ParsedRequest};
+use pdgate_protocol::{parse_request, Endpoint, InvalidRequest, Limits, ParsedRequest};
 use proptest::prelude::*;
 use serde_json::{Map, Value};
 
 const ENDPOINTS: [Endpoint; 3] = [Endpoint::Completions, Endpoint::ChatCompletions, Endpoint::Generate];
 
-/// The one call under test (kept in one place should its signature grow a limits argument).
+/// The one call under test, with the gateway's default bounds.
 fn parse(ep: Endpoint, bytes: &[u8]) -> Result<ParsedRequest, InvalidRequest> {
-    parse_request(ep, bytes)
+    parse_request(ep, bytes, &Limits::default())
 }
 
 /// Field names the parser reads, and some it does not, so that generated bodies hit its paths.
@@ -103,6 +103,8 @@ proptest! {
                 prop_assert_eq!(req.model.as_deref(), b.get("model").and_then(Value::as_str));
                 if let Some(items) = req.batch_items {
                     prop_assert!(items >= 1);
+                    // Nothing downstream may allocate per item beyond the bound.
+                    prop_assert!(items as u64 <= Limits::default().max_batch_size, "{items} items accepted");
                     if let Some(n) = n_of(ep, &b) {
                         prop_assert!(n >= 1 && items as u64 % n == 0, "{items} items for n = {n}");
                     }
