@@ -277,6 +277,63 @@ def test_configmap_options_are_valid_gateway_options() -> None:
     assert config["service_discovery_namespace"] == "pdgate" and config["port"] == 8000
 
 
+def pre_stop_sleep(container: dict[str, Any]) -> int:
+    """The seconds a container's preStop hook sleeps (`exec: sleep N` or `sleep: {seconds: N}`)."""
+    hook = container["lifecycle"]["preStop"]
+    if "sleep" in hook:
+        return int(hook["sleep"]["seconds"])
+    command = hook["exec"]["command"]
+    assert command[0] == "sleep" and len(command) == 2, command
+    return int(command[1])
+
+
+def gateway_drain_seconds(argv: list[str]) -> int:
+    """How long the gateway drains in-flight requests after SIGTERM: `--shutdown-grace-period-secs`
+    where the gateway has that option (the ConfigMap's value, else its default), else server.rs's
+    fixed DRAIN_TIMEOUT."""
+    try:
+        from pdgate import _core
+    except ImportError:
+        _core = None
+    if _core is not None:
+        names = {o["name"] for o in json.loads(_core.config_schema())["options"]}
+        if "shutdown_grace_period_secs" in names:
+            return int(json.loads(_core.parse_cli(argv))["shutdown_grace_period_secs"])
+    source = (REPO / "crates" / "pdgate-gateway" / "src" / "server.rs").read_text()
+    (seconds,) = re.findall(r"const DRAIN_TIMEOUT: Duration = Duration::from_secs\((\d+)\);", source)
+    return int(seconds)
+
+
+def test_gateway_shutdown_fits_in_the_grace_period() -> None:
+    pod = one("Deployment", "pdgate-gateway")["spec"]["template"]["spec"]
+    sleep, drain = pre_stop_sleep(gateway_container()), gateway_drain_seconds(gateway_argv())
+    # The endpoints controller and kube-proxy need a few seconds to stop sending to the pod.
+    assert 3 <= sleep <= 15, "preStop: long enough for the Service to stop routing, short enough for rollouts"
+    assert pod["terminationGracePeriodSeconds"] > sleep + drain, \
+        f"SIGKILL would cut the drain: grace {pod['terminationGracePeriodSeconds']} s <= preStop {sleep} s + drain {drain} s"
+    # docs/kubernetes.md states the same numbers.
+    docs = (REPO / "docs" / "kubernetes.md").read_text()
+    assert f"terminationGracePeriodSeconds: {pod['terminationGracePeriodSeconds']}" in docs
+
+
+def test_worker_pods_outlive_their_pre_stop() -> None:
+    for _, d in worker_deployments():
+        pod = d["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] > pre_stop_sleep(pod["containers"][0]), d["metadata"]["name"]
+
+
+def test_pod_disruption_budget_keeps_a_gateway_serving() -> None:
+    pdb = one("PodDisruptionBudget", "pdgate-gateway")
+    deployment = one("Deployment", "pdgate-gateway")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"], "exactly the gateway's pods"
+    # maxUnavailable, not minAvailable: a one-replica gateway would block every node drain.
+    assert "minAvailable" not in pdb["spec"]
+    assert 1 <= pdb["spec"]["maxUnavailable"] < deployment["spec"]["replicas"], "a disruption leaves a gateway serving"
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow", "an unready gateway serves nothing; let drains evict it"
+
+
 def worker_deployments() -> list[tuple[pathlib.Path, dict[str, Any]]]:
     return [(p, o) for p, o in objects() if o["kind"] == "Deployment" and "workers" in p.parts]
 
