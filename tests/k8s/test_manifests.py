@@ -334,6 +334,47 @@ def test_pod_disruption_budget_keeps_a_gateway_serving() -> None:
     assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow", "an unready gateway serves nothing; let drains evict it"
 
 
+def secret_env(name: str) -> dict[str, Any]:
+    (env,) = [e for e in gateway_container()["env"] if e["name"] == name]
+    return env["valueFrom"]["secretKeyRef"]
+
+
+def docs_secrets() -> dict[str, tuple[str, str]]:
+    """The Secrets docs/kubernetes.md tells users to create: name -> (key, the command)."""
+    docs = (REPO / "docs" / "kubernetes.md").read_text()
+    return {name: (key, line) for line, name, key in
+            re.findall(r"^(kubectl\b.*\bcreate secret generic (\S+) --from-literal=([\w.-]+)=.*)$", docs, re.M)}
+
+
+def test_admin_api_is_closed_by_default() -> None:
+    ref = secret_env("PDGATE_ADMIN_API_KEY")
+    assert not ref.get("optional", False), "without the Secret the pod must not start with an open admin API"
+    # No key is committed: no Secret in deploy/ at all, and none in the ConfigMap's options.
+    assert not by_kind("Secret")
+    for directory in kustomization_dirs():
+        assert not kustomization(directory).get("secretGenerator"), f"{directory}: a generated Secret commits its key"
+    options = one("ConfigMap", "pdgate-gateway-options")["data"]["options"]
+    assert "api-key" not in options, "keys belong in Secrets, not in the ConfigMap"
+    # The docs say how to create it, with the name and key the Deployment reads, and a random key.
+    secrets = docs_secrets()
+    assert secrets[ref["name"]][0] == ref["key"] and "rand" in secrets[ref["name"]][1]
+    client = secret_env("PDGATE_API_KEY")
+    assert client["optional"] is True and secrets[client["name"]][0] == client["key"]
+    for name, (key, _) in secrets.items():
+        validate({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name}, "type": "Opaque",
+                  "data": {key: "c2VjcmV0"}}, "docs/kubernetes.md")
+
+
+def test_the_gateway_reads_its_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("pdgate._core", reason="needs the compiled gateway (pip install .)")
+    from pdgate import _core
+
+    monkeypatch.setenv("PDGATE_ADMIN_API_KEY", "admin-secret")
+    monkeypatch.setenv("PDGATE_API_KEY", "client-secret")
+    config = json.loads(_core.parse_cli(gateway_argv()))
+    assert (config["admin_api_key"], config["api_key"]) == ("admin-secret", "client-secret")
+
+
 def worker_deployments() -> list[tuple[pathlib.Path, dict[str, Any]]]:
     return [(p, o) for p, o in objects() if o["kind"] == "Deployment" and "workers" in p.parts]
 
