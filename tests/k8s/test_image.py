@@ -5,10 +5,12 @@ the complete runtime dependencies (the reference-engine pods import them at star
 from __future__ import annotations
 
 import ast
-import pathlib
 import fnmatch
+import pathlib
 import re
 import sys
+
+import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -39,6 +41,8 @@ def pyproject_dependencies() -> set[str]:
 def module_level_imports() -> dict[str, str]:
     """Third-party modules python/pdgate imports at module level (not in a function, try or
     TYPE_CHECKING block): what `pdgate launch` and `pdgate engine` need to start."""
+    if not hasattr(sys, "stdlib_module_names"):
+        pytest.skip("needs Python 3.10+ (sys.stdlib_module_names)")
     found: dict[str, str] = {}
     for path in sorted((REPO / "python" / "pdgate").rglob("*.py")):
         for node in ast.parse(path.read_text()).body:
