@@ -121,7 +121,7 @@ pub async fn execute(ctx: Ctx) -> Response {
         let left = ctx.deadline.saturating_duration_since(Instant::now());
         tracing::debug!(attempt = record.attempts, error = %err, route = %record.header_value(), "attempt failed");
         if !ctx.state.retry.should_retry(err, record.attempts, false, left) {
-            tracing::warn!(error = %err, code = %err.code(), route = %record.header_value(), "request failed");
+            crate::edge::log_limit::warn_request(&ctx.state, Some(&ctx.request_id), "request failed", err, Some(&record.header_value()));
             break error_response(err);
         }
         metrics.retries.with_label_values(&[err.reason()]).inc();

@@ -193,7 +193,10 @@ impl StreamRelay {
     }
 
     fn fail(&mut self, err: &GatewayError) -> Option<Bytes> {
-        tracing::warn!(error = %err, "stream ended by an error after bytes reached the client");
+        if let Some(f) = &self.finish {
+            let id = crate::edge::scope::request_id();
+            crate::edge::log_limit::warn_request(&f.state, id.as_deref(), "stream ended by an error after bytes reached the client", err, None);
+        }
         self.end();
         Some(Bytes::from(error_event(&err.message, err.error_type(), &err.code())))
     }
