@@ -203,6 +203,22 @@ def test_pod_in_both_pools_is_refused_and_hand_added_workers_are_left_alone(
     assert discovered(gw) == {p1.url: "prefill"}
 
 
+def test_a_pod_at_the_gateways_own_address_is_skipped(processes: Any, apiserver: FakeApiServer, core: Any,
+                                                       tmp_path: pathlib.Path) -> None:
+    """Selectors that match the gateway's own pod would make it a worker of itself (a loop)."""
+    gw = start_gateway(processes, apiserver, tmp_path)
+    own_port = gw.url.rsplit(":", 1)[1]
+    create_pod(core, NS, "me", {"app": "d"}, {"pdgate.ai/port": own_port})
+    set_ready(core, NS, "me")
+    deadline = time.monotonic() + CONVERGE_S
+    while "discovered pod skipped" not in "".join(gw.output) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "discovered pod skipped" in "".join(gw.output), "".join(gw.output[-30:])
+    assert discovered(gw) == {}
+    delete_pod(core, NS, "me")
+    assert httpx.get(gw.url + "/liveness", timeout=5).status_code == 200
+
+
 def test_watch_drops_and_410s_lose_no_update(processes: Any, core: Any, tmp_path: pathlib.Path) -> None:
     # Watches also end by themselves every 3 s (server-closed), on top of the drops below.
     server = FakeApiServer(bookmark_interval=0.5, max_watch_seconds=3).start()
