@@ -121,4 +121,17 @@ proptest! {
             }
         }
     }
+
+    #[test]
+    fn small_bounds_hold_for_whatever_is_accepted(b in body(), ep in prop::sample::select(&ENDPOINTS[..])) {
+        // Bounds small enough that generated bodies cross them often.
+        let limits = Limits { max_n: 3, max_batch_size: 4, max_prompt_bytes: 16, ..Limits::default() };
+        let bytes = serde_json::to_vec(&b).unwrap();
+        if let Ok(req) = parse_request(ep, &bytes, &limits) {
+            prop_assert!(req.batch_items.unwrap_or(1) as u64 <= limits.max_batch_size, "{:?} items accepted", req.batch_items);
+            if let Some(n) = n_of(ep, &b) {
+                prop_assert!(n <= limits.max_n, "n = {n} accepted");
+            }
+        }
+    }
 }
