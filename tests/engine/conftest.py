@@ -54,14 +54,16 @@ def wait_until(pred, timeout: float, what: str, interval: float = 0.05):
 
 
 def assert_clean(*workers: ReferenceWorker, timeout: float = 10) -> None:
-    """No page reserved, in use or pinned; nothing live, held or pending on any worker."""
+    """No page reserved, in use or pinned; nothing live, held or pending on any worker, and no
+    transfer row that has not ended (Failed or Success)."""
     for w in workers:
         def clean(w=w):
             ld = loads(w)
             kv, dis = ld["kv_pages"], ld["disaggregation"]
             return (kv["reserved"] == kv["in_use"] == kv["pinned"] == 0 and kv["free"] == kv["total"]
                     and ld["num_live_reqs"] == 0 and dis["held_for_pull"] == 0
-                    and dis["pending_registrations"] == 0) and ld
+                    and dis["pending_registrations"] == 0
+                    and not any(dis["transfers_in_flight"].values())) and ld
         wait_until(clean, timeout, f"{w} to be clean: {loads(w)}")
 
 

@@ -210,3 +210,69 @@ def _swallow(fn, *a):
         fn(*a)
     except httpx.HTTPError:
         pass
+
+
+@pytest.fixture(scope="module")
+def mooncake_pair():
+    p = ReferenceWorker(mode="prefill", kv_connector="MooncakeConnector", extra_args=FAULT_ARGS)
+    d = ReferenceWorker(mode="decode", kv_connector="MooncakeConnector", extra_args=FAULT_ARGS)
+    start_all(p, d)
+    yield p, d
+    p.stop()
+    d.stop()
+
+
+@pytest.mark.parametrize("protocol", ["bootstrap", "mooncake"])
+def test_transfer_table_ends_every_row_after_aborts(protocol, pair, mooncake_pair):
+    """25 requests whose client hangs up on the decode at a random moment, plus 5 that finish:
+    afterwards every transfer row has ended (before the fix, the source left one row per
+    request in Bootstrapping, re-keyed and never removed), and no page is held."""
+    p, d = pair if protocol == "bootstrap" else mooncake_pair
+    rng = random.Random(7)
+    path = "/generate" if protocol == "bootstrap" else "/v1/completions"
+
+    def request_body(i: int) -> dict:
+        b = body(n_tokens=48, max_new=24, seed=i)
+        if protocol == "bootstrap":
+            return b
+        return {"prompt": b["input_ids"], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+    async def one(c: httpx.AsyncClient, i: int, cut_after: float | None) -> None:
+        run = (router.bootstrap(c, p, d, path, request_body(i), rng) if protocol == "bootstrap"
+               else router.mooncake(c, p, d, path, request_body(i)))
+        task = asyncio.ensure_future(run)
+        if cut_after is None:
+            rp, rd = await task
+            assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+            return
+        await asyncio.sleep(cut_after)
+        task.cancel()  # both legs' connections close: the client went away
+        await asyncio.gather(task, return_exceptions=True)
+
+    async def run_all() -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+            plan = [rng.uniform(0.0, 0.3) for _ in range(25)] + [None] * 5
+            for start in range(0, len(plan), 5):
+                await asyncio.gather(*(one(c, start + k, cut) for k, cut in enumerate(plan[start:start + 5])))
+
+    asyncio.run(run_all())
+    assert_clean(p, d, timeout=20)
+    finished = loads(p)["disaggregation"]["transfers_finished"]
+    assert finished["Success"] >= 5, finished
+
+
+def test_nixl_hold_refuses_a_second_request_with_the_same_id(nixl_pair):
+    """Two prefills under one request id: the second would orphan the first's pinned pages
+    (its lease timer would free the newer hold and nothing the older). It is refused with 409,
+    the first can still be pulled, and nothing stays pinned."""
+    p, d = nixl_pair
+    b = {"prompt": body()["input_ids"], "max_tokens": 1, "temperature": 0,
+         "kv_transfer_params": dict(router.NIXL_PREFILL_PARAMS)}
+    hdr = {"X-Request-Id": "shared-id"}
+    first = httpx.post(p.url + "/v1/completions", json=b, headers=hdr, timeout=30)
+    assert first.status_code == 200, first.text
+    assert assert_error(httpx.post(p.url + "/v1/completions", json=b, headers=hdr, timeout=30), 409)["code"] == "duplicate_request_id"
+    late = dict(b, max_tokens=5, kv_transfer_params=first.json()["kv_transfer_params"])
+    rd = httpx.post(d.url + "/v1/completions", json=late, headers=hdr, timeout=30)
+    assert rd.status_code == 200 and rd.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 39, rd.text
+    assert_clean(p, d)

@@ -80,7 +80,12 @@ def parse_items(api: str, body: Any) -> list[Item]:
         if "prompt" not in body:
             raise BadRequest("prompt is required")
         prompt = body["prompt"]
-        prompts = [tokenize(p) for p in prompt] if isinstance(prompt, list) else [tokenize(str(prompt))]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            prompts = [prompt]  # one prompt as token ids
+        elif isinstance(prompt, list):
+            prompts = [p if isinstance(p, list) else tokenize(str(p)) for p in prompt]
+        else:
+            prompts = [tokenize(str(prompt))]
         max_tokens = _as_int(body.get("max_tokens") or DEFAULT_MAX_TOKENS, "max_tokens")
         n = _as_int(body.get("n", 1), "n")
     else:

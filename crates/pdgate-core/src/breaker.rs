@@ -78,6 +78,11 @@ impl BreakerState {
 pub enum Outcome {
     Success,
     Failure,
+    /// No answer by the request's deadline (no response head, no stream data) from a request
+    /// sent at this instant. A failure, unless the worker answered another request since then:
+    /// engines send a non-streamed answer's head only with its end, so a long request looks
+    /// silent, and a worker that is answering others was busy with it, not broken.
+    NoAnswerSince(Instant),
     /// 429, client errors, cancellations: says nothing about the worker's health.
     Neutral,
 }
@@ -93,13 +98,25 @@ impl Outcome {
     }
 
     /// From the error a leg ended with. Errors that are not the worker's (client, gateway,
-    /// the whole request's deadline) are neutral; a leg's timeout is the worker's.
+    /// the whole request's deadline) are neutral. A leg whose worker gave no answer by the
+    /// deadline fails; one whose worker was still answering (head received, data arriving) is
+    /// neutral: a request that outlives its deadline says nothing against the worker.
     pub fn from_error(e: &GatewayError) -> Self {
         match &e.kind {
             ErrorKind::WorkerUnreachable | ErrorKind::WorkerProtocol => Outcome::Failure,
+            ErrorKind::BadWorkerResponse | ErrorKind::StreamTruncated => Outcome::Failure,
             ErrorKind::WorkerStatus { status, .. } => Outcome::from_status(*status),
             ErrorKind::Timeout if e.leg.is_some() => Outcome::Failure,
             _ => Outcome::Neutral,
+        }
+    }
+
+    /// [`Outcome::from_error`] for an attempt sent at `sent`: a leg's no-answer timeout becomes
+    /// [`Outcome::NoAnswerSince`].
+    pub fn of_attempt(e: &GatewayError, sent: Instant) -> Self {
+        match (&e.kind, Outcome::from_error(e)) {
+            (ErrorKind::Timeout, Outcome::Failure) => Outcome::NoAnswerSince(sent),
+            (_, o) => o,
         }
     }
 }
@@ -111,6 +128,8 @@ pub struct Breaker {
     consecutive_failures: u32,
     consecutive_successes: u32,
     opened_at: Option<Instant>,
+    /// When the worker last answered a request (judges [`Outcome::NoAnswerSince`]).
+    last_success: Option<Instant>,
 }
 
 impl Breaker {
@@ -143,6 +162,11 @@ impl Breaker {
         if !cfg.enabled {
             return None;
         }
+        let outcome = match outcome {
+            Outcome::NoAnswerSince(sent) if self.last_success.is_some_and(|t| t >= sent) => Outcome::Neutral,
+            Outcome::NoAnswerSince(_) => Outcome::Failure,
+            o => o,
+        };
         let before = self.state;
         // Apply the cool-down first: an outcome that arrives after it is a half-open probe,
         // and only probes count towards closing again.
@@ -155,13 +179,14 @@ impl Breaker {
         match outcome {
             Outcome::Neutral => {}
             Outcome::Success => {
+                self.last_success = Some(now);
                 self.consecutive_failures = 0;
                 self.consecutive_successes = self.consecutive_successes.saturating_add(1);
                 if self.state == BreakerState::HalfOpen && self.consecutive_successes >= cfg.success_threshold {
                     self.close();
                 }
             }
-            Outcome::Failure => {
+            Outcome::Failure | Outcome::NoAnswerSince(_) => {
                 self.consecutive_successes = 0;
                 self.consecutive_failures = self.consecutive_failures.saturating_add(1);
                 let trips = match self.state {
@@ -183,7 +208,7 @@ impl Breaker {
     }
 
     fn close(&mut self) {
-        *self = Breaker::default();
+        *self = Breaker { last_success: self.last_success, ..Breaker::default() };
     }
 }
 
@@ -238,7 +263,27 @@ mod tests {
         let t2 = t1 + Duration::from_secs(30);
         assert_eq!(b.record(Outcome::Success, t2, &c), Some(BreakerState::HalfOpen));
         assert_eq!(b.record(Outcome::Success, t2, &c), Some(BreakerState::Closed));
-        assert_eq!(b, Breaker::default());
+        assert_eq!(Breaker { last_success: None, ..b }, Breaker::default());
+    }
+
+    #[test]
+    fn no_answer_fails_only_a_worker_that_answered_nobody_since() {
+        let (c, t0) = (cfg(), Instant::now());
+        let s = Duration::from_secs(1);
+        // Silent, and nothing answered since the requests were sent: a stuck worker.
+        let mut b = Breaker::default();
+        b.record(Outcome::Success, t0, &c);
+        assert_eq!(b.record(Outcome::NoAnswerSince(t0 + s), t0 + 3 * s, &c), None);
+        assert_eq!(b.record(Outcome::NoAnswerSince(t0 + s), t0 + 3 * s, &c), None);
+        assert_eq!(b.record(Outcome::NoAnswerSince(t0 + s), t0 + 3 * s, &c), Some(BreakerState::Open));
+        // Silent, but the worker answered others meanwhile: the requests were long, not lost.
+        let mut b = Breaker::default();
+        b.record(Outcome::Success, t0 + 2 * s, &c);
+        for _ in 0..10 {
+            assert_eq!(b.record(Outcome::NoAnswerSince(t0 + s), t0 + 3 * s, &c), None);
+        }
+        assert!(b.allows(t0 + 3 * s, &c));
+        assert_eq!(b.consecutive_failures, 0);
     }
 
     #[test]
@@ -261,5 +306,12 @@ mod tests {
         assert_eq!(Outcome::from_error(&GatewayError::worker_status(Leg::Decode, 400, None)), Outcome::Neutral);
         assert_eq!(Outcome::from_error(&GatewayError::timeout("deadline")), Outcome::Neutral);
         assert_eq!(Outcome::from_error(&GatewayError::timeout("slow").on(Leg::Prefill)), Outcome::Failure);
+        assert_eq!(Outcome::from_error(&GatewayError::timeout_while_answering(Leg::Decode, "long")), Outcome::Neutral);
+        let t = Instant::now();
+        assert_eq!(Outcome::of_attempt(&GatewayError::timeout("slow").on(Leg::Decode), t), Outcome::NoAnswerSince(t));
+        assert_eq!(Outcome::of_attempt(&GatewayError::timeout_while_answering(Leg::Decode, "long"), t), Outcome::Neutral);
+        assert_eq!(Outcome::of_attempt(&GatewayError::unreachable(Leg::Decode, "x"), t), Outcome::Failure);
+        assert_eq!(Outcome::from_error(&GatewayError::bad_worker_response(Leg::Decode, "html")), Outcome::Failure);
+        assert_eq!(Outcome::from_error(&GatewayError::stream_truncated(Leg::Regular)), Outcome::Failure);
     }
 }

@@ -155,6 +155,17 @@ pub struct GatewayConfig {
     #[arg(long, default_value_t = 1000)]
     pub retry_max_backoff_ms: u64,
 
+    /// Largest non-streamed worker answer the gateway reads, in bytes. A larger one fails the
+    /// leg with 502 `bad_worker_response` (workers are not trusted to bound their answers).
+    #[arg(long, default_value_t = 64 * 1024 * 1024)]
+    pub max_response_bytes: usize,
+
+    /// Longest SSE event (and so line) a worker may stream, in bytes. A longer one ends the
+    /// stream with an error event; without it a worker streaming one endless line grows the
+    /// gateway's memory without bound.
+    #[arg(long, default_value_t = 4 * 1024 * 1024)]
+    pub max_sse_event_bytes: usize,
+
     /// Largest request body accepted, in bytes.
     #[arg(long, default_value_t = 32 * 1024 * 1024)]
     pub max_payload_size: usize,
@@ -210,7 +221,8 @@ pub struct GatewayConfig {
     #[arg(long, default_value = "/health")]
     pub health_check_endpoint: String,
 
-    /// Log filter (tracing env-filter syntax), e.g. `info` or `pdgate_gateway=debug`.
+    /// Log level: debug, info, warn (or warning), error, trace or off; or per-target
+    /// directives such as `pdgate_gateway=debug,info`. Anything else is refused.
     #[arg(long, default_value = "info")]
     pub log_level: String,
 
@@ -269,6 +281,26 @@ impl Default for GatewayConfig {
     fn default() -> Self {
         // The clap defaults are the only defaults: parse an empty command line.
         Self::parse_from(["pdgate-gateway"])
+    }
+}
+
+/// Level names `--log-level` accepts, alone or per target (`pdgate_gateway=debug`).
+pub const LOG_LEVELS: [&str; 7] = ["trace", "debug", "info", "warn", "warning", "error", "off"];
+
+/// `--log-level`: a level name, or comma-separated `target=level` directives with level names.
+/// Anything else is refused: a typo such as `warnn` would otherwise parse as a target name and
+/// silently mute every log line.
+pub fn validate_log_level(value: &str) -> Result<(), String> {
+    let level_ok = |l: &str| LOG_LEVELS.contains(&l.trim().to_ascii_lowercase().as_str());
+    let ok = !value.trim().is_empty()
+        && value.split(',').all(|d| match d.split_once('=') {
+            None => level_ok(d),
+            Some((target, level)) => !target.trim().is_empty() && level_ok(level),
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("--log-level {value:?}: expected one of {} (or TARGET=LEVEL directives)", LOG_LEVELS.join(", ")))
     }
 }
 
@@ -337,6 +369,7 @@ impl GatewayConfig {
         if self.balance_rel_threshold.is_nan() || self.balance_rel_threshold < 1.0 {
             return bad(format!("--balance-rel-threshold must be at least 1.0, not {}", self.balance_rel_threshold));
         }
+        validate_log_level(&self.log_level).map_err(ConfigError::Invalid)?;
         self.validate_discovery()?;
         self.workers().map(|_| ())
     }

@@ -53,8 +53,18 @@ pub enum ErrorKind {
     WorkerStatus { status: u16, body: Option<String> },
     /// The worker's answer was broken (bad JSON, cut stream, missing PD fields).
     WorkerProtocol,
-    /// The request's deadline passed.
+    /// The worker's answer is not what the request asked for: not JSON of the endpoint's shape,
+    /// not SSE for a stream, an unasked-for content encoding, or over a size limit. Checked
+    /// before any byte is relayed; after commit (an SSE event too long) it ends the stream.
+    BadWorkerResponse,
+    /// A stream ended without its terminating `data: [DONE]` event.
+    StreamTruncated,
+    /// The request's deadline passed with no answer from the leg's worker (no response head,
+    /// no stream data): evidence against the worker.
     Timeout,
+    /// The request's deadline passed while the worker was still answering (response head
+    /// received, body or tokens arriving): the request was long, the worker is not to blame.
+    TimeoutWhileAnswering,
     /// A bug or an impossible state in the gateway.
     Internal,
 }
@@ -116,6 +126,17 @@ impl GatewayError {
     pub fn timeout(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Timeout, Source::Gateway, message)
     }
+    /// The deadline passed while `leg`'s worker was still sending its answer.
+    pub fn timeout_while_answering(leg: Leg, message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::TimeoutWhileAnswering, Source::Gateway, message).on(leg)
+    }
+    pub fn bad_worker_response(leg: Leg, message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::BadWorkerResponse, Source::Worker, message).on(leg)
+    }
+    pub fn stream_truncated(leg: Leg) -> Self {
+        let message = format!("{} worker ended its stream without data: [DONE]; the answer is incomplete", leg.as_str());
+        Self::new(ErrorKind::StreamTruncated, Source::Worker, message).on(leg)
+    }
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Internal, Source::Gateway, message)
     }
@@ -130,7 +151,7 @@ impl GatewayError {
     /// A worker's 4xx (other than 408/429) is the client's fault: the same body fails anywhere.
     pub fn retryable(&self) -> bool {
         match &self.kind {
-            ErrorKind::WorkerUnreachable | ErrorKind::WorkerProtocol => true,
+            ErrorKind::WorkerUnreachable | ErrorKind::WorkerProtocol | ErrorKind::BadWorkerResponse | ErrorKind::StreamTruncated => true,
             ErrorKind::WorkerStatus { status, .. } => *status >= 500 || *status == 408 || *status == 429,
             _ => false,
         }
@@ -151,7 +172,8 @@ impl GatewayError {
             // A worker's client error is the client's: pass its status through.
             ErrorKind::WorkerStatus { status, .. } if (400..500).contains(status) => *status,
             ErrorKind::WorkerStatus { .. } | ErrorKind::WorkerProtocol => 502,
-            ErrorKind::Timeout => 504,
+            ErrorKind::BadWorkerResponse | ErrorKind::StreamTruncated => 502,
+            ErrorKind::Timeout | ErrorKind::TimeoutWhileAnswering => 504,
             ErrorKind::Internal => 500,
         }
     }
@@ -172,7 +194,9 @@ impl GatewayError {
             ErrorKind::WorkerUnreachable => format!("{leg}_unavailable"),
             ErrorKind::WorkerStatus { .. } => format!("{leg}_error"),
             ErrorKind::WorkerProtocol => format!("{leg}_bad_response"),
-            ErrorKind::Timeout => match self.leg {
+            ErrorKind::BadWorkerResponse => "bad_worker_response".into(),
+            ErrorKind::StreamTruncated => format!("{leg}_stream_truncated"),
+            ErrorKind::Timeout | ErrorKind::TimeoutWhileAnswering => match self.leg {
                 Some(l) => format!("{}_timeout", l.as_str()),
                 None => "request_timeout".into(),
             },
@@ -189,7 +213,7 @@ impl GatewayError {
             },
             Source::Worker => "upstream_error",
             Source::Gateway => match self.kind {
-                ErrorKind::Timeout => "timeout_error",
+                ErrorKind::Timeout | ErrorKind::TimeoutWhileAnswering => "timeout_error",
                 ErrorKind::Internal => "internal_error",
                 _ => "service_unavailable_error",
             },
@@ -209,7 +233,9 @@ impl GatewayError {
             ErrorKind::WorkerUnreachable => "unreachable",
             ErrorKind::WorkerStatus { .. } => "status",
             ErrorKind::WorkerProtocol => "protocol",
-            ErrorKind::Timeout => "timeout",
+            ErrorKind::BadWorkerResponse => "bad_response",
+            ErrorKind::StreamTruncated => "truncated",
+            ErrorKind::Timeout | ErrorKind::TimeoutWhileAnswering => "timeout",
             ErrorKind::NoWorkers | ErrorKind::NoCompatiblePair => "no_workers",
             _ => "other",
         }
@@ -252,5 +278,18 @@ mod tests {
         let t = GatewayError::timeout("deadline").on(Leg::Prefill);
         assert_eq!((t.status(), t.code().as_str(), t.retryable()), (504, "prefill_timeout", false));
         assert_eq!(GatewayError::no_compatible_pair("x").code(), "no_compatible_pd_pair");
+        let a = GatewayError::timeout_while_answering(Leg::Decode, "long");
+        assert_eq!((a.status(), a.code().as_str(), a.retryable()), (504, "decode_timeout", false));
+    }
+
+    #[test]
+    fn broken_worker_answers_are_the_workers_and_retryable() {
+        let b = GatewayError::bad_worker_response(Leg::Regular, "worker answered HTML");
+        assert_eq!((b.status(), b.code().as_str(), b.retryable(), b.source), (502, "bad_worker_response", true, Source::Worker));
+        assert_eq!(b.error_type(), "upstream_error");
+        let t = GatewayError::stream_truncated(Leg::Decode);
+        assert_eq!((t.status(), t.code().as_str()), (502, "decode_stream_truncated"));
+        assert!(t.message.starts_with("decode worker"), "{}", t.message);
+        assert_eq!(GatewayError::stream_truncated(Leg::Regular).code(), "worker_stream_truncated");
     }
 }

@@ -68,6 +68,17 @@ fn bad_configs_are_refused_with_a_reason() {
 }
 
 #[test]
+fn log_level_takes_level_names_and_refuses_typos() {
+    for ok in ["debug", "info", "warn", "warning", "ERROR", "off", "pdgate_gateway=debug,info", "hyper=warn"] {
+        assert!(cli(&["--log-level", ok]).validate().is_ok(), "{ok} should be accepted");
+    }
+    for bad in ["warnn", "", "verbose", "pdgate_gateway=loud", "=debug", "info,"] {
+        let err = cli(&["--log-level", bad]).validate().unwrap_err().to_string();
+        assert!(err.contains("--log-level") && err.contains("warning"), "{bad}: {err}");
+    }
+}
+
+#[test]
 fn schema_lists_every_serde_field_once_with_its_flag() {
     let schema = GatewayConfig::schema();
     let names: Vec<String> = schema["options"].as_array().unwrap().iter().map(|o| o["name"].as_str().unwrap().to_string()).collect();

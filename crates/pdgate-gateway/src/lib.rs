@@ -24,8 +24,10 @@ pub use server::{start, RunningGateway, StartError};
 
 /// Installs the tracing subscriber once; later calls are no-ops. `RUST_LOG` wins over `filter`.
 pub fn init_logging(filter: &str) {
+    // `warning` is the Python name; tracing calls it `warn` (validate_log_level accepts both).
+    let filter = filter.to_ascii_lowercase().replace("warning", "warn");
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .or_else(|_| tracing_subscriber::EnvFilter::try_new(filter))
+        .or_else(|_| tracing_subscriber::EnvFilter::try_new(&filter))
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // Logs go to stderr, coloured only for a terminal (not in files or CI logs).
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());

@@ -25,6 +25,10 @@ pub struct Metrics {
     pub pairing_refusals: IntCounterVec,
     pub breaker_state: IntGaugeVec,
     pub silent_recompute: IntCounterVec,
+    /// Worker answers refused as broken (`bad_worker_response`), by leg and reason.
+    pub bad_worker_responses: IntCounterVec,
+    /// Streams that ended without `data: [DONE]`, by leg.
+    pub streams_truncated: IntCounterVec,
     /// Kubernetes discovery (src/discovery): events by type, watch restarts, workers by source.
     #[cfg_attr(not(feature = "kubernetes"), allow(dead_code))]
     pub discovery_events: IntCounterVec,
@@ -57,7 +61,7 @@ impl Metrics {
     /// every test, hence the panics.
     pub fn new() -> Self {
         let r = Registry::new();
-        Metrics {
+        let m = Metrics {
             requests: counter(&r, "pdgate_requests_total", "Client requests by route and HTTP status", &["route", "status"]),
             duration: histogram(&r, "pdgate_request_duration_seconds", "End-to-end request latency", &["route"]),
             ttfb: histogram(&r, "pdgate_time_to_first_byte_seconds", "Time until the first response byte was ready", &["route"]),
@@ -76,6 +80,13 @@ impl Metrics {
                 "PD requests whose decode recomputed the prompt because no (or not all) KV arrived",
                 &["protocol", "cause"],
             ),
+            bad_worker_responses: counter(
+                &r,
+                "pdgate_bad_worker_responses_total",
+                "Worker answers refused: not JSON of the route's shape, not SSE, an encoding, over a size limit",
+                &["leg", "reason"],
+            ),
+            streams_truncated: counter(&r, "pdgate_worker_streams_truncated_total", "Worker streams that ended without data: [DONE]", &["leg"]),
             discovery_events: counter(
                 &r,
                 "pdgate_discovery_events_total",
@@ -85,7 +96,15 @@ impl Metrics {
             discovery_watch_restarts: counter(&r, "pdgate_discovery_watch_restarts_total", "Pod watches that failed and were resumed or re-listed", &[]),
             workers: gauge(&r, "pdgate_workers", "Registered workers by source (static, api, discovery)", &["source"]),
             registry: r,
+        };
+        // Present at 0 from the start, so an alert on them needs no prior failure.
+        for leg in ["worker", "decode"] {
+            m.streams_truncated.with_label_values(&[leg]);
+            for reason in pdgate_protocol::answer::REASONS {
+                m.bad_worker_responses.with_label_values(&[leg, reason]);
+            }
         }
+        m
     }
 
     pub fn render(&self) -> String {

@@ -17,7 +17,7 @@ use pdgate_protocol::Limits;
 use crate::load::{stale_after_ms, GatewayLoads};
 use crate::metrics::Metrics;
 use crate::registry::{Registry, Runtime};
-use crate::upstream::Upstream;
+use crate::upstream::{AnswerLimits, Upstream};
 
 pub struct AppState {
     pub config: GatewayConfig,
@@ -41,7 +41,7 @@ pub struct AppState {
 impl AppState {
     pub fn new(config: GatewayConfig, registry: Registry) -> Self {
         AppState {
-            upstream: Upstream::new(Duration::from_millis(config.worker_connect_timeout_ms)),
+            upstream: Upstream::new(Duration::from_millis(config.worker_connect_timeout_ms)).with_limits(AnswerLimits::from_config(&config)),
             metrics: Metrics::new(),
             regular_policy: make_policy_with(config.policy, &PolicyOptions::from_config(&config)),
             prefill_policy: make_policy_with(config.effective_prefill_policy(), &PolicyOptions::from_config(&config)),

@@ -14,7 +14,22 @@ use pdgate_core::{GatewayError, Leg};
 
 #[derive(Clone)]
 pub struct Upstream {
+    /// Bounds on what a worker may send back (`--max-response-bytes`, `--max-sse-event-bytes`).
+    pub limits: AnswerLimits,
     client: Client<HttpConnector, Full<Bytes>>,
+}
+
+/// Bounds on workers' answers: workers are not trusted to bound them themselves.
+#[derive(Clone, Copy, Debug)]
+pub struct AnswerLimits {
+    pub max_response_bytes: usize,
+    pub max_sse_event_bytes: usize,
+}
+
+impl AnswerLimits {
+    pub fn from_config(c: &pdgate_core::GatewayConfig) -> Self {
+        AnswerLimits { max_response_bytes: c.max_response_bytes, max_sse_event_bytes: c.max_sse_event_bytes }
+    }
 }
 
 impl Upstream {
@@ -27,13 +42,20 @@ impl Upstream {
             .pool_idle_timeout(Duration::from_secs(60))
             .pool_max_idle_per_host(256)
             .build(connector);
-        Upstream { client }
+        Upstream { limits: AnswerLimits::from_config(&pdgate_core::GatewayConfig::default()), client }
+    }
+
+    pub fn with_limits(mut self, limits: AnswerLimits) -> Self {
+        self.limits = limits;
+        self
     }
 
     /// POSTs a JSON body to `base` + `path`; returns once the response head arrived.
     pub async fn post_json(&self, base: &str, path: &str, body: Bytes, request_id: &str, leg: Leg) -> Result<Response<Incoming>, GatewayError> {
         let req = Request::builder()
             .method(Method::POST)
+            // Content encodings are not relayed: ask for none (a worker that encodes anyway is refused).
+            .header(header::ACCEPT_ENCODING, "identity")
             .uri(format!("{base}{path}"))
             .header(header::CONTENT_TYPE, "application/json")
             .header("x-request-id", request_id)

@@ -5,6 +5,7 @@
 //! response rewrites a PD gateway must do (input-logprob merge, cached-token accounting).
 //! Pure data transformations: no tokio, no hyper, no IO (see ../../shared/PROTOCOLS.md).
 
+pub mod answer;
 pub mod bootstrap;
 pub mod kv_transfer;
 pub mod limits;

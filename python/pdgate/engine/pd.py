@@ -22,7 +22,7 @@ import aiohttp
 from .items import GenItem
 from .sequence import EngineError, Seq
 from .transfer.context import with_timeout
-from .transfer.pull import REQUIRED, pull_receive
+from .transfer.pull import REQUIRED, duplicate_request_id, pull_receive
 from .transfer.push import push_receive
 
 if TYPE_CHECKING:
@@ -59,6 +59,8 @@ class PDDriver:
                                           "transfer_id": p["transfer_id"],
                                           "remote_engine_id": e.engine_id}
             else:
+                if seq.rid in e.pull.holds:  # refuse before computing; hold() re-checks after
+                    raise duplicate_request_id(seq.rid)
                 await e.run_prefill(seq)
                 seq.kv_transfer_params = e.pull.hold(seq)
             return self._finish_prefill(seq)

@@ -137,8 +137,12 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         };
         let failure = match result {
             Ok(resp) => {
+                // A stream's relayed worker is judged when the stream ends (relay.rs).
+                let at_end = resp.extensions().get::<relay::OutcomeAtEnd>().map(|o| o.0.as_str());
                 for url in [&record.worker, &record.prefill, &record.decode].into_iter().flatten() {
-                    ctx.state.record_outcome(url, Outcome::Success);
+                    if at_end != Some(url.as_str()) {
+                        ctx.state.record_outcome(url, Outcome::Success);
+                    }
                 }
                 break resp;
             }
@@ -146,7 +150,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         };
         let err = &failure.error;
         if let Some(url) = &failure.worker {
-            ctx.state.record_outcome(url, Outcome::from_error(err));
+            ctx.state.record_outcome(url, Outcome::of_attempt(err, ctx.started));
         }
         let metrics = &ctx.state.metrics;
         if let Some(leg) = err.leg {

@@ -3,7 +3,10 @@
 //! A streamed answer is relayed by a small state machine: first chunk (already read, it was the
 //! commit point) → chunks as they come → end. While it runs it also watches the prefill leg
 //! (SGLang bootstrap and Mooncake send both legs at once) and drains it to the end. Once bytes
-//! went out, failures end the stream with an SSE error event; nothing is retried.
+//! went out, failures end the stream with an SSE error event naming the leg; nothing is
+//! retried. Every chunk passes an [`SseScanner`]: an event over `--max-sse-event-bytes` ends the
+//! stream, and so does an end without `data: [DONE]` (a truncated answer is not a success).
+//! The relayed worker's breaker hears the stream's real outcome when it ends.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -14,10 +17,11 @@ use axum::body::Body;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
+use pdgate_core::breaker::Outcome;
 use pdgate_core::{GatewayError, Leg};
 use pdgate_protocol::logprobs::{merge_into, PrefillLogprobs};
 use pdgate_protocol::openai::error_event;
-use pdgate_protocol::sse::{frame, SseDecoder};
+use pdgate_protocol::sse::{frame, SseDecoder, SseScanner};
 use pdgate_protocol::usage::{cache_report, CacheReport};
 use serde_json::Value;
 use tokio::time::{timeout_at, Instant};
@@ -73,9 +77,9 @@ impl Rewriter {
         }
     }
 
-    /// A whole JSON answer: merge, observe, and re-serialise only if something changed.
-    pub fn process_json(&mut self, bytes: Bytes) -> Bytes {
-        let Ok(mut v) = serde_json::from_slice::<Value>(&bytes) else { return bytes };
+    /// A whole JSON answer (`v` parsed from `bytes`): merge, observe, and re-serialise only if
+    /// something changed.
+    pub fn process_json(&mut self, mut v: Value, bytes: Bytes) -> Bytes {
         self.observe(&v);
         match &self.logprobs {
             Some(lp) if merge_into(&mut v, lp) => serde_json::to_vec(&v).map(Bytes::from).unwrap_or(bytes),
@@ -153,6 +157,19 @@ pub fn recomputed(r: &CacheReport) -> bool {
     r.prompt_tokens > 1 && r.cached_tokens + 1 < r.prompt_tokens
 }
 
+/// Marks a streamed response whose worker outcome is recorded when the stream ends, not at
+/// commit (the attempt loop must not count it a success early).
+#[derive(Clone, Debug)]
+pub struct OutcomeAtEnd(pub String);
+
+/// The leg being relayed: which one, its worker, and the scanner watching its bytes.
+pub struct Relayed {
+    pub leg: Leg,
+    pub worker: String,
+    /// Has seen the first chunk already.
+    pub scanner: SseScanner,
+}
+
 pub struct StreamRelay {
     first: Option<Bytes>,
     body: Incoming,
@@ -160,12 +177,13 @@ pub struct StreamRelay {
     prefill: Option<PrefillFuture>,
     rewriter: Option<Rewriter>,
     finish: Option<Finish>,
+    relayed: Relayed,
     done: bool,
 }
 
 impl StreamRelay {
-    pub fn new(first: Bytes, body: Incoming, deadline: Instant, prefill: Option<PrefillFuture>, rewriter: Option<Rewriter>, finish: Finish) -> Self {
-        StreamRelay { first: Some(first), body, deadline, prefill, rewriter, finish: Some(finish), done: false }
+    pub fn new(first: Bytes, body: Incoming, deadline: Instant, prefill: Option<PrefillFuture>, rewriter: Option<Rewriter>, finish: Finish, relayed: Relayed) -> Self {
+        StreamRelay { first: Some(first), body, deadline, prefill, rewriter, finish: Some(finish), relayed, done: false }
     }
 
     pub fn into_body(self) -> Body {
@@ -192,10 +210,59 @@ impl StreamRelay {
         tail
     }
 
+    /// Tells the relayed worker's breaker how the stream went.
+    fn record(&self, outcome: Outcome) {
+        if let Some(f) = &self.finish {
+            f.state.record_outcome(&self.relayed.worker, outcome);
+        }
+    }
+
+    /// A failure after commit is a failed leg like one before (`pdgate_worker_errors_total`).
+    fn count_error(&self, err: &GatewayError) {
+        if let (Some(f), Some(leg)) = (&self.finish, err.leg) {
+            f.state.metrics.leg_errors.with_label_values(&[leg.as_str(), &err.code()]).inc();
+        }
+    }
+
+    /// Whether the client has part of an event: a rewriting relay holds partial events back,
+    /// a pass-through one has sent whatever the worker sent.
+    fn client_mid_event(&self) -> bool {
+        let holds_back = self.rewriter.as_ref().is_some_and(|r| r.logprobs.is_some());
+        !holds_back && !self.relayed.scanner.at_boundary()
+    }
+
     fn fail(&mut self, err: &GatewayError) -> Option<Bytes> {
-        tracing::warn!(error = %err, "stream ended by an error after bytes reached the client");
+        tracing::warn!(error = %err, code = %err.code(), "stream ended by an error after bytes reached the client");
+        self.record(Outcome::from_error(err));
+        self.count_error(err);
+        // Close a half-sent event first, so the error event reads as an event of its own.
+        let sep = if self.client_mid_event() { "\n\n" } else { "" };
         self.end();
-        Some(Bytes::from(error_event(&err.message, err.error_type(), &err.code())))
+        Some(Bytes::from(format!("{sep}{}", error_event(&err.message, err.error_type(), &err.code()))))
+    }
+
+    /// The worker's stream ended: a success only if it ended with `data: [DONE]`.
+    fn ended(&mut self) -> Option<Bytes> {
+        if !self.relayed.scanner.saw_done() {
+            let leg = self.relayed.leg;
+            if let Some(f) = &self.finish {
+                f.state.metrics.streams_truncated.with_label_values(&[leg.as_str()]).inc();
+            }
+            return self.fail(&GatewayError::stream_truncated(leg));
+        }
+        self.record(Outcome::Success);
+        self.end()
+    }
+
+    /// Looks at the next relayed bytes; an event over the size limit ends the stream.
+    fn check(&mut self, data: &Bytes) -> Result<(), GatewayError> {
+        let leg = self.relayed.leg;
+        self.relayed.scanner.scan(data).map_err(|e| {
+            if let Some(f) = &self.finish {
+                f.state.metrics.bad_worker_responses.with_label_values(&[leg.as_str(), "sse_event_too_long"]).inc();
+            }
+            GatewayError::bad_worker_response(leg, format!("{} stream has an SSE event longer than {} bytes", super::leg::whose(leg), e.limit))
+        })
     }
 
     async fn next_chunk(&mut self) -> Option<Bytes> {
@@ -214,19 +281,24 @@ impl StreamRelay {
                 }
                 f = timeout_at(self.deadline, self.body.frame()) => f,
             };
+            let leg = self.relayed.leg;
             match frame {
-                Err(_) => return self.fail(&super::leg::deadline_error(Leg::Decode)),
+                // Tokens were arriving (the first chunk came): the request outlived its deadline.
+                Err(_) => return self.fail(&super::leg::answering_deadline_error(leg)),
                 Ok(None) => {
-                    let tail = self.end();
+                    let tail = self.ended();
                     if tail.is_some() {
                         return tail;
                     }
                 }
                 Ok(Some(Err(e))) => {
-                    return self.fail(&GatewayError::unreachable(Leg::Decode, format!("worker stream broke off: {e}")));
+                    return self.fail(&GatewayError::unreachable(leg, format!("{} stream broke off: {e}", super::leg::whose(leg))));
                 }
                 Ok(Some(Ok(frame))) => {
                     if let Ok(data) = frame.into_data() {
+                        if let Err(e) = self.check(&data) {
+                            return self.fail(&e);
+                        }
                         let out = self.process(data);
                         if !out.is_empty() {
                             return Some(out);
@@ -248,3 +320,7 @@ impl Drop for StreamRelay {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "relay_props.rs"]
+mod props;

@@ -31,18 +31,39 @@ pub enum Fault {
     Status(u16),
     /// Never answer.
     Hang,
+    /// Never answer a request for 1000 tokens or more (a long non-streamed request, whose
+    /// head real engines send only with its end); answer the others.
+    HangIfLong,
     /// Stream two chunks, then drop the connection.
     DieMidStream,
     /// Answer normally after this many milliseconds.
     Slow(u64),
     /// Stream slowly: this many milliseconds between chunks.
     SlowStream(u64),
+    // Broken workers (answers after the PD rendezvous, so a decode's prefill completes):
+    /// 200 with a JSON body cut off half-way.
+    MalformedJson,
+    /// 200 with an HTML error page (text/html), to streams too.
+    Html,
+    /// A streaming request answered with a plain JSON body (application/json).
+    JsonForStream,
+    /// 200 with `content-encoding: gzip` (and gzip's magic bytes).
+    Gzip,
+    /// A stream that ends cleanly, but without `data: [DONE]`.
+    NoDone,
+    /// One endless line (`data: xxxx...` without a newline), or an endless JSON body.
+    Endless,
+    /// Keeps producing, never finishing: a token event (stream) or a byte of JSON whitespace
+    /// (non-stream, after the head and `{"choices":[`) every this many milliseconds.
+    Trickle(u64),
 }
 
 #[derive(Default)]
 pub struct Log {
     pub bodies: Mutex<Vec<Value>>,
     pub request_ids: Mutex<Vec<String>>,
+    /// The `accept-encoding` header of each request ("" when absent).
+    pub accept_encodings: Mutex<Vec<String>>,
     /// Requests being handled right now (decremented when the handler ends or is dropped).
     pub active: AtomicI64,
     pub count: AtomicU32,
@@ -74,6 +95,8 @@ fn enter(log: &Arc<Log>, body: &Value, headers: &HeaderMap) -> ActiveGuard {
     if let Some(id) = headers.get("x-request-id").and_then(|v| v.to_str().ok()) {
         log.request_ids.lock().unwrap().push(id.to_string());
     }
+    let enc = headers.get("accept-encoding").and_then(|v| v.to_str().ok()).unwrap_or("");
+    log.accept_encodings.lock().unwrap().push(enc.to_string());
     ActiveGuard(log.clone())
 }
 
@@ -170,6 +193,9 @@ async fn handle(State(s): State<MockState>, headers: HeaderMap, Json(body): Json
     match fault {
         Fault::Status(code) => return (StatusCode::from_u16(code).unwrap(), Json(json!({"error": {"message": "injected", "type": "x", "code": "injected"}}))).into_response(),
         Fault::Hang => {
+            std::future::pending::<()>().await;
+        }
+        Fault::HangIfLong if body.get("max_tokens").and_then(Value::as_u64).unwrap_or(0) >= 1000 => {
             std::future::pending::<()>().await;
         }
         Fault::Slow(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
@@ -299,6 +325,9 @@ fn answer(body: &Value, stream: bool, fault: Fault, meta: Value, usage: Option<(
     let is_generate = body.get("text").is_some() || body.get("input_ids").is_some();
     let usage_v = usage.map(|(p, c)| json!({"prompt_tokens": p, "completion_tokens": 3, "total_tokens": p + 3, "prompt_tokens_details": {"cached_tokens": c}}));
     let batch = body.get("text").and_then(Value::as_array).map(Vec::len);
+    if let Some(broken) = broken_answer(stream, fault) {
+        return broken;
+    }
     if !stream {
         if is_generate {
             let one = |i: usize| json!({"index": i, "text": " decoded", "output_ids": [1, 2, 3], "meta_info": meta});
@@ -327,6 +356,9 @@ fn answer(body: &Value, stream: bool, fault: Fault, meta: Value, usage: Option<(
         chunks.push(format!("data: {}\n\n", json!({"id": "cmpl-1", "choices": [], "usage": u})));
     }
     chunks.push("data: [DONE]\n\n".into());
+    if fault == Fault::NoDone {
+        chunks.pop();
+    }
     if fault == Fault::DieMidStream {
         chunks.truncate(2);
         // Pause between chunks so they are flushed before the connection is cut.
@@ -355,4 +387,45 @@ fn sse_every(chunks: Vec<String>, ms: u64) -> Response {
         Ok::<_, std::io::Error>(c)
     });
     Response::builder().header("content-type", "text/event-stream").body(Body::from_stream(stream)).unwrap()
+}
+
+/// The answers of a broken worker, or `None` for the others.
+fn broken_answer(stream: bool, fault: Fault) -> Option<Response> {
+    let ok = Response::builder().status(200);
+    let resp = match fault {
+        Fault::MalformedJson => ok.header("content-type", "application/json").body(Body::from(r#"{"id":"cmpl-1","choices":[{"text":" dec"#)),
+        Fault::Html => ok.header("content-type", "text/html").body(Body::from("<!DOCTYPE html><html><body><h1>502 Bad Gateway</h1></body></html>")),
+        Fault::JsonForStream if stream => ok.header("content-type", "application/json").body(Body::from(r#"{"id":"cmpl-1","choices":[{"text":" decoded"}]}"#)),
+        Fault::Gzip => {
+            let ct = if stream { "text/event-stream" } else { "application/json" };
+            let bytes: Vec<u8> = vec![0x1f, 0x8b, 0x08, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x03, 0xab, 0x56, 0x4a, 0xce, 0xc8];
+            ok.header("content-type", ct).header("content-encoding", "gzip").body(Body::from(bytes))
+        }
+        Fault::Endless => {
+            let (ct, start) = if stream { ("text/event-stream", "data: {\"text\":\"") } else { ("application/json", "{\"choices\":[{\"text\":\"") };
+            let chunk = "x".repeat(4096);
+            let tail = futures_util::stream::repeat(chunk).then(|c| async move {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                c
+            });
+            let s = futures_util::stream::iter([start.to_string()]).chain(tail).map(Ok::<_, std::io::Error>);
+            ok.header("content-type", ct).body(Body::from_stream(s))
+        }
+        Fault::Trickle(ms) => {
+            let (ct, start, each) = if stream {
+                let ev = json!({"id": "cmpl-1", "choices": [{"index": 0, "text": "tok", "finish_reason": null}], "meta_info": {}});
+                ("text/event-stream", format!("data: {ev}\n\n"), format!("data: {ev}\n\n"))
+            } else {
+                ("application/json", r#"{"choices":["#.to_string(), " ".to_string())
+            };
+            let tail = futures_util::stream::repeat(each).then(move |c| async move {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                c
+            });
+            let s = futures_util::stream::iter([start]).chain(tail).map(Ok::<_, std::io::Error>);
+            ok.header("content-type", ct).body(Body::from_stream(s))
+        }
+        _ => return None,
+    };
+    Some(resp.unwrap())
 }

@@ -27,6 +27,11 @@ class Hold:
     expiry: asyncio.TimerHandle | None = None
 
 
+def duplicate_request_id(rid: str) -> EngineError:
+    return EngineError(f"request id {rid!r} already holds KV blocks waiting for a pull: request ids "
+                       "must be unique per request", 409, "duplicate_request_id")
+
+
 class PullSource:
     def __init__(self, ctx: TransferContext):
         self.ctx = ctx
@@ -35,6 +40,11 @@ class PullSource:
     def hold(self, seq: Seq) -> dict:
         """Pin a finished prefill's pages and publish them; returns `kv_transfer_params`."""
         ctx = self.ctx
+        if seq.rid in self.holds:
+            # A second hold under one request id would orphan the first one's pages (its lease
+            # timer would free the newer hold, and nothing the older): refuse the newcomer.
+            ctx.release(seq)
+            raise duplicate_request_id(seq.rid)
         pages = seq.pages[:ctx.pool.pages_for(seq.prompt_len)]
         ctx.pool.pin(seq.pages)
         h = Hold(seq, pages)

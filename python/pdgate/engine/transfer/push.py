@@ -95,6 +95,8 @@ class PushSource:
         """Serve one prefill request: rendezvous, compute, push, wait for the sink's ack."""
         ctx, pkey = self.ctx, (protocol, key)
         fut = self.pending.setdefault(pkey, asyncio.get_running_loop().create_future())
+        # One row per request, keyed once: the sink's attempt id is recorded in it, not made a
+        # second key (a re-keyed row was left behind as Bootstrapping forever).
         tkey, reg = (protocol, key, seq.rid), None
         ctx.table.set(tkey, KVPoll.Bootstrapping, role="source")
         try:
@@ -103,8 +105,7 @@ class PushSource:
             reg = await with_timeout(asyncio.shield(fut), ctx.timeouts.bootstrap,
                                      f"waiting for the decode to register {protocol} {key}")
             reg.claimed.set()
-            tkey = (protocol, key, reg.hdr["attempt"])
-            ctx.table.set(tkey, KVPoll.WaitingForInput, role="source", rid=seq.rid)
+            ctx.table.set(tkey, KVPoll.WaitingForInput, attempt_id=reg.hdr["attempt"], rid=seq.rid)
             if reg.hdr.get("num_tokens") != seq.prompt_len:
                 raise EngineError(f"decode expects {reg.hdr.get('num_tokens')} tokens, prompt has "
                                   f"{seq.prompt_len}", 500, "kv_transfer_failed")

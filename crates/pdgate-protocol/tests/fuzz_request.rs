@@ -1,0 +1,122 @@
+//! Property tests of request parsing, the gateway's first contact with a client's bytes: it
+//! never panics, every error points at something real, and what it accepts keeps the facts the
+//! gateway relies on. A stand-in for a cargo-fuzz target that runs in every `cargo test`:
+//! 256 cases by default (a few seconds); `PROPTEST_CASES=100000 cargo test -p pdgate-protocol
+//! --test fuzz_request` searches longer.
+
+use pdgate_protocol::{parse_request, Endpoint, InvalidRequest, ParsedRequest};
+use proptest::prelude::*;
+use serde_json::{Map, Value};
+
+const ENDPOINTS: [Endpoint; 3] = [Endpoint::Completions, Endpoint::ChatCompletions, Endpoint::Generate];
+
+/// The one call under test (kept in one place should its signature grow a limits argument).
+fn parse(ep: Endpoint, bytes: &[u8]) -> Result<ParsedRequest, InvalidRequest> {
+    parse_request(ep, bytes)
+}
+
+/// Field names the parser reads, and some it does not, so that generated bodies hit its paths.
+const KEYS: &[&str] = &[
+    "prompt", "messages", "text", "input_ids", "n", "stream", "model", "max_tokens", "max_completion_tokens",
+    "max_new_tokens", "temperature", "top_p", "stream_options", "sampling_params", "return_logprob", "role",
+    "content", "best_of", "stop", "logit_bias", "tools", "user", "x",
+];
+
+fn leaf() -> impl Strategy<Value = Value> {
+    prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        any::<u64>().prop_map(Value::from),
+        (0u64..5).prop_map(Value::from),
+        any::<i64>().prop_map(Value::from),
+        any::<f64>().prop_filter("JSON has no NaN/inf", |f| f.is_finite()).prop_map(Value::from),
+        "[a-z \\u{e9}\\u{1F600}]{0,8}".prop_map(Value::String),
+        Just(Value::String("user".into())),
+    ]
+}
+
+fn json() -> impl Strategy<Value = Value> {
+    leaf().prop_recursive(4, 48, 6, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+            prop::collection::vec((prop::sample::select(KEYS), inner), 0..6)
+                .prop_map(|kv| Value::Object(kv.into_iter().map(|(k, v)| (k.to_string(), v)).collect())),
+        ]
+    })
+}
+
+/// A top-level body: an object whose fields are the parser's (sometimes right, often wrong).
+fn body() -> impl Strategy<Value = Map<String, Value>> {
+    prop::collection::vec((prop::sample::select(KEYS), json()), 0..8).prop_map(|kv| kv.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+}
+
+/// The field a `param` names: `messages[2]` → `messages`, `sampling_params.n` → `sampling_params`.
+fn root(param: &str) -> &str {
+    param.split(['[', '.']).next().unwrap_or(param)
+}
+
+/// Fields an error may name although the body lacks them: the required ones.
+const REQUIRED: &[&str] = &["prompt", "messages", "text", "input_ids"];
+
+fn n_of(ep: Endpoint, body: &Map<String, Value>) -> Option<u64> {
+    match ep {
+        Endpoint::Generate => body.get("sampling_params")?.get("n")?.as_u64(),
+        _ => body.get("n")?.as_u64(),
+    }
+}
+
+proptest! {
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), ep in prop::sample::select(&ENDPOINTS[..])) {
+        let _ = parse(ep, &bytes);
+    }
+
+    #[test]
+    fn cut_and_mangled_json_never_panics(b in body(), cut in any::<prop::sample::Index>(), flip in any::<(prop::sample::Index, u8)>(), ep in prop::sample::select(&ENDPOINTS[..])) {
+        let mut bytes = serde_json::to_vec(&b).unwrap();
+        let _ = parse(ep, &bytes[..cut.index(bytes.len() + 1)]);
+        if !bytes.is_empty() {
+            let i = flip.0.index(bytes.len());
+            bytes[i] = flip.1;
+            let _ = parse(ep, &bytes);
+        }
+    }
+
+    #[test]
+    fn errors_name_a_real_field_and_accepted_requests_keep_their_facts(b in body(), ep in prop::sample::select(&ENDPOINTS[..])) {
+        let bytes = serde_json::to_vec(&b).unwrap();
+        match parse(ep, &bytes) {
+            Err(e) => {
+                prop_assert!(!e.message.is_empty());
+                if let Some(p) = &e.param {
+                    let r = root(p);
+                    prop_assert!(b.contains_key(r) || REQUIRED.contains(&r), "param {p:?} names nothing in {b:?}: {}", e.message);
+                }
+            }
+            Ok(req) => {
+                prop_assert_eq!(req.endpoint, ep);
+                // The body is kept as the client sent it (compared with serde_json's own reading of
+                // the bytes: it does not round-trip every float to the last bit).
+                let sent: Map<String, Value> = serde_json::from_slice(&bytes).unwrap();
+                prop_assert_eq!(&req.body, &sent);
+                prop_assert_eq!(req.stream, b.get("stream") == Some(&Value::Bool(true)));
+                prop_assert_eq!(req.model.as_deref(), b.get("model").and_then(Value::as_str));
+                if let Some(items) = req.batch_items {
+                    prop_assert!(items >= 1);
+                    if let Some(n) = n_of(ep, &b) {
+                        prop_assert!(n >= 1 && items as u64 % n == 0, "{items} items for n = {n}");
+                    }
+                }
+                let single = match ep {
+                    Endpoint::Completions => b.get("prompt").is_some_and(Value::is_string),
+                    Endpoint::Generate => b.get("text").is_some_and(Value::is_string),
+                    Endpoint::ChatCompletions => true,
+                };
+                if single && n_of(ep, &b).unwrap_or(1) == 1 {
+                    prop_assert_eq!(req.batch_items, None);
+                }
+                prop_assert!(!req.wants_input_logprobs || ep == Endpoint::Generate);
+            }
+        }
+    }
+}
