@@ -95,6 +95,36 @@ def test_huge_n_is_400_and_the_process_keeps_serving(processes: Processes, pair:
     assert r.json()["choices"][0]["text"]
 
 
+def test_bootstrap_mode_survives_huge_n_and_batches(processes: Processes) -> None:
+    """The SIGABRT was here: bootstrap mode minted one room per item before anything was checked."""
+    p = ReferenceWorker(mode="prefill")
+    d = ReferenceWorker(mode="decode")
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda w: w.start(timeout=90), (p, d)))
+        gw = launch(processes, ["--pd-disaggregation", *FAST_HEALTH, "--prefill", p.url, str(p.bootstrap_port),
+                                "--decode", d.url, "--request-timeout-secs", "60"])
+        gw.wait_ready()
+        refused = [
+            ("/v1/completions", {"prompt": "x", "n": 1_000_000_000_000}, "n"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 10_000, "stream": True}, "n"),
+            ("/generate", {"text": "x", "sampling_params": {"n": 10_000}}, "sampling_params.n"),
+            ("/generate", {"text": [f"t{i}" for i in range(20_000)]}, "text"),
+        ]
+        for path, body, param in refused:
+            r = httpx.post(gw.url + path, json=body, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.status_code, r.text[:200])
+        assert gw.proc.poll() is None, "the gateway process is alive:\n" + "".join(gw.output[-20:])
+        r = httpx.post(gw.url + "/generate", json={"text": [f"item {i}" for i in range(16)],
+                                                    "sampling_params": {"max_new_tokens": 2, "temperature": 0}}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert len(r.json()) == 16
+        assert "rooms=16,digest=" in r.headers["x-pdgate-route"], r.headers["x-pdgate-route"]
+    finally:
+        p.stop()
+        d.stop()
+
+
 def test_max_tokens_beyond_the_context_length_is_400(processes: Processes, pair: Any) -> None:
     gw = gateway(processes, pair)
     context = httpx.get(pair[2].url + "/v1/models", timeout=5).json()["data"][0]["max_model_len"]

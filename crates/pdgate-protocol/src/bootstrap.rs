@@ -19,7 +19,8 @@ pub enum Rooms {
 }
 
 impl Rooms {
-    /// The rooms as they appear in the decision record, e.g. `123` or `[1,2,3]`.
+    /// Every room, e.g. `123` or `[1,2,3]`, for the full record in the debug log (the header
+    /// gives a batch as a count and a digest).
     pub fn describe(&self) -> String {
         match self {
             Rooms::Single(r) => r.to_string(),

@@ -97,58 +97,83 @@ pub(crate) fn check_prompt_bytes(bytes: usize, param: &str, limits: &Limits) -> 
     Ok(())
 }
 
-/// `stop`, `stop_token_ids`, `logit_bias` in one object (the body, or `sampling_params`).
-/// `prefix` is put before the field name in `param` (e.g. `sampling_params.`).
-pub(crate) fn check_sampling(obj: &Map<String, Value>, prefix: &str, limits: &Limits) -> Result<(), InvalidRequest> {
-    let param = |k: &str| format!("{prefix}{k}");
-    match obj.get("stop") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) => check_stop(s, &param("stop"), limits)?,
-        Some(Value::Array(list)) => {
-            if list.len() > limits.max_stop_sequences {
-                return Err(invalid(&param("stop"), format!("'stop' has {} entries; at most {} are allowed", list.len(), limits.max_stop_sequences)));
+/// What one pass over an object's keys found besides the bounds it checked.
+#[derive(Default)]
+pub(crate) struct Scan {
+    /// A gateway-owned rendezvous field is present (top level or in `sampling_params`).
+    pub gateway_fields: bool,
+}
+
+/// One pass over the keys of the body (or of a `sampling_params` object, then `prefix` is
+/// `sampling_params.`): the bounds on `stop`, `stop_token_ids`, `logit_bias`, `tools` and
+/// `functions`, and whether a gateway-owned field is present. One pass, not one lookup per
+/// field: this runs on every request, and each map lookup costs more than a key comparison.
+pub(crate) fn scan(obj: &Map<String, Value>, prefix: &str, limits: &Limits) -> Result<Scan, InvalidRequest> {
+    let mut found = Scan::default();
+    for (k, v) in obj {
+        match k.as_str() {
+            "stop" => check_stop_field(v, prefix, limits)?,
+            "stop_token_ids" => check_len(v, prefix, k, limits.max_stop_sequences)?,
+            "logit_bias" => match v {
+                Value::Null => {}
+                Value::Object(m) if m.len() > limits.max_logit_bias => {
+                    return Err(fail(prefix, k, format!("'logit_bias' has {} entries; at most {} are allowed", m.len(), limits.max_logit_bias)));
+                }
+                Value::Object(_) => {}
+                _ => return Err(fail(prefix, k, "'logit_bias' must be an object of token id to bias".into())),
+            },
+            "tools" | "functions" if prefix.is_empty() => match v {
+                Value::Null => {}
+                Value::Array(_) => check_len(v, prefix, k, limits.max_tools)?,
+                _ => return Err(fail(prefix, k, format!("'{k}' must be a list"))),
+            },
+            "sampling_params" if prefix.is_empty() => {
+                let list: &[Value] = match v {
+                    Value::Array(a) => a,
+                    v @ Value::Object(_) => std::slice::from_ref(v),
+                    _ => &[],
+                };
+                for sp in list.iter().filter_map(Value::as_object) {
+                    found.gateway_fields |= scan(sp, "sampling_params.", limits)?.gateway_fields;
+                }
             }
+            other => found.gateway_fields |= crate::rendezvous::is_gateway_field(other),
+        }
+    }
+    Ok(found)
+}
+
+/// The param name is built only for an error.
+fn fail(prefix: &str, key: &str, message: String) -> InvalidRequest {
+    invalid(&format!("{prefix}{key}"), message)
+}
+
+fn check_len(v: &Value, prefix: &str, key: &str, max: usize) -> Result<(), InvalidRequest> {
+    match v {
+        Value::Array(list) if list.len() > max => Err(fail(prefix, key, format!("'{key}' has {} entries; at most {max} are allowed", list.len()))),
+        _ => Ok(()),
+    }
+}
+
+fn check_stop_field(v: &Value, prefix: &str, limits: &Limits) -> Result<(), InvalidRequest> {
+    let not_strings = || fail(prefix, "stop", "'stop' must be a string or a list of strings".into());
+    match v {
+        Value::Null => Ok(()),
+        Value::String(s) => check_stop(s, prefix, limits),
+        Value::Array(list) => {
+            check_len(v, prefix, "stop", limits.max_stop_sequences)?;
             for s in list {
-                let Some(s) = s.as_str() else { return Err(invalid(&param("stop"), "'stop' must be a string or a list of strings")) };
-                check_stop(s, &param("stop"), limits)?;
+                check_stop(s.as_str().ok_or_else(not_strings)?, prefix, limits)?;
             }
+            Ok(())
         }
-        Some(_) => return Err(invalid(&param("stop"), "'stop' must be a string or a list of strings")),
+        _ => Err(not_strings()),
     }
-    if let Some(Value::Array(ids)) = obj.get("stop_token_ids") {
-        if ids.len() > limits.max_stop_sequences {
-            return Err(invalid(&param("stop_token_ids"), format!("'stop_token_ids' has {} entries; at most {} are allowed", ids.len(), limits.max_stop_sequences)));
-        }
-    }
-    match obj.get("logit_bias") {
-        None | Some(Value::Null) => {}
-        Some(Value::Object(m)) if m.len() > limits.max_logit_bias => {
-            return Err(invalid(&param("logit_bias"), format!("'logit_bias' has {} entries; at most {} are allowed", m.len(), limits.max_logit_bias)));
-        }
-        Some(Value::Object(_)) => {}
-        Some(_) => return Err(invalid(&param("logit_bias"), "'logit_bias' must be an object of token id to bias")),
-    }
-    Ok(())
 }
 
-fn check_stop(s: &str, param: &str, limits: &Limits) -> Result<(), InvalidRequest> {
+fn check_stop(s: &str, prefix: &str, limits: &Limits) -> Result<(), InvalidRequest> {
     if s.len() > limits.max_stop_bytes {
-        return Err(invalid(param, format!("a 'stop' string is {} bytes; at most {} are allowed", s.len(), limits.max_stop_bytes)));
-    }
-    Ok(())
-}
-
-/// `tools` and the legacy `functions` (chat).
-pub(crate) fn check_tools(body: &Map<String, Value>, limits: &Limits) -> Result<(), InvalidRequest> {
-    for key in ["tools", "functions"] {
-        match body.get(key) {
-            None | Some(Value::Null) => {}
-            Some(Value::Array(list)) if list.len() > limits.max_tools => {
-                return Err(invalid(key, format!("'{key}' has {} entries; at most {} are allowed", list.len(), limits.max_tools)));
-            }
-            Some(Value::Array(_)) => {}
-            Some(_) => return Err(invalid(key, format!("'{key}' must be a list"))),
-        }
+        return Err(fail(prefix, "stop", format!("a 'stop' string is {} bytes; at most {} are allowed", s.len(), limits.max_stop_bytes)));
     }
     Ok(())
 }

@@ -37,15 +37,38 @@ pub const GATEWAY_FIELDS: [&str; 19] = [
     "do_remote_decode",
 ];
 
-/// One pass over the client's (few) keys, not one lookup per gateway field: this runs on every
-/// request.
-fn present_in(obj: &Map<String, Value>) -> bool {
-    obj.keys().any(|k| GATEWAY_FIELDS.contains(&k.as_str()))
+/// Whether `key` is one of [`GATEWAY_FIELDS`] (a `match`: this runs for every key of every
+/// request).
+pub fn is_gateway_field(key: &str) -> bool {
+    matches!(
+        key,
+        "bootstrap_host"
+            | "bootstrap_port"
+            | "bootstrap_room"
+            | "bootstrap_pair_key"
+            | "decode_tp_size"
+            | "disagg_prefill_dp_rank"
+            | "data_parallel_rank"
+            | "rid"
+            | "kv_transfer_params"
+            | "request_id"
+            | "transfer_id"
+            | "remote_engine_id"
+            | "remote_bootstrap_addr"
+            | "remote_host"
+            | "remote_port"
+            | "remote_block_ids"
+            | "remote_request_id"
+            | "do_remote_prefill"
+            | "do_remote_decode"
+    )
 }
 
 /// Whether the body carries any gateway-owned field (top level or in `sampling_params`).
+/// The parser finds this in its own pass over the keys; this is the standalone check.
 pub fn has_gateway_fields(body: &Map<String, Value>) -> bool {
-    present_in(body) || sampling_objects(body).any(present_in)
+    let present = |o: &Map<String, Value>| o.keys().any(|k| is_gateway_field(k));
+    present(body) || sampling_objects(body).any(present)
 }
 
 fn sampling_objects(body: &Map<String, Value>) -> impl Iterator<Item = &Map<String, Value>> {
@@ -100,6 +123,12 @@ mod tests {
         assert!(removed.contains(&"kv_transfer_params") && removed.contains(&"bootstrap_room"));
         assert_eq!(serde_json::Value::Object(body.clone()), json!({"prompt": "x", "max_tokens": 5, "sampling_params": {"temperature": 0}}));
         assert!(!has_gateway_fields(&body));
+    }
+
+    #[test]
+    fn the_match_and_the_list_agree() {
+        assert!(GATEWAY_FIELDS.iter().all(|k| is_gateway_field(k)));
+        assert!(!is_gateway_field("prompt") && !is_gateway_field("bootstrap"));
     }
 
     #[test]

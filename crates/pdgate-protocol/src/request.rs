@@ -89,7 +89,8 @@ pub fn parse_request(endpoint: Endpoint, bytes: &[u8], limits: &Limits) -> Resul
     let Value::Object(mut body) = value else {
         return Err(InvalidRequest { param: None, message: "request body must be a JSON object".into() });
     };
-    check_common(&body, limits)?;
+    check_common(&body)?;
+    let scanned = limits::scan(&body, "", limits)?;
     let batch_items = match endpoint {
         Endpoint::Completions => {
             let items = completion_prompt_items(&body)?;
@@ -112,7 +113,7 @@ pub fn parse_request(endpoint: Endpoint, bytes: &[u8], limits: &Limits) -> Resul
     let wants_input_logprobs = endpoint == Endpoint::Generate && optional_bool(&body, "return_logprob")?.unwrap_or(false);
     let model = body.get("model").and_then(Value::as_str).map(str::to_string);
     let max_tokens = requested_tokens(&body);
-    let rewritten = rendezvous::has_gateway_fields(&body);
+    let rewritten = scanned.gateway_fields;
     if rewritten {
         rendezvous::strip_gateway_fields(&mut body);
     }
@@ -130,7 +131,7 @@ fn requested_tokens(body: &Map<String, Value>) -> Option<(u64, &'static str)> {
     found.into_iter().filter_map(|(v, k)| Some((v?.as_u64()?, k))).max_by_key(|(v, _)| *v)
 }
 
-fn check_common(body: &Map<String, Value>, limits: &Limits) -> Result<(), InvalidRequest> {
+fn check_common(body: &Map<String, Value>) -> Result<(), InvalidRequest> {
     optional_bool(body, "stream")?;
     if let Some(m) = body.get("model") {
         if !m.is_string() && !m.is_null() {
@@ -156,8 +157,7 @@ fn check_common(body: &Map<String, Value>, limits: &Limits) -> Result<(), Invali
             return Err(invalid("stream_options", "'stream_options' must be an object"));
         }
     }
-    limits::check_sampling(body, "", limits)?;
-    limits::check_tools(body, limits)
+    Ok(())
 }
 
 fn optional_bool(body: &Map<String, Value>, key: &str) -> Result<Option<bool>, InvalidRequest> {
@@ -229,7 +229,6 @@ fn generate_items(body: &Map<String, Value>, limits: &Limits) -> Result<Option<u
                     return Err(invalid("sampling_params.max_new_tokens", "'max_new_tokens' must be a non-negative integer"));
                 }
             }
-            limits::check_sampling(sp, "sampling_params.", limits)?;
             limits::bounded_count(sp, "n", "sampling_params.n", limits.max_n)?
         }
         Some(_) => return Err(invalid("sampling_params", "'sampling_params' must be an object")),
