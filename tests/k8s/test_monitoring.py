@@ -63,10 +63,12 @@ def test_dashboard_ships_as_a_configmap_for_the_grafana_sidecar() -> None:
 
 def declared_metrics() -> dict[str, set[str]]:
     """The gateway's metrics and their labels, as metrics.rs registers them:
-    `counter(&r, "pdgate_requests_total", "help", &["route", "status"])`."""
+    `counter(&r, "pdgate_requests_total", "help", &["route", "status"])` (or `counter(r, ...)`)."""
     source = METRICS_RS.read_text()
     found = {name: set(re.findall(r'"([a-z_]+)"', labels))
-             for name, labels in re.findall(r'\(\s*&r,\s*"(pdgate_[a-z_]+)",\s*"(?:[^"\\]|\\.)*",\s*&\[([^\]]*)\]', source)}
+             for name, labels in re.findall(r'\(\s*&?r,\s*"(pdgate_[a-z_]+)",\s*"(?:[^"\\]|\\.)*",\s*&\[([^\]]*)\]', source)}
+    # Metrics without labels: `single("pdgate_x_total", "help")`, `IntGauge::new("pdgate_x", ...)`.
+    found.update({name: set() for name in re.findall(r'(?:\bsingle|IntGauge::new|IntCounter::new)\(\s*"(pdgate_[a-z_]+)"', source)})
     assert set(re.findall(r'"(pdgate_[a-z_]+)"', source)) == set(found), "metrics.rs registers metrics in a way this parser misses"
     return found
 
