@@ -7,6 +7,7 @@ The keyword options are exactly the names of the gateway's config schema (the sa
 from __future__ import annotations
 
 import json
+import secrets
 from functools import lru_cache
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
@@ -60,6 +61,12 @@ class Gateway:
             raise ConfigError(f"gateway options must be JSON-like values: {exc}") from exc
         self._config: dict[str, Any] = json.loads(core().normalize_config(text))
         self._handle: Any = None
+        # The worker API is closed over HTTP without an admin key. This process owns the
+        # gateway, so it gets a key of its own that nobody else knows: add_worker() and the
+        # rest keep working while /workers stays closed to every other client.
+        self._admin_key: str | None = self._config.get("admin_api_key") or None
+        if self._admin_key is None and not self._config.get("admin_api_open"):
+            self._admin_key = secrets.token_urlsafe(32)
 
     @classmethod
     def from_cli_args(cls, argv: Sequence[str]) -> Gateway:
@@ -68,7 +75,11 @@ class Gateway:
         Raises :class:`pdgate.CommandLineError` (``exit_code`` 0 for ``--help``/``--version``).
         """
         config = json.loads(core().parse_cli(list(argv)))
-        return cls(**config)
+        gateway = cls(**config)
+        # `pdgate launch`: nobody in this process manages the fleet, so no private key either;
+        # the worker API is exactly as the flags say (closed without --admin-api-key).
+        gateway._admin_key = gateway._config.get("admin_api_key") or None
+        return gateway
 
     @property
     def config(self) -> dict[str, Any]:
@@ -78,7 +89,8 @@ class Gateway:
     def start(self) -> Gateway:
         """Bind and serve; returns once accepting. Raises :class:`pdgate.GatewayStartError`."""
         if self._handle is None:
-            self._handle = core().GatewayHandle(json.dumps(self._config))
+            launched = dict(self._config, admin_api_key=self._admin_key)
+            self._handle = core().GatewayHandle(json.dumps(launched))
         self._handle.start()
         return self
 
@@ -109,7 +121,7 @@ class Gateway:
         url = self.url
         if not self.running or url is None:
             raise GatewayStateError("the gateway is not running: start() it before managing workers")
-        return WorkersApi(url, self._config.get("admin_api_key") or None)
+        return WorkersApi(url, self._admin_key)
 
     def add_worker(
         self,

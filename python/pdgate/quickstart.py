@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 from typing import Any
 
 __all__ = ["build_parser", "run"]
@@ -26,6 +27,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker-start-timeout", type=float, default=120.0, metavar="SECONDS")
     parser.add_argument("--log-level", default="info", help="gateway log filter (default: %(default)s)")
     return parser
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _admin_note(url: str, open_api: bool) -> str:
+    if open_api:
+        return (f"pdgate quickstart: the worker API ({url}/workers) is OPEN without a key, "
+                "since the gateway listens on loopback only (--admin-api-open)")
+    return ("pdgate quickstart: the worker API (/workers) is closed: this gateway is reachable from "
+            "other hosts, so quickstart does not open it")
 
 
 def _example(url: str, model: str) -> str:
@@ -77,9 +95,12 @@ def run(args: argparse.Namespace) -> int:
             decode=[w.url for w in workers["decode"]],
             kv_connector=args.kv_connector,
             log_level=args.log_level,
+            # A development stack on this machine: the worker API may be open, on loopback only.
+            admin_api_open=_is_loopback(args.host),
         )
         gateway.start()
         stack.callback(gateway.stop)
+        print(_admin_note(gateway.url or "", _is_loopback(args.host)), flush=True)
         print(_example(gateway.url or "", args.model), flush=True)
         wait_for_shutdown_signal()
         print("pdgate quickstart: stopping", flush=True)

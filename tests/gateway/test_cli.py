@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -132,10 +133,13 @@ def test_quickstart_serves_through_reference_workers(connector: str, workers: in
 @pytest.mark.timeout(300)
 def test_quickstart_workers_die_when_quickstart_is_killed(processes: Processes) -> None:
     """SIGKILL runs no cleanup in quickstart: the workers must notice on their own and exit."""
-    proc, _url, output = start_quickstart(processes)
+    proc, url, output = start_quickstart(processes)
     pids = worker_pids(output)
     assert len(pids) == 2, "".join(output)
     assert all(alive(p) for p in pids)
+    # On loopback, quickstart opens the worker API and says so.
+    assert "/workers) is OPEN without a key" in "".join(output), "".join(output)
+    assert httpx.get(url + "/workers", timeout=10).status_code == 200
     proc.kill()
     proc.wait(timeout=10)
     deadline = time.monotonic() + 15

@@ -217,6 +217,41 @@ def test_admin_key_is_enforced(mocks: MockHost, processes: Processes) -> None:
     assert (refused.value.status, refused.value.code) == (403, "invalid_api_key")
 
 
+def test_admin_api_is_closed_by_default(mocks: MockHost, processes: Processes) -> None:
+    """No --admin-api-key: every worker API call is refused, --api-key does not open it, and
+    the refusal says how to open it. The fleet is unchanged and clients are served."""
+    stack = pd_stack(mocks, processes, "bootstrap", args=["--api-key", "client-key"])
+    for method, path, body in ADMIN_CALLS:
+        for headers in ({}, {"Authorization": "Bearer client-key"}):
+            resp = httpx.request(method, stack.url + path.format(id="w0"), json=body, headers=headers, timeout=10)
+            assert (resp.status_code, resp.json()["error"]["code"]) == (403, "admin_api_closed"), (method, path, resp.text)
+            assert "--admin-api-key" in resp.json()["error"]["message"]
+    assert httpx.get(stack.url + "/readiness", timeout=10).json()["admin_api"] == "closed"
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="client-key", max_retries=0, timeout=30)
+    assert client.completions.create(model="mock-model", prompt="a b", max_tokens=2).choices
+
+
+def test_admin_api_open_is_explicit_and_warned_about(mocks: MockHost, processes: Processes) -> None:
+    stack = pd_stack(mocks, processes, "bootstrap", args=["--admin-api-open"])
+    assert httpx.get(stack.url + "/workers", timeout=10).status_code == 200
+    assert httpx.get(stack.url + "/readiness", timeout=10).json()["admin_api"] == "open"
+    warnings = [line for line in stack.gateway.output if "WARN" in line and "--admin-api-open" in line]
+    assert warnings, "no start-up warning:\n" + "".join(stack.gateway.output)
+
+
+def test_an_embedded_gateway_manages_its_fleet_while_http_stays_closed(mocks: MockHost) -> None:
+    """Without a key the Gateway object holds a private one: its own calls work, others' do not."""
+    decode = mocks.start(BootstrapDecode())
+    with pdgate.Gateway(pd_disaggregation=True, port=0, **FAST) as gw:
+        assert gw.add_worker(decode.url, "decode")["worker_type"] == "decode"
+        assert [w["url"] for w in gw.list_workers()] == [decode.url]
+        resp = httpx.get(gw.url + "/workers", timeout=10)
+        assert (resp.status_code, resp.json()["error"]["code"]) == (401, "missing_api_key")
+        resp = httpx.get(gw.url + "/workers", headers={"Authorization": "Bearer guess"}, timeout=10)
+        assert (resp.status_code, resp.json()["error"]["code"]) == (403, "invalid_api_key")
+        assert gw.config["admin_api_key"] is None, "the private key is not part of the user's config"
+
+
 def test_python_api_errors(mocks: MockHost) -> None:
     prefill = mocks.start(BootstrapPrefill())
     decode = mocks.start(BootstrapDecode())
@@ -285,10 +320,11 @@ def test_drain_is_bounded_by_the_request_timeout(mocks: MockHost) -> None:
 
 
 def test_nixl_prefill_drain_waits_for_the_decode_pull(mocks: MockHost, processes: Processes) -> None:
-    stack = pd_stack(mocks, processes, "nixl", decode_knobs={"delay_s": 1.0}, args=["--request-timeout-secs", "20"])
+    stack = pd_stack(mocks, processes, "nixl", decode_knobs={"delay_s": 1.0},
+                     args=["--request-timeout-secs", "20", "--admin-api-key", ADMIN])
     p1 = stack.prefill
     p2 = mocks.start(type(p1)())
-    admin = httpx.Client(base_url=stack.url, timeout=10)
+    admin = httpx.Client(base_url=stack.url, timeout=10, headers={"Authorization": f"Bearer {ADMIN}"})
     with admin:
         assert admin.post("/workers", json={"url": p2.url, "worker_type": "prefill"}).status_code == 201
         with Load(stack.url, "mock-model", threads=2, max_tokens=4, limit=200) as load:
@@ -304,7 +340,7 @@ def test_nixl_prefill_drain_waits_for_the_decode_pull(mocks: MockHost, processes
 
 def test_worker_url_with_trailing_slash_names_it_for_every_call(mocks: MockHost) -> None:
     worker = mocks.start(MockWorker())
-    with pdgate.Gateway(worker_urls=[worker.url], port=0, **FAST) as gw:
+    with pdgate.Gateway(worker_urls=[worker.url], port=0, admin_api_open=True, **FAST) as gw:
         key = "/workers/" + quote(worker.url + "/", safe="")
         assert httpx.get(gw.url + key, timeout=5).status_code == 200
         assert httpx.put(gw.url + key, json={"enabled": False}, timeout=5).status_code == 200

@@ -30,8 +30,11 @@ pytest.importorskip("pdgate._core", reason="needs the compiled gateway (pip inst
 
 NS = "ml"
 CONVERGE_S = 8.0
+# The worker API is closed without a key; these tests read it (and add a worker by hand).
+ADMIN = "k8s-admin-key"
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}
 DISCOVERY_ARGS = ["--pd-disaggregation", "--service-discovery", "--prefill-selector", "app=p", "--decode-selector", "app=d",
-                  "--service-discovery-namespace", NS, "--health-check-interval-secs", "1"]
+                  "--service-discovery-namespace", NS, "--health-check-interval-secs", "1", "--admin-api-key", ADMIN]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +66,7 @@ def start_gateway(processes: Any, apiserver: FakeApiServer, tmp_path: pathlib.Pa
 
 
 def workers(gw: GatewayProcess) -> list[dict[str, Any]]:
-    return httpx.get(gw.url + "/workers", timeout=5).json()["workers"]
+    return httpx.get(gw.url + "/workers", headers=ADMIN_HEADERS, timeout=5).json()["workers"]
 
 
 def discovered(gw: GatewayProcess) -> dict[str, str]:
@@ -169,9 +172,10 @@ def test_pod_in_both_pools_is_refused_and_hand_added_workers_are_left_alone(
     # No --service-discovery-namespace: every namespace is watched.
     kubeconfig = apiserver.write_kubeconfig(str(tmp_path / "kubeconfig"))
     gw = launch(processes, ["--pd-disaggregation", "--service-discovery", "--prefill-selector", "role=prefill",
-                            "--decode-selector", "pool=decode", "--kubeconfig", kubeconfig, "--health-check-interval-secs", "1"])
+                            "--decode-selector", "pool=decode", "--kubeconfig", kubeconfig, "--health-check-interval-secs", "1",
+                            "--admin-api-key", ADMIN])
     p1, d1 = engines["p1"], engines["d1"]
-    added = httpx.post(gw.url + "/workers", json={"url": d1.url, "worker_type": "decode"}, timeout=10)
+    added = httpx.post(gw.url + "/workers", json={"url": d1.url, "worker_type": "decode"}, headers=ADMIN_HEADERS, timeout=10)
     assert added.status_code == 201, added.text
 
     create_pod(core, NS, "both", {"role": "prefill", "pool": "decode"}, annotations_for(p1))
@@ -197,6 +201,22 @@ def test_pod_in_both_pools_is_refused_and_hand_added_workers_are_left_alone(
     by_url = {w["url"]: w for w in workers(gw)}
     assert by_url[d1.url]["source"] == "api" and not by_url[d1.url]["draining"]
     assert discovered(gw) == {p1.url: "prefill"}
+
+
+def test_a_pod_at_the_gateways_own_address_is_skipped(processes: Any, apiserver: FakeApiServer, core: Any,
+                                                       tmp_path: pathlib.Path) -> None:
+    """Selectors that match the gateway's own pod would make it a worker of itself (a loop)."""
+    gw = start_gateway(processes, apiserver, tmp_path)
+    own_port = gw.url.rsplit(":", 1)[1]
+    create_pod(core, NS, "me", {"app": "d"}, {"pdgate.ai/port": own_port})
+    set_ready(core, NS, "me")
+    deadline = time.monotonic() + CONVERGE_S
+    while "discovered pod skipped" not in "".join(gw.output) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "discovered pod skipped" in "".join(gw.output), "".join(gw.output[-30:])
+    assert discovered(gw) == {}
+    delete_pod(core, NS, "me")
+    assert httpx.get(gw.url + "/liveness", timeout=5).status_code == 200
 
 
 def test_watch_drops_and_410s_lose_no_update(processes: Any, core: Any, tmp_path: pathlib.Path) -> None:

@@ -239,6 +239,33 @@ pub struct GatewayConfig {
     #[arg(long, env = "PDGATE_ADMIN_API_KEY", hide_env_values = true)]
     pub admin_api_key: Option<String>,
 
+    // --- The client edge: who may use the worker API, and how long a client may hold a
+    // connection (crates/pdgate-gateway/src/conn.rs, docs/security.md) ---
+    /// Open the worker API (`/workers`) without a key, for development only: anyone who can
+    /// reach the gateway may then list, add and remove workers. Without it and without
+    /// --admin-api-key the worker API is closed.
+    #[arg(long)]
+    pub admin_api_open: bool,
+
+    /// Seconds a client has to send a request's headers, counted from when the connection
+    /// waits for them (slowloris guard); the connection is then closed without an answer.
+    #[arg(long, default_value_t = 10)]
+    pub header_read_timeout_secs: u64,
+
+    /// Seconds a client has to send a request's body (never beyond the request deadline);
+    /// answered 408 when it runs out.
+    #[arg(long, default_value_t = 30)]
+    pub body_read_timeout_secs: u64,
+
+    /// Seconds a keep-alive connection may sit idle between requests before it is closed
+    /// (the header-read timeout bounds idle connections too).
+    #[arg(long, default_value_t = 5)]
+    pub idle_timeout_secs: u64,
+
+    /// Most client connections open at once; a connection beyond it is closed at once.
+    #[arg(long, default_value_t = 4096)]
+    pub max_connections: usize,
+
     // --- Kubernetes service discovery (crates/pdgate-gateway/src/discovery) ---
     /// Find workers among Kubernetes pods by label (see docs/kubernetes.md).
     #[arg(long)]
@@ -370,6 +397,12 @@ impl GatewayConfig {
             return bad(format!("--balance-rel-threshold must be at least 1.0, not {}", self.balance_rel_threshold));
         }
         validate_log_level(&self.log_level).map_err(ConfigError::Invalid)?;
+        if self.header_read_timeout_secs == 0 || self.body_read_timeout_secs == 0 || self.idle_timeout_secs == 0 {
+            return bad("--header-read-timeout-secs, --body-read-timeout-secs and --idle-timeout-secs must be at least 1".into());
+        }
+        if !(1..=1_000_000).contains(&self.max_connections) {
+            return bad(format!("--max-connections must be between 1 and 1000000, not {}", self.max_connections));
+        }
         self.validate_discovery()?;
         self.workers().map(|_| ())
     }

@@ -67,6 +67,12 @@ pub enum ErrorKind {
     TimeoutWhileAnswering,
     /// A bug or an impossible state in the gateway.
     Internal,
+    /// The client did not send its request body in time (408).
+    ClientTimeout,
+    /// The request came back to this gateway, or crossed too many gateways (508).
+    LoopDetected,
+    /// The worker API is closed: no `--admin-api-key` and no `--admin-api-open` (403).
+    AdminApiClosed,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -140,6 +146,15 @@ impl GatewayError {
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Internal, Source::Gateway, message)
     }
+    pub fn client_timeout(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::ClientTimeout, Source::Client, message)
+    }
+    pub fn loop_detected(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::LoopDetected, Source::Gateway, message)
+    }
+    pub fn admin_api_closed(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::AdminApiClosed, Source::Client, message)
+    }
 
     /// Attach the leg the error happened on.
     pub fn on(mut self, leg: Leg) -> Self {
@@ -152,6 +167,8 @@ impl GatewayError {
     pub fn retryable(&self) -> bool {
         match &self.kind {
             ErrorKind::WorkerUnreachable | ErrorKind::WorkerProtocol | ErrorKind::BadWorkerResponse | ErrorKind::StreamTruncated => true,
+            // 508: the worker is a gateway that saw the request loop; another try loops again.
+            ErrorKind::WorkerStatus { status: 508, .. } => false,
             ErrorKind::WorkerStatus { status, .. } => *status >= 500 || *status == 408 || *status == 429,
             _ => false,
         }
@@ -171,10 +188,15 @@ impl GatewayError {
             ErrorKind::WorkerUnreachable => 503,
             // A worker's client error is the client's: pass its status through.
             ErrorKind::WorkerStatus { status, .. } if (400..500).contains(status) => *status,
+            // A loop seen further down the chain is a loop of this request too.
+            ErrorKind::WorkerStatus { status: 508, .. } => 508,
             ErrorKind::WorkerStatus { .. } | ErrorKind::WorkerProtocol => 502,
             ErrorKind::BadWorkerResponse | ErrorKind::StreamTruncated => 502,
             ErrorKind::Timeout | ErrorKind::TimeoutWhileAnswering => 504,
             ErrorKind::Internal => 500,
+            ErrorKind::ClientTimeout => 408,
+            ErrorKind::LoopDetected => 508,
+            ErrorKind::AdminApiClosed => 403,
         }
     }
 
@@ -192,6 +214,7 @@ impl GatewayError {
             ErrorKind::NoWorkers => "no_available_workers".into(),
             ErrorKind::NoCompatiblePair => "no_compatible_pd_pair".into(),
             ErrorKind::WorkerUnreachable => format!("{leg}_unavailable"),
+            ErrorKind::WorkerStatus { status: 508, .. } => "loop_detected".into(),
             ErrorKind::WorkerStatus { .. } => format!("{leg}_error"),
             ErrorKind::WorkerProtocol => format!("{leg}_bad_response"),
             ErrorKind::BadWorkerResponse => "bad_worker_response".into(),
@@ -201,6 +224,9 @@ impl GatewayError {
                 None => "request_timeout".into(),
             },
             ErrorKind::Internal => "internal_error".into(),
+            ErrorKind::ClientTimeout => "body_read_timeout".into(),
+            ErrorKind::LoopDetected => "loop_detected".into(),
+            ErrorKind::AdminApiClosed => "admin_api_closed".into(),
         }
     }
 
@@ -208,13 +234,14 @@ impl GatewayError {
     pub fn error_type(&self) -> &'static str {
         match self.source {
             Source::Client => match self.kind {
-                ErrorKind::Unauthorized | ErrorKind::Forbidden => "authentication_error",
+                ErrorKind::Unauthorized | ErrorKind::Forbidden | ErrorKind::AdminApiClosed => "authentication_error",
                 _ => "invalid_request_error",
             },
             Source::Worker => "upstream_error",
             Source::Gateway => match self.kind {
                 ErrorKind::Timeout | ErrorKind::TimeoutWhileAnswering => "timeout_error",
                 ErrorKind::Internal => "internal_error",
+                ErrorKind::LoopDetected => "loop_detected_error",
                 _ => "service_unavailable_error",
             },
         }
@@ -291,5 +318,14 @@ mod tests {
         assert_eq!((t.status(), t.code().as_str()), (502, "decode_stream_truncated"));
         assert!(t.message.starts_with("decode worker"), "{}", t.message);
         assert_eq!(GatewayError::stream_truncated(Leg::Regular).code(), "worker_stream_truncated");
+    }
+
+    #[test]
+    fn edge_errors_have_their_statuses_and_a_loop_is_final() {
+        assert_eq!(GatewayError::client_timeout("slow body").status(), 408);
+        assert_eq!(GatewayError::loop_detected("loop").code(), "loop_detected");
+        assert_eq!(GatewayError::admin_api_closed("closed").status(), 403);
+        let looped = GatewayError::worker_status(Leg::Regular, 508, None);
+        assert_eq!((looped.status(), looped.code().as_str(), looped.retryable()), (508, "loop_detected", false));
     }
 }

@@ -1,6 +1,9 @@
 //! API keys: `--api-key` guards the client endpoints, `--admin-api-key` the worker API. Both as
 //! `Authorization: Bearer KEY`. Missing → 401, wrong → 403. Health, readiness and metrics stay
 //! open for probes and scrapers.
+//!
+//! The worker API is closed without `--admin-api-key` (403 `admin_api_closed`), unless
+//! `--admin-api-open` opens it for development. `--api-key` never opens or guards it.
 
 use std::sync::Arc;
 
@@ -35,8 +38,27 @@ pub async fn client_key(State(state): State<Arc<AppState>>, req: Request, next: 
     }
 }
 
+/// How the worker API is guarded, as `/readiness` reports it.
+pub fn admin_api_mode(state: &AppState) -> &'static str {
+    if state.config.admin_api_key.as_deref().is_some_and(|k| !k.is_empty()) {
+        "key"
+    } else if state.config.admin_api_open {
+        "open"
+    } else {
+        "closed"
+    }
+}
+
 pub async fn admin_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    match check(&req, state.config.admin_api_key.as_deref()) {
+    let checked = match admin_api_mode(&state) {
+        "key" => check(&req, state.config.admin_api_key.as_deref()),
+        "open" => Ok(()),
+        _ => Err(GatewayError::admin_api_closed(
+            "the worker API (/workers) is closed: start the gateway with --admin-api-key KEY and send Authorization: Bearer KEY \
+             (or, for development only, --admin-api-open)",
+        )),
+    };
+    match checked {
         Ok(()) => next.run(req).await,
         Err(e) => error_response(&e),
     }

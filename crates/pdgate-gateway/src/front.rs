@@ -1,10 +1,12 @@
 //! The client-facing HTTP surface: OpenAI and SGLang routes, health, readiness, models, metrics.
-//! Handlers only admit (size limit, validation) and hand over to `exec`.
+//! Handlers only admit (loop check, size limit and body-read timeout, validation) and hand over
+//! to `exec`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::{Request, State};
-use axum::http::{header, Method, StatusCode, Uri};
+use axum::http::{header, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{middleware, Json, Router};
@@ -13,6 +15,7 @@ use pdgate_protocol::{parse_request, Endpoint};
 use serde_json::json;
 use tokio::time::Instant;
 
+use crate::edge::scope::{self, RequestScope};
 use crate::exec::{execute, Ctx};
 use crate::{auth, request_id, workers_api};
 use crate::render::error_response;
@@ -59,21 +62,34 @@ fn client_error(state: &AppState, route: &'static str, err: &GatewayError) -> Re
     resp
 }
 
-/// Admission: body within the limit, valid JSON of the right shape, then execution.
+/// Admission: not a loop, body within the limit and in time, valid JSON of the right shape,
+/// then execution.
 async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Response {
     // The whole request, not the HeaderMap extractor: that one clones every header.
     let (parts, body) = req.into_parts();
     let headers = parts.headers;
     let started = std::time::Instant::now();
     let route = endpoint.path();
+    // Reading the body counts against the request's deadline.
+    let deadline = Instant::now() + state.request_timeout();
+    let via = match state.edge.hops.outgoing(&headers) {
+        Ok(v) => v,
+        Err((err, kind)) => {
+            state.metrics.edge.loops.with_label_values(&[kind]).inc();
+            return client_error(&state, route, &err);
+        }
+    };
     let limit = state.config.max_payload_size;
     let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok());
     if declared.is_some_and(|n| n > limit) {
         return client_error(&state, route, &GatewayError::payload_too_large(limit));
     }
-    let raw = match axum::body::to_bytes(body, limit).await {
-        Ok(b) => b,
-        Err(e) => {
+    // One timer for the whole body, not one per frame.
+    let body_timeout = Duration::from_secs(state.config.body_read_timeout_secs);
+    let raw = match tokio::time::timeout_at(deadline.min(Instant::now() + body_timeout), axum::body::to_bytes(body, limit)).await {
+        Err(_) => return body_timeout_response(&state, route, body_timeout.min(state.request_timeout())),
+        Ok(Ok(b)) => b,
+        Ok(Err(e)) => {
             let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
             let err = if too_large {
                 GatewayError::payload_too_large(limit)
@@ -95,8 +111,21 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
         .and_then(|v| v.to_str().ok())
         .map(str::to_string)
         .or_else(|| req.body.get("user").and_then(|u| u.as_str()).map(str::to_string));
-    let deadline = Instant::now() + state.request_timeout();
-    execute(Ctx { state, req, raw, request_id, client_request_id, session_key, deadline, started, route }).await
+    let scope = Arc::new(RequestScope { request_id: request_id.clone(), via });
+    let mut resp = scope::run(scope.clone(), execute(Ctx { state, req, raw, request_id, client_request_id, session_key, deadline, started, route })).await;
+    // For the body wrapper in edge/conn.rs: the relay's stream warnings name the request.
+    resp.extensions_mut().insert(scope);
+    resp
+}
+
+/// 408 for a body that did not arrive in time; the connection is closed after it, since the
+/// rest of the body may still come.
+fn body_timeout_response(state: &AppState, route: &'static str, limit: Duration) -> Response {
+    state.metrics.edge.client_timeouts.with_label_values(&["body"]).inc();
+    let err = GatewayError::client_timeout(format!("the request body was not complete within {} s", limit.as_secs()));
+    let mut resp = client_error(state, route, &err);
+    resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+    resp
 }
 
 async fn liveness() -> Response {
@@ -117,7 +146,7 @@ async fn readiness(State(state): State<Arc<AppState>>) -> Response {
         (r > 0, json!({"healthy_workers": r}))
     };
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    let mut body = json!({"status": if ready { "ready" } else { "not_ready" }});
+    let mut body = json!({"status": if ready { "ready" } else { "not_ready" }, "admin_api": auth::admin_api_mode(&state)});
     if let (Some(b), Some(d)) = (body.as_object_mut(), detail.as_object()) {
         b.extend(d.clone());
     }

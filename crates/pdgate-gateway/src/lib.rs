@@ -4,6 +4,7 @@
 
 mod auth;
 mod discovery;
+mod edge;
 mod exec;
 mod front;
 mod health;

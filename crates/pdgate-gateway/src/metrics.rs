@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
 use crate::registry::Runtime;
 
@@ -35,6 +35,50 @@ pub struct Metrics {
     #[cfg_attr(not(feature = "kubernetes"), allow(dead_code))]
     pub discovery_watch_restarts: IntCounterVec,
     pub workers: IntGaugeVec,
+    /// The client edge (conn.rs, front.rs, hops.rs, log_limit.rs): every limit that fires.
+    pub edge: Arc<EdgeMetrics>,
+}
+
+/// Counters of the client edge, each present at 0 from the start so alerts can rate() them.
+pub struct EdgeMetrics {
+    /// `kind`: header (headers not complete in time), body (body not complete: 408), idle
+    /// (keep-alive connection closed between requests).
+    pub client_timeouts: IntCounterVec,
+    pub connections_rejected: IntCounter,
+    pub connections_open: IntGauge,
+    pub panics: IntCounter,
+    /// `kind`: via (came back to this gateway), hops (too many gateways), registration (a
+    /// worker at this gateway's own address refused).
+    pub loops: IntCounterVec,
+    pub log_suppressed: IntCounter,
+}
+
+impl EdgeMetrics {
+    fn new(r: &Registry) -> Self {
+        let client_timeouts = counter(r, "pdgate_client_timeouts_total", "Client connections or requests cut by a timeout, by kind (header, body, idle)", &["kind"]);
+        for kind in ["header", "body", "idle"] {
+            client_timeouts.with_label_values(&[kind]);
+        }
+        let loops = counter(r, "pdgate_loops_refused_total", "Request loops cut (via, hops) and workers refused for being this gateway (registration)", &["kind"]);
+        for kind in ["via", "hops", "registration"] {
+            loops.with_label_values(&[kind]);
+        }
+        let single = |name: &str, help: &str| {
+            let c = IntCounter::new(name, help).unwrap_or_else(|e| panic!("metric {name}: {e}"));
+            r.register(Box::new(c.clone())).unwrap_or_else(|e| panic!("metric {name}: {e}"));
+            c
+        };
+        let open = IntGauge::new("pdgate_client_connections", "Client connections open now").unwrap_or_else(|e| panic!("metric pdgate_client_connections: {e}"));
+        r.register(Box::new(open.clone())).unwrap_or_else(|e| panic!("metric pdgate_client_connections: {e}"));
+        EdgeMetrics {
+            client_timeouts,
+            connections_rejected: single("pdgate_connections_rejected_total", "Client connections closed at once because --max-connections were open"),
+            connections_open: open,
+            panics: single("pdgate_request_panics_total", "Request handlers that panicked (answered 500)"),
+            loops,
+            log_suppressed: single("pdgate_log_lines_suppressed_total", "Repeated identical warnings left out of the log by the rate limit"),
+        }
+    }
 }
 
 fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -95,6 +139,7 @@ impl Metrics {
             ),
             discovery_watch_restarts: counter(&r, "pdgate_discovery_watch_restarts_total", "Pod watches that failed and were resumed or re-listed", &[]),
             workers: gauge(&r, "pdgate_workers", "Registered workers by source (static, api, discovery)", &["source"]),
+            edge: Arc::new(EdgeMetrics::new(&r)),
             registry: r,
         };
         // Present at 0 from the start, so an alert on them needs no prior failure.

@@ -11,7 +11,8 @@ pub fn error_response(err: &GatewayError) -> Response {
     let status = StatusCode::from_u16(err.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let body = match &err.kind {
         // A worker's own OpenAI-style client error is the most precise message: pass it on.
-        ErrorKind::WorkerStatus { status: s, body: Some(text) } if (400..500).contains(s) => {
+        // 508 too: a peer gateway's loop verdict names the loop.
+        ErrorKind::WorkerStatus { status: s, body: Some(text) } if (400..500).contains(s) || *s == 508 => {
             match serde_json::from_str::<Value>(text) {
                 Ok(v) if v.get("error").is_some() => v,
                 _ => error_body(&format!("{}: {}", err.message, truncate(text)), err.error_type(), &err.code(), None),

@@ -1,16 +1,18 @@
-//! Starting and stopping a gateway: bind, spawn health checks, serve with TCP_NODELAY.
+//! Starting and stopping a gateway: bind, refuse workers that are the gateway itself, spawn
+//! health checks, serve (edge/conn.rs: timeouts, connection cap, panics, TCP_NODELAY).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::serve::ListenerExt;
 use pdgate_core::breaker::BreakerConfig;
 use pdgate_core::{ConfigError, GatewayConfig, SnapshotOptions};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::edge::conn::{self, Limits};
+use crate::edge::own_addr::OwnListener;
 use crate::registry::Registry;
 use crate::state::AppState;
 use crate::{front, health, load};
@@ -63,26 +65,42 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     let listener = TcpListener::bind(&bind).await.map_err(|source| StartError::Bind { addr: bind.clone(), source })?;
     let addr = listener.local_addr().map_err(|source| StartError::Bind { addr: bind, source })?;
     let options = SnapshotOptions { default_connector: config.kv_connector, pairing_mode: config.pd_pairing_mode };
+    let own = OwnListener::new(addr);
+    for w in &workers {
+        if own.is_me(&w.url).await {
+            return Err(StartError::Config(ConfigError::Invalid(own.refusal(&w.url))));
+        }
+    }
+    announce_admin_api(&config, addr);
+    let limits = Limits::from_config(&config);
     let registry = Registry::new(workers, options, BreakerConfig::from_config(&config));
-    let state = Arc::new(AppState::new(config, registry));
+    let mut state = AppState::new(config, registry);
+    state.edge.own = own;
+    let state = Arc::new(state);
+    let edge_metrics = state.metrics.edge.clone();
     let (tx, rx) = watch::channel(false);
     health::spawn_supervisor(&state, rx.clone());
     load::spawn_poller(&state, rx.clone());
     crate::discovery::spawn(&state, discovery, rx.clone());
     let app = front::router(state);
-    // A peer gateway without TCP_NODELAY loses 40 ms per streamed response to Nagle + delayed ACK.
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let mut stop = rx;
-    let task = tokio::spawn(async move {
-        let signal = async move {
-            let _ = stop.wait_for(|s| *s).await;
-        };
-        if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(signal).await {
-            tracing::error!(error = %e, "server stopped");
-        }
-    });
+    let task = tokio::spawn(conn::serve(listener, app, limits, edge_metrics, rx));
     tracing::info!(%addr, "pdgate listening");
     Ok(RunningGateway { addr, shutdown: tx, task })
+}
+
+/// Says at start-up who may use the worker API: an open one is a loud warning.
+fn announce_admin_api(config: &GatewayConfig, addr: SocketAddr) {
+    let keyed = config.admin_api_key.as_deref().is_some_and(|k| !k.is_empty());
+    if keyed {
+        if config.admin_api_open {
+            tracing::warn!("--admin-api-open is ignored: --admin-api-key is set, so the worker API (/workers) needs that key");
+        }
+    } else if config.admin_api_open {
+        tracing::warn!(
+            %addr,
+            "the worker API (/workers) is OPEN without a key (--admin-api-open): anyone who can reach this gateway can list, add and remove workers; for development only, use --admin-api-key KEY otherwise"
+        );
+    } else {
+        tracing::info!("the worker API (/workers) is closed: start with --admin-api-key KEY to manage workers at runtime");
+    }
 }

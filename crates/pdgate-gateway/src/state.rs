@@ -36,6 +36,8 @@ pub struct AppState {
     pub tree: Mutex<RadixTree>,
     /// Mooncake: prefill URL → engine id learned from its bootstrap server's `/query`.
     engine_ids: Mutex<HashMap<String, String>>,
+    /// The client edge: hop token, own listener, log limiter (src/edge).
+    pub edge: crate::edge::Edge,
 }
 
 impl AppState {
@@ -55,6 +57,7 @@ impl AppState {
             sequence: AtomicU64::new(0),
             tree: Mutex::new(RadixTree::new()),
             engine_ids: Mutex::new(HashMap::new()),
+            edge: crate::edge::Edge::new(),
             registry,
             config,
         }

@@ -58,7 +58,13 @@ impl Upstream {
             .header(header::ACCEPT_ENCODING, "identity")
             .uri(format!("{base}{path}"))
             .header(header::CONTENT_TYPE, "application/json")
-            .header("x-request-id", request_id)
+            .header("x-request-id", request_id);
+        // The hop header (edge/hops.rs): a request that comes back to this gateway is cut.
+        let req = match crate::edge::scope::via() {
+            Some(via) => req.header(header::VIA, via),
+            None => req,
+        };
+        let req = req
             .body(Full::new(body))
             .map_err(|e| GatewayError::internal(format!("cannot build request to {base}{path}: {e}")))?;
         self.client.request(req).await.map_err(|e| unreachable(leg, base, &e))

@@ -137,6 +137,10 @@ fn build_spec(state: &AppState, req: AddWorker) -> Result<(WorkerSpec, Option<St
 async fn add(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let result = async {
         let (spec, engine_id) = build_spec(&state, parse::<AddWorker>(&body)?)?;
+        if state.edge.own.is_me(&spec.url).await {
+            state.metrics.edge.loops.with_label_values(&["registration"]).inc();
+            return Err(GatewayError::invalid(Some("url"), state.edge.own.refusal(&spec.url)));
+        }
         // What the engine says about itself must not contradict the registration.
         let info = engine_info(&state, &spec.url).await;
         if let Some(mode) = info.mode.as_deref() {

@@ -30,7 +30,7 @@ async fn workers_added_through_the_api_make_the_gateway_ready() {
     let rdv = Arc::new(Rendezvous::default());
     let p = spawn("prefill", rdv.clone(), Fault::None).await;
     let d = spawn("decode", rdv, Fault::None).await;
-    let (_gw, url) = gateway(json!({"pd_disaggregation": true, "prefill": [[p.url, 8998]]})).await;
+    let (_gw, url) = gateway(json!({"admin_api_open": true, "pd_disaggregation": true, "prefill": [[p.url, 8998]]})).await;
     let c = client();
     assert_eq!(c.get(format!("{url}/readiness")).send().await.unwrap().status(), 503);
     let r = c.post(format!("{url}/workers")).json(&json!({"url": d.url, "worker_type": "decode", "labels": {"zone": "a"}})).send().await.unwrap();
@@ -60,7 +60,7 @@ async fn workers_added_through_the_api_make_the_gateway_ready() {
 async fn a_drained_worker_finishes_its_stream_and_gets_nothing_new() {
     let slow = spawn("regular", Default::default(), Fault::SlowStream(150)).await;
     let other = spawn("regular", Default::default(), Fault::None).await;
-    let (_gw, url) = gateway(json!({"worker_urls": [slow.url, other.url], "policy": "round_robin"})).await;
+    let (_gw, url) = gateway(json!({"admin_api_open": true, "worker_urls": [slow.url, other.url], "policy": "round_robin"})).await;
     wait_ready(&url).await;
     let c = client();
     // Round robin starts at the first worker: this stream runs on the slow one.
@@ -83,7 +83,7 @@ async fn a_drained_worker_finishes_its_stream_and_gets_nothing_new() {
 async fn disabled_workers_take_no_traffic_until_enabled() {
     let a = spawn("regular", Default::default(), Fault::None).await;
     let b = spawn("regular", Default::default(), Fault::None).await;
-    let (_gw, url) = gateway(json!({"worker_urls": [a.url, b.url]})).await;
+    let (_gw, url) = gateway(json!({"admin_api_open": true, "worker_urls": [a.url, b.url]})).await;
     wait_ready(&url).await;
     let c = client();
     let r = c.put(format!("{url}/workers/{}", enc(&a.url))).json(&json!({"enabled": false})).send().await.unwrap();
@@ -148,7 +148,7 @@ async fn a_breaker_opens_on_failures_and_recovers_after_its_cooldown() {
 async fn power_of_two_never_picks_the_busier_worker() {
     let slow = spawn("regular", Default::default(), Fault::SlowStream(400)).await;
     let fast = spawn("regular", Default::default(), Fault::None).await;
-    let (_gw, url) = gateway(json!({"worker_urls": [slow.url, fast.url], "policy": "power_of_two", "load_poll_interval_secs": 0})).await;
+    let (_gw, url) = gateway(json!({"admin_api_open": true, "worker_urls": [slow.url, fast.url], "policy": "power_of_two", "load_poll_interval_secs": 0})).await;
     wait_ready(&url).await;
     let c = client();
     // Pin two long streams on the slow worker: take the fast one out while they start.
@@ -200,7 +200,7 @@ async fn strict_pairing_refuses_workers_whose_layout_is_unknown() {
     let rdv = Arc::new(Rendezvous::default());
     let p = spawn("prefill", rdv.clone(), Fault::None).await;
     let d = spawn("decode", rdv, Fault::None).await;
-    let (_gw, url) = gateway(json!({"pd_disaggregation": true, "prefill": [p.url], "decode": [d.url], "pd_pairing_mode": "strict"})).await;
+    let (_gw, url) = gateway(json!({"admin_api_open": true, "pd_disaggregation": true, "prefill": [p.url], "decode": [d.url], "pd_pairing_mode": "strict"})).await;
     let c = client();
     eventually(
         async || {

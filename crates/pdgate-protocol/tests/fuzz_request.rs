@@ -11,7 +11,7 @@ use serde_json::{Map, Value};
 
 const ENDPOINTS: [Endpoint; 3] = [Endpoint::Completions, Endpoint::ChatCompletions, Endpoint::Generate];
 
-/// The one call under test (kept in one place should its signature grow a limits argument).
+/// The one call under test, with the gateway's default bounds.
 fn parse(ep: Endpoint, bytes: &[u8]) -> Result<ParsedRequest, InvalidRequest> {
     parse_request(ep, bytes, &Limits::default())
 }
@@ -108,6 +108,8 @@ proptest! {
                 prop_assert_eq!(req.model.as_deref(), b.get("model").and_then(Value::as_str));
                 if let Some(items) = req.batch_items {
                     prop_assert!(items >= 1);
+                    // Nothing downstream may allocate per item beyond the bound.
+                    prop_assert!(items as u64 <= Limits::default().max_batch_size, "{items} items accepted");
                     if let Some(n) = n_of(ep, &b) {
                         prop_assert!(n >= 1 && items as u64 % n == 0, "{items} items for n = {n}");
                     }
@@ -121,6 +123,19 @@ proptest! {
                     prop_assert_eq!(req.batch_items, None);
                 }
                 prop_assert!(!req.wants_input_logprobs || ep == Endpoint::Generate);
+            }
+        }
+    }
+
+    #[test]
+    fn small_bounds_hold_for_whatever_is_accepted(b in body(), ep in prop::sample::select(&ENDPOINTS[..])) {
+        // Bounds small enough that generated bodies cross them often.
+        let limits = Limits { max_n: 3, max_batch_size: 4, max_prompt_bytes: 16, ..Limits::default() };
+        let bytes = serde_json::to_vec(&b).unwrap();
+        if let Ok(req) = parse_request(ep, &bytes, &limits) {
+            prop_assert!(req.batch_items.unwrap_or(1) as u64 <= limits.max_batch_size, "{:?} items accepted", req.batch_items);
+            if let Some(n) = n_of(ep, &b) {
+                prop_assert!(n <= limits.max_n, "n = {n} accepted");
             }
         }
     }

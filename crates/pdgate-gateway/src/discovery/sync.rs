@@ -61,6 +61,14 @@ impl Syncer {
     }
 
     fn add(&mut self, state: &Arc<AppState>, c: &Candidate) {
+        // A pod at this gateway's own address (e.g. selectors that match the gateway's pod).
+        if state.edge.own.is_me_literal(&c.spec.url) == Some(true) {
+            state.metrics.edge.loops.with_label_values(&["registration"]).inc();
+            if matches!(state.edge.log.check(&c.spec.url, std::time::Instant::now()), crate::edge::log_limit::Verdict::Log { .. }) {
+                tracing::warn!(worker = %c.spec.url, "discovered pod skipped: {}", state.edge.own.refusal(&c.spec.url));
+            }
+            return;
+        }
         if let Some(id) = &c.kv_engine_id {
             state.store_engine_id(&c.spec.url, id.clone());
         }

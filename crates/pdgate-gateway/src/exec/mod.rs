@@ -159,7 +159,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         let left = ctx.deadline.saturating_duration_since(Instant::now());
         tracing::debug!(request_id = %ctx.request_id, attempt = record.attempts, error = %err, route = %record.full(), "attempt failed");
         if !ctx.state.retry.should_retry(err, record.attempts, false, left) {
-            tracing::warn!(request_id = %ctx.request_id, client_request_id = ctx.client_request_id.as_deref().unwrap_or("-"), error = %err, code = %err.code(), route = %record.header_value(), "request failed");
+            crate::edge::log_limit::warn_request(&ctx.state, Some(&ctx.request_id), "request failed", err, Some(&record.header_value()));
             break error_response(err);
         }
         metrics.retries.with_label_values(&[err.reason()]).inc();

@@ -232,7 +232,10 @@ impl StreamRelay {
     }
 
     fn fail(&mut self, err: &GatewayError) -> Option<Bytes> {
-        tracing::warn!(error = %err, code = %err.code(), "stream ended by an error after bytes reached the client");
+        if let Some(f) = &self.finish {
+            let id = crate::edge::scope::request_id();
+            crate::edge::log_limit::warn_request(&f.state, id.as_deref(), "stream ended by an error after bytes reached the client", err, None);
+        }
         self.record(Outcome::from_error(err));
         self.count_error(err);
         // Close a half-sent event first, so the error event reads as an event of its own.

@@ -1,0 +1,39 @@
+//! A request's id and outgoing `via`, for code that runs without the request's context: the
+//! upstream client (which adds the hop header) and the relay's stream warnings (which run
+//! while hyper polls the response body, after the handler returned). Set by `front::admit`
+//! around the execution, and by `conn`'s body wrapper around each poll of the body.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::http::HeaderValue;
+
+pub struct RequestScope {
+    pub request_id: String,
+    /// The `via` value for upstream requests: the incoming one plus this gateway's entry.
+    pub via: HeaderValue,
+}
+
+tokio::task_local! {
+    static CURRENT: Arc<RequestScope>;
+}
+
+/// Runs `fut` with `scope` as the current request scope.
+pub async fn run<F: Future>(scope: Arc<RequestScope>, fut: F) -> F::Output {
+    CURRENT.scope(scope, fut).await
+}
+
+/// Runs `f` (one poll) with `scope` as the current request scope.
+pub fn sync<R>(scope: &Arc<RequestScope>, f: impl FnOnce() -> R) -> R {
+    CURRENT.sync_scope(scope.clone(), f)
+}
+
+/// The `via` value to send upstream, when inside a request.
+pub fn via() -> Option<HeaderValue> {
+    CURRENT.try_with(|s| s.via.clone()).ok()
+}
+
+/// The current request's id, when inside a request.
+pub fn request_id() -> Option<String> {
+    CURRENT.try_with(|s| s.request_id.clone()).ok()
+}
