@@ -96,10 +96,9 @@ pub fn parse_request(endpoint: Endpoint, bytes: &[u8], limits: &Limits) -> Resul
             let items = completion_prompt_items(&body)?;
             limits::check_prompt_bytes(body.get("prompt").map_or(0, limits::text_bytes), "prompt", limits)?;
             let n = limits::bounded_count(&body, "n", "n", limits.max_n)?.unwrap_or(1);
-            let best_of = limits::bounded_count(&body, "best_of", "best_of", limits.max_n)?.unwrap_or(1);
-            // best_of sequences run per prompt, n of them returned: the engine runs the larger.
-            let (runs, param) = if best_of > n { (best_of, "best_of") } else { (n, "n") };
-            limits::batch_size(items, "prompt", runs, param, limits)?
+            // Bounded like n; not an item count: the engine's items (and rooms) are prompts x n.
+            limits::bounded_count(&body, "best_of", "best_of", limits.max_n)?;
+            limits::batch_size(items, "prompt", n, "n", limits)?
         }
         Endpoint::ChatCompletions => {
             check_messages(&body)?;

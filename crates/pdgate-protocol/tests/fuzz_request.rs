@@ -4,6 +4,7 @@
 //! 256 cases by default (a few seconds); `PROPTEST_CASES=100000 cargo test -p pdgate-protocol
 //! --test fuzz_request` searches longer.
 
+use pdgate_protocol::rendezvous::{has_gateway_fields, strip_gateway_fields};
 use pdgate_protocol::{parse_request, Endpoint, InvalidRequest, Limits, ParsedRequest};
 use proptest::prelude::*;
 use serde_json::{Map, Value};
@@ -19,7 +20,7 @@ fn parse(ep: Endpoint, bytes: &[u8]) -> Result<ParsedRequest, InvalidRequest> {
 const KEYS: &[&str] = &[
     "prompt", "messages", "text", "input_ids", "n", "stream", "model", "max_tokens", "max_completion_tokens",
     "max_new_tokens", "temperature", "top_p", "stream_options", "sampling_params", "return_logprob", "role",
-    "content", "best_of", "stop", "logit_bias", "tools", "user", "x",
+    "content", "best_of", "stop", "logit_bias", "tools", "user", "x", "bootstrap_room", "kv_transfer_params", "rid",
 ];
 
 fn leaf() -> impl Strategy<Value = Value> {
@@ -97,8 +98,12 @@ proptest! {
                 prop_assert_eq!(req.endpoint, ep);
                 // The body is kept as the client sent it (compared with serde_json's own reading of
                 // the bytes: it does not round-trip every float to the last bit).
-                let sent: Map<String, Value> = serde_json::from_slice(&bytes).unwrap();
+                // Only the gateway-owned rendezvous fields are removed, and then it says so.
+                let mut sent: Map<String, Value> = serde_json::from_slice(&bytes).unwrap();
+                prop_assert_eq!(req.rewritten, has_gateway_fields(&sent));
+                strip_gateway_fields(&mut sent);
                 prop_assert_eq!(&req.body, &sent);
+                prop_assert!(!has_gateway_fields(&req.body));
                 prop_assert_eq!(req.stream, b.get("stream") == Some(&Value::Bool(true)));
                 prop_assert_eq!(req.model.as_deref(), b.get("model").and_then(Value::as_str));
                 if let Some(items) = req.batch_items {
