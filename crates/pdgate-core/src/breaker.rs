@@ -79,9 +79,11 @@ pub enum Outcome {
     Success,
     Failure,
     /// No answer by the request's deadline (no response head, no stream data) from a request
-    /// sent at this instant. A failure, unless the worker answered another request since then:
-    /// engines send a non-streamed answer's head only with its end, so a long request looks
-    /// silent, and a worker that is answering others was busy with it, not broken.
+    /// sent at this instant. Engines send a non-streamed answer's head only with its end, so a
+    /// long request looks silent: neutral when the worker answered another request since then
+    /// (it was busy, not broken); otherwise the record cannot tell a long request from a hung
+    /// worker, and [`Breaker::judge`] asks for a health probe ([`Judgement::Probe`]), whose
+    /// answer decides ([`Outcome::of_probe`]). [`Breaker::record`], which cannot ask, fails it.
     NoAnswerSince(Instant),
     /// 429, client errors, cancellations: says nothing about the worker's health.
     Neutral,
@@ -94,6 +96,16 @@ impl Outcome {
             500..=599 => Outcome::Failure,
             400..=499 => Outcome::Neutral,
             _ => Outcome::Success,
+        }
+    }
+
+    /// What a health probe of a silent worker says: failed (error, non-2xx, timeout) is a
+    /// failure; a worker that answers its health check was busy with a long request, neutral.
+    pub fn of_probe(healthy: bool) -> Self {
+        if healthy {
+            Outcome::Neutral
+        } else {
+            Outcome::Failure
         }
     }
 
@@ -119,6 +131,16 @@ impl Outcome {
             (_, o) => o,
         }
     }
+}
+
+/// What a breaker's record says of an outcome before it is recorded ([`Breaker::judge`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Judgement {
+    /// Record this outcome.
+    Record(Outcome),
+    /// The record cannot tell: ask the worker (one health probe, off the request path) and
+    /// record [`Outcome::of_probe`] of its answer.
+    Probe,
 }
 
 /// One worker's breaker. Plain data; the gateway keeps one per worker under its registry lock.
@@ -156,16 +178,27 @@ impl Breaker {
         }
     }
 
+    /// Judges an outcome by the record alone: a [`Outcome::NoAnswerSince`] is neutral when the
+    /// worker answered another request since, and needs a probe otherwise. Every other outcome
+    /// is recorded as it is.
+    pub fn judge(&self, outcome: Outcome) -> Judgement {
+        match outcome {
+            Outcome::NoAnswerSince(sent) if self.last_success.is_some_and(|t| t >= sent) => Judgement::Record(Outcome::Neutral),
+            Outcome::NoAnswerSince(_) => Judgement::Probe,
+            o => Judgement::Record(o),
+        }
+    }
+
     /// Records one outcome at `now`; returns the new state when it changed (including the
     /// clock-driven Open → HalfOpen step that this observation made visible).
     pub fn record(&mut self, outcome: Outcome, now: Instant, cfg: &BreakerConfig) -> Option<BreakerState> {
         if !cfg.enabled {
             return None;
         }
-        let outcome = match outcome {
-            Outcome::NoAnswerSince(sent) if self.last_success.is_some_and(|t| t >= sent) => Outcome::Neutral,
-            Outcome::NoAnswerSince(_) => Outcome::Failure,
-            o => o,
+        // A caller that cannot probe gets the strict reading: silence is a failure.
+        let outcome = match self.judge(outcome) {
+            Judgement::Record(o) => o,
+            Judgement::Probe => Outcome::Failure,
         };
         let before = self.state;
         // Apply the cool-down first: an outcome that arrives after it is a half-open probe,
@@ -284,6 +317,21 @@ mod tests {
         }
         assert!(b.allows(t0 + 3 * s, &c));
         assert_eq!(b.consecutive_failures, 0);
+    }
+
+    #[test]
+    fn silence_from_a_worker_that_answered_nobody_since_asks_for_a_probe() {
+        let (c, t0) = (cfg(), Instant::now());
+        let s = Duration::from_secs(1);
+        let mut b = Breaker::default();
+        assert_eq!(b.judge(Outcome::NoAnswerSince(t0)), Judgement::Probe, "never answered anything");
+        b.record(Outcome::Success, t0, &c);
+        assert_eq!(b.judge(Outcome::NoAnswerSince(t0 + s)), Judgement::Probe);
+        assert_eq!(b.judge(Outcome::NoAnswerSince(t0)), Judgement::Record(Outcome::Neutral));
+        assert_eq!(b.judge(Outcome::Failure), Judgement::Record(Outcome::Failure));
+        assert_eq!(b.judge(Outcome::Success), Judgement::Record(Outcome::Success));
+        assert_eq!(Outcome::of_probe(true), Outcome::Neutral);
+        assert_eq!(Outcome::of_probe(false), Outcome::Failure);
     }
 
     #[test]

@@ -20,7 +20,7 @@ pub mod worker;
 
 pub use config::{ConfigError, GatewayConfig, PolicyName};
 pub use error::{ErrorKind, GatewayError, Leg, Source};
-pub use breaker::{Breaker, BreakerConfig, BreakerState, Outcome};
+pub use breaker::{Breaker, BreakerConfig, BreakerState, Judgement, Outcome};
 pub use health::HealthState;
 pub use pairing::{KvLayout, PairingKey, PairingMode};
 pub use policy::{make_policy, make_policy_with, LoadView, Policy, PolicyOptions, RouteInput, Selection};

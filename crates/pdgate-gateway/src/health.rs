@@ -37,7 +37,7 @@ pub fn spawn_supervisor(state: &Arc<AppState>, mut shutdown: watch::Receiver<boo
 /// One check of one worker, recorded. Also used right after a worker is added.
 pub async fn check_and_record(state: &AppState, entry: Entry) {
     let cfg = &state.config;
-    let ok = check(state, &format!("{}{}", entry.spec.url, cfg.health_check_endpoint)).await;
+    let ok = probe(state, &entry.spec.url).await;
     if let Some(healthy) = state.registry.observe_health(&entry.id, ok, cfg.health_failure_threshold, cfg.health_success_threshold) {
         tracing::info!(worker = %entry.spec.url, role = entry.spec.role.as_str(), healthy, "worker health changed");
     }
@@ -46,6 +46,13 @@ pub async fn check_and_record(state: &AppState, entry: Entry) {
     if healthy && entry.info.models.is_empty() {
         state.registry.set_info(&entry.id, engine_info(state, &entry.spec.url).await);
     }
+}
+
+/// One health check of the worker at `base` (`--health-check-endpoint`), as the supervisor
+/// makes it: healthy only on a 2xx read in full within `--health-check-timeout-secs`. Also
+/// asked when a request got no answer by its deadline (state.rs `ask_worker`).
+pub async fn probe(state: &AppState, base: &str) -> bool {
+    check(state, &format!("{base}{}", state.config.health_check_endpoint)).await
 }
 
 async fn check(state: &AppState, url: &str) -> bool {

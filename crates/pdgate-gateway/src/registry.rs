@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
-use pdgate_core::breaker::{Breaker, BreakerConfig, BreakerState, Outcome};
+use pdgate_core::breaker::{Breaker, BreakerConfig, BreakerState, Judgement, Outcome};
 use pdgate_core::{HealthState, KvLayout, PairingKey, PairingMode, PoolSnapshot, SnapshotOptions, WorkerSpec, WorkerView};
 
 /// Where a worker came from. Discovery only ever removes what discovery added.
@@ -41,6 +41,10 @@ pub struct Runtime {
     /// The worker's circuit breaker. Its own lock, so that recording a request's outcome
     /// neither scans the registry nor waits on the registry lock.
     pub breaker: Mutex<Breaker>,
+    /// The health probe asked by no-answer timeouts ([`Judgement::Probe`]): `None` when none is
+    /// in flight, `Some(n)` while one is, with the `n` timeouts that take its verdict. At most
+    /// one probe per worker, however many requests of a burst time out (state.rs).
+    pub probe: Mutex<Option<u32>>,
 }
 
 impl Runtime {
@@ -279,6 +283,18 @@ impl Registry {
             self.rebuild(&entries);
         }
         changed
+    }
+
+    /// What a worker's breaker record says of `outcome` ([`Breaker::judge`]), with the worker's
+    /// runtime (for a probe). `None` when breakers are off or the worker is not routed to.
+    pub fn judge(&self, url: &str, outcome: Outcome) -> Option<(Judgement, Arc<Runtime>)> {
+        if !self.breaker_config.enabled {
+            return None;
+        }
+        let routing = self.routing();
+        let runtime = routing.runtime[routing.snapshot.index_of(url)?].clone();
+        let judgement = runtime.breaker().judge(outcome);
+        Some((judgement, runtime))
     }
 
     pub fn breaker_config(&self) -> &BreakerConfig {

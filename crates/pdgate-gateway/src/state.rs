@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
-use pdgate_core::breaker::{BreakerState, Outcome};
+use pdgate_core::breaker::{BreakerState, Judgement, Outcome};
 use pdgate_core::radix::RadixTree;
 use pdgate_core::retry::RetryPolicy;
 use pdgate_core::policy::{make_policy_with, PolicyOptions};
@@ -70,7 +70,22 @@ impl AppState {
 
     /// Feeds a request outcome to the worker's circuit breaker; when it opens, schedules the
     /// rebuild that lets half-open probes through after the cool-down.
+    ///
+    /// A no-answer timeout that the record cannot judge (the worker answered nobody since the
+    /// request was sent: a long non-streamed request, or a hung worker) is not recorded at once:
+    /// the worker is asked ([`AppState::ask_worker`]) and its health check's answer decides.
     pub fn record_outcome(self: &Arc<Self>, url: &str, outcome: Outcome) {
+        let outcome = match outcome {
+            Outcome::NoAnswerSince(_) => match self.registry.judge(url, outcome) {
+                Some((Judgement::Record(o), _)) => o,
+                Some((Judgement::Probe, runtime)) => {
+                    self.ask_worker(url, &runtime);
+                    return;
+                }
+                None => return,
+            },
+            o => o,
+        };
         let changed = self.registry.record_outcome(url, outcome);
         if let Some(s) = changed {
             self.metrics.breaker_state.with_label_values(&[url]).set(i64::from(s.as_gauge()));
@@ -86,6 +101,33 @@ impl AppState {
                 state.metrics.breaker_state.with_label_values(&[&url]).set(i64::from(BreakerState::HalfOpen.as_gauge()));
             });
         }
+    }
+
+    /// One health probe of a silent worker (the active check's `--health-check-endpoint`
+    /// within `--health-check-timeout-secs`), spawned off the request path so the client's 504
+    /// is not delayed. Coalesced: while a probe of the worker is in flight, further no-answer
+    /// timeouts start none and wait for its verdict, which each of them then records (a
+    /// failed probe after a burst of N timeouts is N failures, so a hung worker opens its
+    /// breaker in one burst, as before; a healthy answer leaves all N neutral).
+    fn ask_worker(self: &Arc<Self>, url: &str, runtime: &Arc<Runtime>) {
+        {
+            let mut waiting = runtime.probe.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(n) = waiting.as_mut() {
+                *n = n.saturating_add(1);
+                return;
+            }
+            *waiting = Some(1);
+        }
+        let (state, runtime, url) = (self.clone(), runtime.clone(), url.to_string());
+        tokio::spawn(async move {
+            let healthy = crate::health::probe(&state, &url).await;
+            let waiting = runtime.probe.lock().unwrap_or_else(|p| p.into_inner()).take().unwrap_or(0);
+            tracing::debug!(worker = %url, healthy, timeouts = waiting, "probed a worker silent past the deadline");
+            let outcome = Outcome::of_probe(healthy);
+            for _ in 0..waiting {
+                state.record_outcome(&url, outcome);
+            }
+        });
     }
 
     /// Whether any configured policy reads the radix tree.

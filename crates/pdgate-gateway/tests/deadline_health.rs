@@ -1,11 +1,14 @@
 //! Health is the worker's, not the client's: requests that outlive their deadline while the
 //! worker is still answering end in 504 (or an error event) but leave its breaker closed; a
-//! worker that gives no answer by the deadline still opens it. On tokio's paused clock: the
-//! one-second deadlines and the trickling mocks run in virtual time.
+//! silent one (no answer by the deadline, nobody answered since) is judged by a health probe of
+//! the worker: a worker that answers it keeps its breaker closed, one that does not (a hung
+//! engine) opens it. On tokio's paused clock: the one-second deadlines, the trickling mocks and
+//! the probe's timeout run in virtual time.
 
 mod common;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use common::mocks::{spawn, Fault, Mock, Rendezvous};
 use common::{client, gateway, wait_ready};
@@ -23,19 +26,28 @@ struct Setup {
     _prefill: Option<Mock>,
 }
 
+/// The fault is set once the gateway is ready (a worker failing `/health` never makes it so).
 async fn regular(fault: Fault) -> Setup {
-    let worker = spawn("regular", Default::default(), fault).await;
-    let (gw, url) = gateway(json!({"worker_urls": [worker.url], "request_timeout_secs": 1})).await;
+    regular_with(fault, json!({})).await
+}
+
+async fn regular_with(fault: Fault, extra: Value) -> Setup {
+    let worker = spawn("regular", Default::default(), Fault::None).await;
+    let mut cfg = json!({"worker_urls": [worker.url], "request_timeout_secs": 1});
+    cfg.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    let (gw, url) = gateway(cfg).await;
     wait_ready(&url).await;
+    worker.set_fault(fault);
     Setup { _gw: gw, url, worker, _prefill: None }
 }
 
 async fn bootstrap(fault: Fault) -> Setup {
     let rdv = Arc::new(Rendezvous::default());
     let p = spawn("prefill", rdv.clone(), Fault::None).await;
-    let worker = spawn("decode", rdv, fault).await;
+    let worker = spawn("decode", rdv, Fault::None).await;
     let (gw, url) = gateway(json!({"pd_disaggregation": true, "prefill": [p.url], "decode": [worker.url], "request_timeout_secs": 1})).await;
     wait_ready(&url).await;
+    worker.set_fault(fault);
     Setup { _gw: gw, url, worker, _prefill: Some(p) }
 }
 
@@ -102,10 +114,16 @@ async fn long_streams_leave_the_breaker_closed_pd() {
     still_trusted(&s).await;
 }
 
-/// A worker that never answers is still judged: its breaker opens and clients are turned away
-/// at once (503) instead of waiting out the deadline.
+/// Past the probe's timeout (`--health-check-timeout-secs`, 3 by default): the verdict is in.
+async fn probe_verdict() {
+    tokio::time::sleep(Duration::from_secs(4)).await;
+}
+
+/// A worker that never answers, not even its health check, is still judged: its breaker opens
+/// and clients are turned away at once (503) instead of waiting out the deadline.
 async fn never_answers(s: &Setup, code: &str) {
     n_past_the_deadline(s, false, 504, code).await;
+    probe_verdict().await;
     assert_eq!(breaker(s).await, Some(1.0), "a worker that never answered kept its breaker closed");
     s.worker.set_fault(Fault::None);
     let (status, text) = post(&s.url, &json!({"prompt": "x"})).await;
@@ -114,12 +132,12 @@ async fn never_answers(s: &Setup, code: &str) {
 
 #[tokio::test(start_paused = true)]
 async fn a_worker_that_never_answers_opens_its_breaker_regular() {
-    never_answers(&regular(Fault::Hang).await, "worker_timeout").await;
+    never_answers(&regular(Fault::HangAll).await, "worker_timeout").await;
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_decode_that_never_answers_opens_its_breaker_pd() {
-    never_answers(&bootstrap(Fault::Hang).await, "decode_timeout").await;
+    never_answers(&bootstrap(Fault::HangAll).await, "decode_timeout").await;
 }
 
 /// Real engines send a non-streamed answer's head only with its end, so a long one is silent
@@ -138,4 +156,49 @@ async fn silent_long_requests_on_a_worker_answering_others_leave_the_breaker_clo
     tokio::join!(long, others);
     assert_ne!(breaker(&s).await, Some(1.0), "the breaker opened on long requests");
     assert_eq!(post(&s.url, &json!({"prompt": "x"})).await.0, 200);
+}
+
+/// The original finding: long non-streamed requests to an engine with no other traffic are
+/// silent until their end, so nothing in the record tells them from a hung worker. The probe
+/// does: the worker answers its health check, and its breaker stays closed.
+#[tokio::test(start_paused = true)]
+async fn silent_long_requests_on_an_otherwise_idle_healthy_worker_leave_the_breaker_closed_regular() {
+    let s = regular(Fault::HangIfLong).await;
+    n_past_the_deadline(&s, false, 504, "worker_timeout").await;
+    probe_verdict().await;
+    assert_ne!(breaker(&s).await, Some(1.0), "the breaker opened on long requests");
+    assert_eq!(post(&s.url, &json!({"prompt": "x"})).await.0, 200);
+}
+
+#[tokio::test(start_paused = true)]
+async fn silent_long_requests_on_an_otherwise_idle_healthy_decode_leave_the_breaker_closed_pd() {
+    let s = bootstrap(Fault::HangIfLong).await;
+    n_past_the_deadline(&s, false, 504, "decode_timeout").await;
+    probe_verdict().await;
+    assert_ne!(breaker(&s).await, Some(1.0), "the breaker opened on long requests");
+    assert_eq!(post(&s.url, &json!({"prompt": "x"})).await.0, 200);
+}
+
+/// A worker hung on generation whose health check fails outright (503, not a hang) opens its
+/// breaker too: a failed probe is a failure for every timeout that waited on it.
+#[tokio::test(start_paused = true)]
+async fn a_silent_worker_whose_health_check_fails_opens_its_breaker() {
+    let s = regular(Fault::HangUnhealthy).await;
+    n_past_the_deadline(&s, false, 504, "worker_timeout").await;
+    probe_verdict().await;
+    assert_eq!(breaker(&s).await, Some(1.0), "a silent worker failing its health check kept its breaker closed");
+}
+
+/// A burst of silent timeouts asks the worker once: one probe in flight per worker, and every
+/// timeout of the burst takes its verdict (here a hang, so all N fail and the breaker opens).
+#[tokio::test(start_paused = true)]
+async fn a_burst_of_silent_timeouts_sends_one_probe() {
+    // Active checks an hour apart: after the first, every `/health` hit is a probe.
+    let s = regular_with(Fault::HangAll, json!({"health_check_interval_secs": 3600})).await;
+    let before = s.worker.log().health_checks.load(std::sync::atomic::Ordering::SeqCst);
+    n_past_the_deadline(&s, false, 504, "worker_timeout").await;
+    probe_verdict().await;
+    let probes = s.worker.log().health_checks.load(std::sync::atomic::Ordering::SeqCst) - before;
+    assert_eq!(probes, 1, "{N} timeouts sent {probes} probes");
+    assert_eq!(breaker(&s).await, Some(1.0), "the timeouts did not take the failed probe's verdict");
 }

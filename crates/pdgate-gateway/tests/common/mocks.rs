@@ -31,6 +31,10 @@ pub enum Fault {
     Status(u16),
     /// Never answer.
     Hang,
+    /// A hung engine: never answer, not even `/health`.
+    HangAll,
+    /// Never answer a generation; `/health` answers 503.
+    HangUnhealthy,
     /// Never answer a request for 1000 tokens or more (a long non-streamed request, whose
     /// head real engines send only with its end); answer the others.
     HangIfLong,
@@ -67,6 +71,8 @@ pub struct Log {
     /// Requests being handled right now (decremented when the handler ends or is dropped).
     pub active: AtomicI64,
     pub count: AtomicU32,
+    /// `GET /health` requests received.
+    pub health_checks: AtomicU32,
 }
 
 impl Log {
@@ -147,7 +153,7 @@ pub async fn spawn(role: &'static str, rdv: Arc<Rendezvous>, fault: Fault) -> Mo
         bootstrap_port: 0,
     };
     let app = Router::new()
-        .route("/health", get(|| async { "ok" }))
+        .route("/health", get(health))
         .route("/v1/models", get(|| async { Json(json!({"object": "list", "data": [{"id": "mock-model", "object": "model", "max_model_len": MOCK_CONTEXT}]})) }))
         .route("/v1/completions", post(handle))
         .route("/v1/chat/completions", post(handle))
@@ -187,12 +193,22 @@ fn bad(msg: &str) -> Response {
     (StatusCode::BAD_REQUEST, Json(json!({"error": {"message": msg, "type": "invalid_request_error", "code": "mock_check", "param": null}}))).into_response()
 }
 
+async fn health(State(s): State<MockState>) -> (StatusCode, &'static str) {
+    s.log.health_checks.fetch_add(1, Ordering::SeqCst);
+    let fault = *s.fault.lock().unwrap();
+    match fault {
+        Fault::HangAll => std::future::pending().await,
+        Fault::HangUnhealthy => (StatusCode::SERVICE_UNAVAILABLE, "sick"),
+        _ => (StatusCode::OK, "ok"),
+    }
+}
+
 async fn handle(State(s): State<MockState>, headers: HeaderMap, Json(body): Json<Value>) -> Response {
     let _guard = enter(&s.log, &body, &headers);
     let fault = *s.fault.lock().unwrap();
     match fault {
         Fault::Status(code) => return (StatusCode::from_u16(code).unwrap(), Json(json!({"error": {"message": "injected", "type": "x", "code": "injected"}}))).into_response(),
-        Fault::Hang => {
+        Fault::Hang | Fault::HangAll | Fault::HangUnhealthy => {
             std::future::pending::<()>().await;
         }
         Fault::HangIfLong if body.get("max_tokens").and_then(Value::as_u64).unwrap_or(0) >= 1000 => {
