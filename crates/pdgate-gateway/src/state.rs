@@ -15,6 +15,8 @@ use pdgate_core::{GatewayConfig, Policy};
 use pdgate_protocol::Limits;
 
 use crate::load::{stale_after_ms, GatewayLoads};
+use crate::exec::client::WorkerClient;
+use crate::exec::http_client::HttpClient;
 use crate::metrics::Metrics;
 use crate::registry::{Registry, Runtime};
 use crate::upstream::{AnswerLimits, Upstream};
@@ -23,6 +25,8 @@ pub struct AppState {
     pub config: GatewayConfig,
     pub registry: Registry,
     pub upstream: Upstream,
+    /// The worker client the transaction runs its legs over (HTTP, over `upstream`).
+    pub client: Arc<dyn WorkerClient>,
     pub metrics: Metrics,
     pub regular_policy: Box<dyn Policy>,
     pub prefill_policy: Box<dyn Policy>,
@@ -42,8 +46,10 @@ pub struct AppState {
 
 impl AppState {
     pub fn new(config: GatewayConfig, registry: Registry) -> Self {
+        let upstream = Upstream::new(Duration::from_millis(config.worker_connect_timeout_ms)).with_limits(AnswerLimits::from_config(&config));
         AppState {
-            upstream: Upstream::new(Duration::from_millis(config.worker_connect_timeout_ms)).with_limits(AnswerLimits::from_config(&config)),
+            client: Arc::new(HttpClient::new(upstream.clone())),
+            upstream,
             metrics: Metrics::new(),
             regular_policy: make_policy_with(config.policy, &PolicyOptions::from_config(&config)),
             prefill_policy: make_policy_with(config.effective_prefill_policy(), &PolicyOptions::from_config(&config)),
