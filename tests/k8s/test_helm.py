@@ -267,3 +267,21 @@ def test_service_selects_the_gateway_pods_and_port() -> None:
     assert {p["targetPort"] for p in service["spec"]["ports"]} <= {p["name"] for p in container(deployment)["ports"]}
     probes = container(deployment)
     assert probes["readinessProbe"]["httpGet"]["path"] == "/readiness" and probes["livenessProbe"]["httpGet"]["path"] == "/liveness"
+
+
+def test_values_schema_enums_are_the_gateways_choices() -> None:
+    core = pytest.importorskip("pdgate._core", reason="needs the compiled gateway (pip install .)")
+    choices = {o["name"]: set(o["choices"]) for o in json.loads(core.config_schema())["options"]}
+    gateway_values = json.loads((CHART / "values.schema.json").read_text())["properties"]["gateway"]["properties"]
+    assert set(gateway_values["policy"]["enum"]) == choices["policy"]
+    assert set(gateway_values["prefillPolicy"]["enum"]) == set(gateway_values["decodePolicy"]["enum"]) == choices["policy"] | {""}
+    assert set(gateway_values["kvConnector"]["enum"]) == choices["kv_connector"]
+
+
+@pytest.mark.parametrize("values", [{"gateway": {"policy": "fastest"}}, {"gateway": {"kvConnector": "lmcache"}},
+                                    {"discovery": {"port": 0}}, {"gateway": {"replicas": "two"}}])
+def test_bad_values_are_refused_before_anything_is_applied(values: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmValuesError):
+        render(values)
+    report = helm.lint(str(CHART), values, strict=True)
+    assert report["errors"], f"helm lint accepted {values}"
