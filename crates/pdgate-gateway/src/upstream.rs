@@ -94,7 +94,6 @@ impl Upstream {
             .map_err(|e| GatewayError::internal(format!("cannot build request to {url}: {e}")))?;
         self.client.request(req).await.map_err(|e| unreachable(leg, url, &e))
     }
-}
 
     fn with_key(&self, req: hyper::http::request::Builder) -> hyper::http::request::Builder {
         match &self.worker_key {

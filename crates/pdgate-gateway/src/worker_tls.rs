@@ -68,12 +68,13 @@ pub fn tls_cause(err: &(dyn StdError + 'static)) -> Option<String> {
         if let Some(tls) = e.downcast_ref::<rustls::Error>() {
             return Some(tls.to_string());
         }
-        // tokio-rustls reports handshake failures as an io::Error wrapping the rustls error,
-        // and io::Error's `source` skips the wrapped error itself.
-        if let Some(tls) = e.downcast_ref::<std::io::Error>().and_then(|io| io.get_ref()).and_then(|i| i.downcast_ref::<rustls::Error>()) {
-            return Some(tls.to_string());
-        }
-        next = e.source();
+        // tokio-rustls reports a failed handshake as an io::Error wrapping the rustls error, and
+        // hyper-rustls wraps that in one more io::Error; io::Error's `source` skips the error it
+        // wraps, so unwrap those by hand.
+        next = match e.downcast_ref::<std::io::Error>().and_then(|io| io.get_ref()) {
+            Some(inner) => Some(inner as &(dyn StdError + 'static)),
+            None => e.source(),
+        };
     }
     None
 }
@@ -107,6 +108,10 @@ mod tests {
         let io = std::io::Error::new(std::io::ErrorKind::InvalidData, inner);
         let cause = tls_cause(&io).unwrap();
         assert!(cause.contains("invalid peer certificate"), "{cause}");
+        // As hyper-rustls hands it over: one more io::Error around tokio-rustls's.
+        let inner = rustls::Error::InvalidCertificate(rustls::CertificateError::Expired);
+        let twice = std::io::Error::other(std::io::Error::new(std::io::ErrorKind::InvalidData, inner));
+        assert!(tls_cause(&twice).unwrap().contains("invalid peer certificate"));
         let plain = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
         assert_eq!(tls_cause(&plain), None);
     }

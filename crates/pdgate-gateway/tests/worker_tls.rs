@@ -98,7 +98,7 @@ async fn a_certificate_the_gateway_does_not_trust_fails_the_leg_with_a_tls_error
     assert_eq!(r.status(), 503);
     let v: Value = r.json().await.unwrap();
     let message = v["error"]["message"].as_str().unwrap_or_default();
-    assert_eq!(v["error"]["code"], "regular_unavailable", "{v}");
+    assert_eq!(v["error"]["code"], "worker_unavailable", "{v}");
     assert!(message.contains("TLS handshake failed") && message.contains("certificate"), "{message}");
     let workers = workers_view(&url).await;
     assert_eq!(workers["workers"][0]["breaker"], "open", "the TLS failure counts as a worker failure: {workers}");
