@@ -195,3 +195,18 @@ async fn an_unusable_ca_bundle_stops_the_gateway_from_starting() {
         assert!(err.to_string().contains(&bad), "{err}");
     }
 }
+
+#[tokio::test]
+async fn an_https_worker_registered_through_the_workers_api_serves_over_tls() {
+    let ca = TestCa::new("pdgate test CA");
+    let (w, seen, _) = tls_worker("regular", Default::default(), &ca, true).await;
+    let (_gw, url) = gateway(json!({"worker_ca_cert": ca.write_pem(), "worker_api_key": WORKER_KEY, "admin_api_open": true})).await;
+    let r = client().post(format!("{url}/workers")).json(&json!({"url": w, "worker_type": "regular"})).send().await.unwrap();
+    assert_eq!(r.status(), 201, "{}", r.text().await.unwrap());
+    wait_ready(&url).await;
+    let r = client().post(format!("{url}/v1/completions")).json(&json!({"prompt": "x"})).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let route = r.headers()["x-pdgate-route"].to_str().unwrap().to_string();
+    assert!(route.contains(&format!("worker={w}")), "{route}");
+    assert!(seen.all().iter().all(|(_, auth)| auth == &format!("Bearer {WORKER_KEY}")), "{:?}", seen.all());
+}
