@@ -19,7 +19,7 @@ use crate::exec::client::WorkerClient;
 use crate::exec::http_client::HttpClient;
 use crate::metrics::Metrics;
 use crate::registry::{Registry, Runtime};
-use crate::upstream::{AnswerLimits, Upstream};
+use crate::upstream::Upstream;
 
 pub struct AppState {
     pub config: GatewayConfig,
@@ -45,8 +45,9 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn new(config: GatewayConfig, registry: Registry) -> Self {
-        let upstream = Upstream::new(Duration::from_millis(config.worker_connect_timeout_ms)).with_limits(AnswerLimits::from_config(&config));
+    /// `upstream` is built from the same config by the caller (`Upstream::from_config`), which
+    /// can fail on a bad worker CA bundle; nothing here can.
+    pub fn new(config: GatewayConfig, registry: Registry, upstream: Upstream) -> Self {
         AppState {
             client: Arc::new(HttpClient::new(upstream.clone())),
             upstream,

@@ -72,8 +72,9 @@ pub trait WorkerClient: Send + Sync {
     fn call(&self, req: LegRequest, limit: usize) -> LegFuture<Bytes>;
     /// Tells the engine a leg was given up, off the request path (fire-and-forget, bounded).
     fn abort(&self, url: &str, how: &AbortStyle);
-    /// A Mooncake prefill's engine id, from its bootstrap server (`bootstrap_base`/query).
-    fn engine_id(&self, bootstrap_base: &str, deadline: Instant) -> LegFuture<String>;
+    /// A Mooncake prefill's engine id, from its bootstrap server (`bootstrap_base`/query);
+    /// `prefill_url` is the prefill's own address (its scheme decides what may be sent there).
+    fn engine_id(&self, prefill_url: &str, bootstrap_base: &str, deadline: Instant) -> LegFuture<String>;
 }
 
 /// Aborts a leg at the engine when dropped while armed: a leg the transaction gives up for any

@@ -89,12 +89,16 @@ impl WorkerClient for HttpClient {
         });
     }
 
-    fn engine_id(&self, base: &str, deadline: Instant) -> LegFuture<String> {
+    fn engine_id(&self, prefill_url: &str, base: &str, deadline: Instant) -> LegFuture<String> {
         let upstream = self.upstream.clone();
         let url = format!("{base}/query");
+        // The bootstrap server speaks plain HTTP (engines serve it without TLS): the worker key
+        // goes there only when the worker itself is plain HTTP, never in clear past a TLS worker.
+        let send_key = !prefill_url.starts_with("https://");
         Box::pin(async move {
             let deadline = deadline.min(Instant::now() + QUERY_TIMEOUT);
-            let resp = timeout_at(deadline, upstream.get(&url, Leg::Prefill)).await.map_err(|_| deadline_error(Leg::Prefill))??;
+            let query = upstream.get_keyed(&url, Leg::Prefill, send_key);
+            let resp = timeout_at(deadline, query).await.map_err(|_| deadline_error(Leg::Prefill))??;
             if !resp.status().is_success() {
                 return Err(GatewayError::unreachable(Leg::Prefill, format!("{url} answered HTTP {}", resp.status().as_u16())));
             }

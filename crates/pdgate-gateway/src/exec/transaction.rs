@@ -194,7 +194,7 @@ async fn prepare_relayed(ctx: &Ctx, client: &Arc<dyn WorkerClient>, plan: &PdPla
             let engine = match ctx.state.cached_engine_id(prefill) {
                 Some(id) => id,
                 None => {
-                    let id = client.engine_id(bootstrap_addr, ctx.deadline).await?;
+                    let id = client.engine_id(prefill, bootstrap_addr, ctx.deadline).await?;
                     ctx.state.store_engine_id(prefill, id.clone());
                     id
                 }
