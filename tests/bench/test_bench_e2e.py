@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
+from pdgate.bench.dataset import random_requests
 from pdgate.workers import ReferenceWorker
 from tests.conftest import Processes
 from tests.gateway.harness import launch
@@ -74,8 +76,15 @@ def test_bench_against_reference_pd_stack(pd_gateway: Any, tmp_path: Path) -> No
             for stat in ("mean", "median", "std", "p50", "p90", "p99"):
                 assert f"{stat}_{metric}_ms" in result
         assert (result["completed"], result["failed"]) == (10, 0), result["errors_by_kind"]
-        assert result["output_lens"] == [6] * 10            # --ignore-eos: exactly max_tokens
-        assert all(len(gaps) == 5 for gaps in result["itls"])
+        # --ignore-eos: exactly the planned lengths (the same seed draws the same requests).
+        planned = random_requests(10, 24, 6, range_ratio=0.5, prefix_len=8, rng=np.random.default_rng(3))
+        assert result["output_lens"] == [r.output_len for r in planned]
+        # One gap per content chunk after the first; a chunk can carry several byte tokens (or
+        # none, while a UTF-8 character is incomplete), so there are at most output - 1 gaps.
+        assert all(len(gaps) <= r.output_len - 1 for gaps, r in zip(result["itls"], planned))
+        assert sum(len(gaps) for gaps in result["itls"]) > 0 and result["mean_itl_ms"] > 0
+        # The server's usage counts the prompt (the reference engine adds a BOS token).
+        assert all(r.prompt_len <= n <= r.prompt_len + 1 for r, n in zip(planned, result["input_lens"]))
         assert all(0 < t < 60 for t in result["ttfts"])     # seconds, as vLLM writes them
         assert result["mean_tpot_ms"] > 0 and result["p99_ttft_ms"] >= result["p50_ttft_ms"]
         assert result["request_goodput"] == pytest.approx(_goodput_by_definition(result))
