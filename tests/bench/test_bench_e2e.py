@@ -100,6 +100,20 @@ def test_bench_against_reference_pd_stack(pd_gateway: Any, tmp_path: Path) -> No
     assert all((plots / n).stat().st_size > 1000 for n in names)
 
 
+def test_bench_chat_without_streaming(pd_gateway: Any, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "pdgate.cli", "bench", "--base-url", pd_gateway.url, "--endpoint",
+           "/v1/chat/completions", "--no-stream", "--num-prompts", "4", "--request-rate", "inf", "--max-concurrency", "2",
+           "--random-input-len", "16", "--random-output-len", "4", "--ignore-eos", "--save-detailed",
+           "--result-dir", str(tmp_path), "--result-filename", "chat.json", "--request-timeout", "60", "--disable-tqdm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "chat.json").read_text())
+    assert (result["completed"], result["failed"], result["backend"]) == (4, 0, "openai-chat")
+    assert result["output_lens"] == [4] * 4 and result["request_goodput"] is None
+    assert result["ttfts"] == result["latencies"]   # no stream: the first token is seen with the last
+    assert result["itls"] == [[]] * 4
+
+
 def test_bench_reports_errors_by_kind_without_crashing(tmp_path: Path) -> None:
     # Nothing listens on this port: every request fails as a connect error, the run still ends
     # with a result file, zero goodput and the errors counted by kind.
