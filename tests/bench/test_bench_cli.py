@@ -59,3 +59,12 @@ def test_small_simulation_writes_results_with_bench_keys(tmp_path: Path) -> None
         assert r["failures"]["reservations_held_at_end"] == 0
         assert r["request_goodput"] <= r["request_throughput"]
     assert data["recommendation"]["pd_ratio"][0]["target_rate"] == 1.0
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "no plots written" in out.stderr
+        return
+    names = {p.name for p in (tmp_path / "plots").iterdir()}
+    for placement in ("colocated", "disaggregated", "conditional"):
+        assert {f"simulate_{placement}_ttft_cdf.png", f"simulate_{placement}_goodput_vs_rate.png",
+                f"simulate_{placement}_3.0_queues.png"} <= names

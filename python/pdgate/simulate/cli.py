@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import fields
@@ -156,6 +157,7 @@ def _plot_level(placement: str, rate: float, result: dict[str, Any], sim: Simula
     ok = [r for r in sim.requests if not r.failed and r.first_token is not None]
     gaps = sorted(sim.itl.counts.items())
     return {"placement": placement, "rate": rate, "label": f"{placement} {rate} req/s", "result": result,
+            "queue_series": queue_series(sim),
             "ttfts_ms": [r.first_token - r.arrival for r in ok],  # type: ignore[operator]
             "itls_ms": [g for g, _ in gaps], "itl_weights": [c for _, c in gaps]}
 
@@ -163,11 +165,17 @@ def _plot_level(placement: str, rate: float, result: dict[str, Any], sim: Simula
 def _plots(levels: list[dict[str, Any]], out_dir: str) -> None:
     from pdgate.bench.plots import PlotsUnavailable, write_plots
 
+    from .plots import queue_plot_name, write_queue_plot
+
     try:
         for placement in dict.fromkeys(level["placement"] for level in levels):
             mine = [level for level in levels if level["placement"] == placement]
             for path in write_plots(mine, out_dir, prefix=f"simulate_{placement}"):
                 print(f"plot written to {path}", file=sys.stderr)
+        for level in levels:
+            path = write_queue_plot(level["queue_series"], os.path.join(out_dir, queue_plot_name(level)),
+                                    f"stage queues: {level['label']}")
+            print(f"plot written to {path}", file=sys.stderr)
     except PlotsUnavailable as exc:
         print(f"pdgate simulate: no plots written: {exc}", file=sys.stderr)
 
