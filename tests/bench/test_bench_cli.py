@@ -34,7 +34,8 @@ def test_bad_input_is_a_usage_error_not_a_crash() -> None:
                          (["bench", "--base-url", "http://x", "--model", "m", "--dataset-name", "custom"], "dataset-path"),
                          (["simulate", "--placement", "sideways"], "invalid choice"),
                          (["simulate", "--request-rate", "inf"], "finite"),
-                         (["simulate", "--decision", "nonsense"], "module:function")):
+                         (["simulate", "--decision", "nonsense"], "module:function"),
+                         (["simulate", "--decode-step-ms", "0"], "decode_step_ms")):
         out = run(*args)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert needle in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)

@@ -30,6 +30,13 @@ class ServiceModel:
     prefill_chunk_tokens: int = 2048       # chunked prefill on a colocated worker
     max_batch: int = 32
 
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < 0:
+                raise ValueError(f"{f.name} must not be negative, got {getattr(self, f.name)}")
+        if self.decode_step_ms <= 0 or self.link_gib_per_s <= 0 or self.max_batch < 1:
+            raise ValueError("decode_step_ms and link_gib_per_s must be positive and max_batch at least 1")
+
     def prefill_ms(self, tokens: int) -> float:
         return self.prefill_a_ms + self.prefill_b_ms * tokens
 
