@@ -58,9 +58,12 @@ def predicted_local_ttft_ms(v: PlacementView, m: ServiceModel) -> float:
 
 
 def _stall_tpot_ms(v: PlacementView, m: ServiceModel) -> float:
-    """TPOT of a running decode on the local target, with this prefill's time spread over a
-    typical output (the stall a local prefill inflicts)."""
-    return m.decode_step(v.local_batch) + m.prefill_ms(v.prompt_tokens) / max(v.output_tokens, 1)
+    """Predicted TPOT of the running decodes on the local target if this prefill runs there.
+    The prefill (and the local work queued before it) delays each of them once. In steady state
+    each of the n running decodes also shares its lifetime with about n such arrivals, so the
+    delay is counted n times over an output of this request's length."""
+    stall = (v.local_wait_ms + m.prefill_ms(v.prompt_tokens)) * max(1, v.local_batch)
+    return m.decode_step(v.local_batch) + stall / max(v.output_tokens, 1)
 
 
 def conditional(v: PlacementView, m: ServiceModel) -> Decision:
