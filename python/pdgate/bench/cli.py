@@ -135,6 +135,10 @@ def _run(args: argparse.Namespace) -> int:
     goodput = parse_goodput(args.goodput or [])
     percentiles = [float(x) for x in args.metric_percentiles.split(",") if x.strip()]
     metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    unknown = sorted(set(metrics) - set(PERCENTILE_METRICS))
+    if unknown or not all(0 <= p <= 100 for p in percentiles):
+        raise ValueError(f"--percentile-metrics takes {','.join(PERCENTILE_METRICS)} (got {unknown or metrics}) "
+                         f"and --metric-percentiles numbers in [0, 100] (got {percentiles})")
     model = args.model or _first_model(args.base_url, min(args.request_timeout, 30.0))
     spec = RequestSpec(url=args.base_url.rstrip("/") + args.endpoint, model=model,
                        chat=args.endpoint.endswith("chat/completions"), stream=not args.no_stream,
