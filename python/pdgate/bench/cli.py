@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-concurrency", type=int, default=None)
     a("--goodput", nargs="+", default=None, metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:5000")
     a("--percentile-metrics", default=",".join(PERCENTILE_METRICS))
-    a("--metric-percentiles", default="99", help="comma list, e.g. 50,90,99")
+    a("--metric-percentiles", default="50,90,99", help="comma list (default: %(default)s; vLLM's is 99)")
     a("--no-stream", action="store_true", help="non-streaming requests (TTFT is then E2E)")
     a("--ignore-eos", action="store_true", help="ask the server to generate exactly max_tokens")
     a("--request-timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
