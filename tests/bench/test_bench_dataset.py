@@ -55,3 +55,17 @@ def test_trace_lines_in_each_accepted_shape(tmp_path: Path) -> None:
     for bad in ('[1]', '{"output_tokens": 3}', '{"prompt_tokens": -1}', '{"prompt": 5}'):
         with pytest.raises(TraceError):
             parse_trace_line(bad)
+
+
+def test_sharegpt_first_human_turn_and_reply_length(tmp_path: Path) -> None:
+    from pdgate.bench.dataset import sharegpt_requests
+
+    data = [{"conversations": [{"from": "human", "value": "abc"}, {"from": "gpt", "value": "12345"}]},
+            {"conversations": [{"from": "human", "value": "only one turn"}]},
+            {"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi"}]}]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    reqs = sharegpt_requests(str(path), 10, None, np.random.default_rng(0))
+    assert sorted((r.prompt, r.prompt_len, r.output_len) for r in reqs) == [("abc", 3, 5), ("hello", 5, 2)]
+    fixed = sharegpt_requests(str(path), 1, 7, np.random.default_rng(0))
+    assert len(fixed) == 1 and fixed[0].output_len == 7
