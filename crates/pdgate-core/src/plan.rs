@@ -88,8 +88,10 @@ pub enum LegBody {
 /// How the gateway tells an engine it gave a leg up (client gone, other leg failed, deadline).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum AbortStyle {
-    /// SGLang: `POST /abort_request {"rid": ...}`, off the request path. The engine's rid is the
-    /// attempt's `X-Request-Id` (the gateway does not put a `rid` into bodies).
+    /// SGLang: `POST /abort_request {"rid": ...}`, off the request path. The rid is the attempt's
+    /// gateway-minted id, which the bootstrap plan puts in both legs' bodies (`rid`) and headers
+    /// (`X-Request-Id`); for vLLM-style legs it is the `X-Request-Id` the engine derives its
+    /// request id from.
     AbortRequest { rid: String },
     /// vLLM-style servers abort a request when its connection closes: dropping it is enough.
     CloseConnection,
@@ -209,6 +211,10 @@ pub fn pd(
             let spec = &snap.worker(p).spec;
             let mut body = req.body.clone();
             bootstrap::inject(&mut body, &spec.host, spec.bootstrap_port, &rooms);
+            // SGLang matches `/abort_request` on the body's `rid` (a batch's items become
+            // `{rid}_{i}`), so both legs carry the attempt's id there too. The parser removed any
+            // client `rid`, so this is always the gateway's.
+            body.insert("rid".into(), Value::from(request_id));
             let abort = AbortStyle::AbortRequest { rid: request_id.to_string() };
             let p_leg = leg_plan(snap, p, Leg::Prefill, LegBody::SameAsRelayed, false, abort.clone());
             let d_leg = leg_plan(snap, d, Leg::Decode, LegBody::Json(body), stream, abort);

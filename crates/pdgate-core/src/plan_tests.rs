@@ -65,6 +65,7 @@ fn bootstrap_sends_one_body_with_a_room_to_both_legs_at_once() {
     let Some(Rendezvous::Rooms(Rooms::Single(room))) = p.rendezvous else { panic!("{:?}", p.rendezvous) };
     assert_eq!((body["bootstrap_host"].clone(), body["bootstrap_port"].clone(), body["bootstrap_room"].clone()), (json!("10.0.0.1"), json!(8998), json!(room)));
     assert!(room <= MAX_ROOM);
+    assert_eq!(body["rid"], json!("rid-1"), "the body's rid is the attempt's id: SGLang's abort matches on it");
     let abort = AbortStyle::AbortRequest { rid: "rid-1".into() };
     assert_eq!((&pre.abort, &p.relayed.abort), (&abort, &abort), "both legs abortable by the one rid");
     assert!(p.scan_usage && !p.merge_input_logprobs);

@@ -47,7 +47,14 @@ async fn bootstrap_legs_see_the_gateways_room_and_host_only() {
     let body = hostile(json!({"text": "hi", "sampling_params": {"max_new_tokens": 2, "bootstrap_room": 5, "kv_transfer_params": {}}}));
     let r = client().post(format!("{url}/generate")).json(&body).send().await.unwrap();
     assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
-    for (leg, b) in [("prefill", &p.log().bodies()[0]), ("decode", &d.log().bodies()[0])] {
+    let ids = [p.log().request_ids.lock().unwrap()[0].clone(), d.log().request_ids.lock().unwrap()[0].clone()];
+    assert_eq!(ids[0], ids[1], "both legs carry one request id");
+    for (leg, mut b) in [("prefill", p.log().bodies()[0].clone()), ("decode", d.log().bodies()[0].clone())] {
+        // SGLang matches `/abort_request` on the body's `rid`: both legs carry the gateway's id
+        // (the one in X-Request-Id), never the client's.
+        assert_eq!(b["rid"], ids[0].as_str(), "{leg}: {b}");
+        b.as_object_mut().unwrap().remove("rid");
+        let b = &b;
         assert_eq!(b["bootstrap_host"], "127.0.0.1", "{leg}");
         assert_eq!(b["bootstrap_port"], 8998, "{leg}");
         assert_ne!(b["bootstrap_room"], 5, "{leg}");
