@@ -16,8 +16,9 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, TypeVar
 
 from pdgate._native import core
+from pdgate._config import normalize_options
 from pdgate.errors import GatewayStateError
-from pdgate.gateway import drain_wait_limit, normalize_options, private_admin_key
+from pdgate.gateway import drain_wait_limit, private_admin_key
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

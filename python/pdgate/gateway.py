@@ -83,7 +83,8 @@ class Gateway:
     @property
     def config(self) -> dict[str, Any]:
         """The complete configuration, defaults included (a copy)."""
-        return json.loads(json.dumps(self._config))
+        copy: dict[str, Any] = json.loads(json.dumps(self._config))
+        return copy
 
     def start(self) -> Gateway:
         """Bind and serve; returns once accepting. Raises :class:`pdgate.GatewayStartError`."""

@@ -1,5 +1,5 @@
-"""Mistakes `mypy --strict` must reject: each line marked `# error:` must get an error (and no
-other line may), checked by tests/gateway/test_typing.py."""
+"""Mistakes `mypy --strict` must reject: each line whose comment starts with "error:" must get an
+error, and no other line may (tests/gateway/test_typing.py)."""
 
 from __future__ import annotations
 
