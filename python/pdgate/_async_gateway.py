@@ -3,7 +3,7 @@
 The same gateway and options as :class:`pdgate.Gateway`; every call that waits is awaitable and
 none blocks the event loop. Starting and stopping the native gateway (binding, then draining
 in-flight requests for up to 10 s) run in a worker thread (the Rust side releases the GIL while
-it waits); fleet calls go through one ``httpx.AsyncClient``. Properties never touch the native
+it waits); fleet calls go through one ``httpx.AsyncClient``, made in that thread too. Properties never touch the native
 handle: they read what ``start()`` recorded, so they cannot wait on a start or stop in progress.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib
 import json
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, TypeVar
@@ -34,6 +35,20 @@ T = TypeVar("T")
 async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
     """Run a blocking call in the loop's default executor, so the loop keeps running."""
     return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+
+
+def _open_workers_api(url: str, admin_key: str | None) -> AsyncWorkersApi:
+    """The fleet client, made off the event loop: importing httpx, building its TLS context (it
+    reads the CA bundle) and importing the async network backend its first request would import
+    take from tens of ms to over a second on a busy machine, all of it blocking."""
+    from pdgate._workers_api import AsyncWorkersApi
+
+    for backend in ("anyio", "anyio._backends._asyncio"):  # what httpcore loads on first use
+        try:
+            importlib.import_module(backend)
+        except ImportError:  # another httpcore backend: it is then imported on first use
+            pass
+    return AsyncWorkersApi(url, admin_key)
 
 
 class AsyncGateway:
@@ -90,8 +105,6 @@ class AsyncGateway:
     async def start(self) -> AsyncGateway:
         """Bind and serve; returns once accepting. Raises :class:`pdgate.GatewayStartError`,
         or :class:`pdgate.GatewayStateError` when already running."""
-        from pdgate._workers_api import AsyncWorkersApi  # httpx only when the gateway runs
-
         async with self._lifecycle:
             if self._handle is None:
                 launched = dict(self._config, admin_api_key=self._admin_key)
@@ -100,7 +113,7 @@ class AsyncGateway:
             await self._start_native(handle)
             url, self._port = await _in_thread(lambda: (handle.url, handle.port))
             self._url = str(url)
-            self._workers_api = AsyncWorkersApi(self._url, self._admin_key)
+            self._workers_api = await _in_thread(_open_workers_api, self._url, self._admin_key)
         return self
 
     async def _start_native(self, handle: Any) -> None:
