@@ -34,16 +34,27 @@ fn scalar_schema(arg: &Arg) -> Option<Value> {
         return Some(json!({"enum": choices}));
     }
     let id = arg.get_value_parser().type_id();
-    let int = |max: u64| Some(json!({"type": "integer", "minimum": 0, "maximum": max}));
-    if id == TypeId::of::<u16>() {
-        int(u16::MAX.into())
-    } else if id == TypeId::of::<u32>() {
-        int(u32::MAX.into())
-    } else if id == TypeId::of::<u64>() || id == TypeId::of::<usize>() {
-        int(u64::try_from(usize::MAX).unwrap_or(u64::MAX))
-    } else if id == TypeId::of::<f64>() {
+    let int = |min: i128, max: i128| Some(json!({"type": "integer", "minimum": min, "maximum": max}));
+    let is = |t: TypeId| id == t;
+    if is(TypeId::of::<bool>()) {
+        Some(json!({"type": "boolean"}))
+    } else if is(TypeId::of::<u8>()) {
+        int(0, u8::MAX.into())
+    } else if is(TypeId::of::<u16>()) {
+        int(0, u16::MAX.into())
+    } else if is(TypeId::of::<u32>()) {
+        int(0, u32::MAX.into())
+    } else if is(TypeId::of::<u64>()) {
+        int(0, u64::MAX.into())
+    } else if is(TypeId::of::<usize>()) {
+        int(0, i128::try_from(usize::MAX).unwrap_or(i128::MAX))
+    } else if is(TypeId::of::<i32>()) {
+        int(i32::MIN.into(), i32::MAX.into())
+    } else if is(TypeId::of::<i64>()) {
+        int(i64::MIN.into(), i64::MAX.into())
+    } else if is(TypeId::of::<f64>()) || is(TypeId::of::<f32>()) {
         Some(json!({"type": "number"}))
-    } else if id == TypeId::of::<String>() {
+    } else if is(TypeId::of::<String>()) || is(TypeId::of::<std::path::PathBuf>()) {
         Some(json!({"type": "string"}))
     } else {
         None
