@@ -61,7 +61,9 @@ class AsyncGateway:
                 await client.post("/v1/completions", json={...})
 
     Options and errors are those of :class:`pdgate.Gateway` (validated here, at construction,
-    which does no IO). One ``AsyncGateway`` belongs to one event loop.
+    which does no IO). One ``AsyncGateway`` belongs to one event loop. Stop it with ``async with``
+    or ``await stop()``: one garbage-collected while running is stopped by the native handle's
+    destructor, which blocks whichever thread collects it.
     """
 
     def __init__(self, **options: Unpack[GatewayOptions]) -> None:
