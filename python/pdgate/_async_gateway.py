@@ -51,6 +51,17 @@ def _open_workers_api(url: str, admin_key: str | None) -> AsyncWorkersApi:
     return AsyncWorkersApi(url, admin_key)
 
 
+def _start_blocking(handle: Any, admin_key: str | None) -> tuple[str, int, AsyncWorkersApi]:
+    """Start the native gateway; its URL, port and fleet client. Blocking: run in a thread."""
+    handle.start()
+    try:
+        url, port = str(handle.url), int(handle.port)
+        return url, port, _open_workers_api(url, admin_key)
+    except BaseException:
+        handle.stop()  # a gateway nobody can manage is not left serving
+        raise
+
+
 class AsyncGateway:
     """A pdgate gateway in this process, driven from asyncio::
 
@@ -73,7 +84,7 @@ class AsyncGateway:
         self._url: str | None = None
         self._port: int | None = None
         self._workers_api: AsyncWorkersApi | None = None
-        self._native_start: asyncio.Future[None] | None = None
+        self._native_start: asyncio.Future[tuple[str, int, AsyncWorkersApi]] | None = None
         # start() and stop() take turns: a stop during a start waits for it, then stops. Made
         # on first use, inside the loop that uses it (Python 3.9 binds a lock to a loop).
         self._lifecycle_lock: asyncio.Lock | None = None
@@ -111,23 +122,20 @@ class AsyncGateway:
             if self._handle is None:
                 launched = dict(self._config, admin_api_key=self._admin_key)
                 self._handle = core().GatewayHandle(json.dumps(launched))
-            handle = self._handle
-            await self._start_native(handle)
-            url, self._port = await _in_thread(lambda: (handle.url, handle.port))
-            self._url = str(url)
-            self._workers_api = await _in_thread(_open_workers_api, self._url, self._admin_key)
+            url, self._port, self._workers_api = await self._start_native(self._handle)
+            self._url = url
         return self
 
-    async def _start_native(self, handle: Any) -> None:
-        """``handle.start()`` in a thread. If the awaiting task is cancelled meanwhile, the start
-        still finishes in its thread; the gateway is then stopped, not left serving unowned."""
+    async def _start_native(self, handle: Any) -> tuple[str, int, AsyncWorkersApi]:
+        """:func:`_start_blocking` in a thread. If the awaiting task is cancelled meanwhile, the
+        start still finishes in its thread; the gateway is then stopped, not left serving unowned."""
         loop = asyncio.get_running_loop()
         # Kept so that a test can wait for a cancelled start's thread to finish.
-        self._native_start = started = loop.run_in_executor(None, handle.start)
+        self._native_start = started = loop.run_in_executor(None, _start_blocking, handle, self._admin_key)
         try:
-            await asyncio.shield(started)
+            return await asyncio.shield(started)
         except asyncio.CancelledError:
-            def stop_if_started(done: asyncio.Future[None]) -> None:
+            def stop_if_started(done: asyncio.Future[tuple[str, int, AsyncWorkersApi]]) -> None:
                 if not done.cancelled() and done.exception() is None:
                     loop.run_in_executor(None, handle.stop)
 
