@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use pdgate_gateway::{init_logging, start, GatewayConfig};
+use pdgate_gateway::{init_logging, start, worker_api_key_from_env, GatewayConfig};
 
 // glibc malloc took ~10% of the gateway's CPU per request (cross-thread frees, consolidation);
 // mimalloc's thread-local free lists cut that to a few percent (docs/performance.md).
@@ -12,7 +12,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let config = GatewayConfig::parse();
+    let mut config = GatewayConfig::parse();
+    worker_api_key_from_env(&mut config);
     init_logging(&config.log_level);
     let gateway = match start(config).await {
         Ok(g) => g,
