@@ -79,6 +79,10 @@ class GatewayOptions(TypedDict, total=False):
     """--request-timeout-secs: Deadline for a whole request, all attempts and both legs included. Default: 600. Range: 0 to 18446744073709551615."""
     worker_connect_timeout_ms: int
     """--worker-connect-timeout-ms: Timeout for opening a connection to a worker. Default: 5000. Range: 0 to 18446744073709551615."""
+    worker_api_key: str | None
+    """--worker-api-key: Sent as `Authorization: Bearer KEY` on every call to a worker (requests, health checks, load polls, `/server_info`, the Mooncake bootstrap query); the client's own `Authorization` is never forwarded. `pdgate launch` and `pdgate-gateway` also read it from PDGATE_WORKER_API_KEY."""
+    worker_ca_cert: str | None
+    """--worker-ca-cert: PEM bundle of the CA certificates that sign `https://` workers' certificates (a private CA). When given, only these are trusted for workers; without it, the system's roots."""
     retry_max_retries: int
     """--retry-max-retries: Extra attempts after the first one, only before any byte reached the client. Default: 2. Range: 0 to 4294967295."""
     retry_initial_backoff_ms: int
