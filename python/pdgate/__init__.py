@@ -8,36 +8,55 @@ e.g. the reference engine, import without the compiled extension)::
     with pdgate.Gateway(worker_urls=["http://127.0.0.1:8000"], port=0) as gw:
         print(gw.url)
         gw.add_worker("http://127.0.0.1:8001")   # the fleet: add_worker, remove_worker, list_workers
+
+    async with pdgate.AsyncGateway(worker_urls=["http://127.0.0.1:8000"], port=0) as gw:
+        await gw.add_worker("http://127.0.0.1:8001")   # the same, never blocking the event loop
+
+The options are typed (``pdgate.GatewayOptions``, generated from the Rust config schema), and
+every exception derives from ``pdgate.PdgateError`` (docs/python.md).
 """
 
 from __future__ import annotations
 
+import importlib.metadata as _metadata
+
+from pdgate._async_gateway import AsyncGateway
+from pdgate._options import DecodeWorker, GatewayOptions, PrefillWorker
 from pdgate.errors import (
     CommandLineError,
     ConfigError,
     GatewayError,
     GatewayStartError,
     GatewayStateError,
+    OptionError,
     PdgateError,
+    UnknownOptionError,
     WorkerError,
+    WorkerStartError,
 )
 from pdgate.gateway import Gateway, config_schema
 
 try:
-    from importlib.metadata import PackageNotFoundError, version
-
-    __version__ = version("pdgate")
-except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = _metadata.version("pdgate")
+except _metadata.PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "AsyncGateway",
     "CommandLineError",
     "ConfigError",
+    "DecodeWorker",
     "Gateway",
     "GatewayError",
+    "GatewayOptions",
     "GatewayStartError",
     "GatewayStateError",
+    "OptionError",
     "PdgateError",
+    "PrefillWorker",
+    "UnknownOptionError",
     "WorkerError",
+    "WorkerStartError",
+    "__version__",
     "config_schema",
 ]

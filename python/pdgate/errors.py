@@ -5,17 +5,21 @@ anything this package raises on purpose::
 
     PdgateError
     ├── ConfigError (also a ValueError)      an option's value or a combination is invalid
+    │   ├── OptionError                      one option's value: wrong type or choice (.option, .value)
+    │   │   └── UnknownOptionError           no option of that name (.suggestions: did you mean)
     │   └── CommandLineError                 clap rejected or answered a ``pdgate launch`` line
-    └── GatewayError (also a RuntimeError)   the running gateway
-        ├── GatewayStartError                it could not start (port in use, bad address, ...)
-        ├── GatewayStateError                the call does not fit its state (start() twice, ...)
-        └── WorkerError                      the worker API refused a call (.status, .code)
-    WorkerStartError (pdgate.workers; also a RuntimeError)  a reference worker did not start
+    ├── GatewayError (also a RuntimeError)   the running gateway
+    │   ├── GatewayStartError                it could not start (port in use, bad address, ...)
+    │   ├── GatewayStateError                the call does not fit its state (start() twice, ...)
+    │   └── WorkerError                      the worker API refused a call (.status, .code)
+    └── WorkerStartError (also a RuntimeError)  a reference worker (pdgate.workers) did not start
 
 The compiled extension (``pdgate._core``) raises these same classes; they are defined only here.
 """
 
 from __future__ import annotations
+
+from typing import Any, Sequence
 
 __all__ = [
     "CommandLineError",
@@ -23,8 +27,11 @@ __all__ = [
     "GatewayError",
     "GatewayStartError",
     "GatewayStateError",
+    "OptionError",
     "PdgateError",
+    "UnknownOptionError",
     "WorkerError",
+    "WorkerStartError",
 ]
 
 
@@ -34,6 +41,27 @@ class PdgateError(Exception):
 
 class ConfigError(PdgateError, ValueError):
     """An invalid option: unknown name, wrong type or value, or options that contradict."""
+
+
+class OptionError(ConfigError):
+    """One option is at fault: ``option`` is its name, ``value`` the value given.
+
+    The message names both, e.g. ``option port = "eighty": expected an integer from 0 to 65535``.
+    """
+
+    def __init__(self, message: str, option: str, value: Any = None) -> None:
+        super().__init__(message)
+        self.option = option
+        self.value = value
+
+
+class UnknownOptionError(OptionError):
+    """No option has this name; ``suggestions`` are the close names (``did you mean``)."""
+
+    def __init__(self, message: str, option: str, value: Any = None,
+                 suggestions: Sequence[str] = ()) -> None:
+        super().__init__(message, option, value)
+        self.suggestions = list(suggestions)
 
 
 class CommandLineError(ConfigError):
@@ -75,3 +103,8 @@ class WorkerError(GatewayError):
         super().__init__(message)
         self.status = status
         self.code = code
+
+
+class WorkerStartError(PdgateError, RuntimeError):
+    """A reference worker (``pdgate.workers``) exited or did not become healthy in time; the
+    message ends with its log."""

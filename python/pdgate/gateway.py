@@ -1,38 +1,46 @@
 """``pdgate.Gateway``: run the Rust gateway inside a Python process.
 
 The keyword options are exactly the names of the gateway's config schema (the same options as
-``pdgate launch --help``, with ``-`` written as ``_``); the schema is declared once, in Rust.
+``pdgate launch --help``, with ``-`` written as ``_``); the schema is declared once, in Rust, and
+typed for Python by ``pdgate._options.GatewayOptions`` (generated from it).
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-from functools import lru_cache
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
+from pdgate._config import config_schema, normalize_options
 from pdgate._native import core
-from pdgate.errors import ConfigError, GatewayStateError
+from pdgate.errors import GatewayStateError
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from pdgate._options import GatewayOptions
     from pdgate._workers_api import WorkersApi
 
 __all__ = ["Gateway", "config_schema"]
 
 
-@lru_cache(maxsize=1)
-def _schema() -> tuple[dict[str, Any], ...]:
-    return tuple(json.loads(core().config_schema())["options"])
+def private_admin_key(config: Mapping[str, Any]) -> str | None:
+    """The admin key an embedding process uses for its own fleet calls.
+
+    The worker API is closed over HTTP without an admin key. A process that owns the gateway gets
+    a key of its own that nobody else knows: add_worker() and the rest keep working while
+    /workers stays closed to every other client.
+    """
+    key = config.get("admin_api_key") or None
+    if key is None and not config.get("admin_api_open"):
+        key = secrets.token_urlsafe(32)
+    return key
 
 
-def config_schema() -> list[dict[str, Any]]:
-    """Every gateway option: ``name``, ``flag``, ``help``, ``default``, ``choices``, ..."""
-    return [dict(option) for option in _schema()]
-
-
-def _option_names() -> frozenset[str]:
-    return frozenset(option["name"] for option in _schema())
+def drain_wait_limit(config: Mapping[str, Any], timeout: float | None) -> float:
+    """How long ``remove_worker(wait=True)`` waits by default: the request timeout plus 10 s."""
+    return timeout if timeout is not None else float(config.get("request_timeout_secs") or 0) + 10
 
 
 class Gateway:
@@ -47,26 +55,17 @@ class Gateway:
                      port=0) as gw:
             httpx.post(gw.url + "/v1/completions", json={...})
 
-    Raises :class:`pdgate.ConfigError` for an unknown option or an invalid value.
+    Raises :class:`pdgate.UnknownOptionError` for an unknown option (with "did you mean"),
+    :class:`pdgate.OptionError` for an invalid value (naming the option and the value) and
+    :class:`pdgate.ConfigError` for options that contradict each other. The options are typed
+    (:class:`pdgate.GatewayOptions`), so a type checker finds the same mistakes before running.
+    For an asyncio program, :class:`pdgate.AsyncGateway` is the same gateway with awaitable calls.
     """
 
-    def __init__(self, **options: Any) -> None:
-        unknown = sorted(set(options) - _option_names())
-        if unknown:
-            known = ", ".join(sorted(_option_names()))
-            raise ConfigError(f"unknown gateway option(s) {', '.join(unknown)}; known options: {known}")
-        try:
-            text = json.dumps(options)
-        except TypeError as exc:
-            raise ConfigError(f"gateway options must be JSON-like values: {exc}") from exc
-        self._config: dict[str, Any] = json.loads(core().normalize_config(text))
+    def __init__(self, **options: Unpack[GatewayOptions]) -> None:
+        self._config: dict[str, Any] = normalize_options(options)
         self._handle: Any = None
-        # The worker API is closed over HTTP without an admin key. This process owns the
-        # gateway, so it gets a key of its own that nobody else knows: add_worker() and the
-        # rest keep working while /workers stays closed to every other client.
-        self._admin_key: str | None = self._config.get("admin_api_key") or None
-        if self._admin_key is None and not self._config.get("admin_api_open"):
-            self._admin_key = secrets.token_urlsafe(32)
+        self._admin_key = private_admin_key(self._config)
 
     @classmethod
     def from_cli_args(cls, argv: Sequence[str]) -> Gateway:
@@ -75,7 +74,7 @@ class Gateway:
         Raises :class:`pdgate.CommandLineError` (``exit_code`` 0 for ``--help``/``--version``).
         """
         config = json.loads(core().parse_cli(list(argv)))
-        gateway = cls(**config)
+        gateway = cls(**config)  # the full config: every key is an option
         # `pdgate launch`: nobody in this process manages the fleet, so no private key either;
         # the worker API is exactly as the flags say (closed without --admin-api-key).
         gateway._admin_key = gateway._config.get("admin_api_key") or None
@@ -84,7 +83,8 @@ class Gateway:
     @property
     def config(self) -> dict[str, Any]:
         """The complete configuration, defaults included (a copy)."""
-        return json.loads(json.dumps(self._config))
+        copy: dict[str, Any] = json.loads(json.dumps(self._config))
+        return copy
 
     def start(self) -> Gateway:
         """Bind and serve; returns once accepting. Raises :class:`pdgate.GatewayStartError`."""
@@ -140,13 +140,10 @@ class Gateway:
         Raises :class:`pdgate.WorkerError`: ``.status`` 409 if the URL is registered, 400 if
         invalid (e.g. the engine reports another ``disaggregation_mode``), 401/403 for the key.
         """
-        spec: dict[str, Any] = {"url": url}
-        optional = {"worker_type": worker_type, "bootstrap_port": bootstrap_port,
-                    "kv_connector": kv_connector, "kv_engine_id": kv_engine_id}
-        spec.update({k: v for k, v in optional.items() if v is not None})
-        if labels:
-            spec["labels"] = dict(labels)
-        return self._workers().add(spec)
+        from pdgate._workers_api import worker_spec
+
+        workers = self._workers()
+        return workers.add(worker_spec(url, worker_type, bootstrap_port, kv_connector, kv_engine_id, labels))
 
     def remove_worker(self, worker_id_or_url: str, *, wait: bool = False,
                       timeout: float | None = None) -> dict[str, Any]:
@@ -161,14 +158,17 @@ class Gateway:
         api = self._workers()
         answer = api.remove(worker_id_or_url)
         if wait:
-            limit = timeout if timeout is not None else float(self._config.get("request_timeout_secs") or 0) + 10
-            api.wait_gone(answer["id"], limit)
+            api.wait_gone(answer["id"], drain_wait_limit(self._config, timeout))
         return answer
 
     def list_workers(self) -> list[dict[str, Any]]:
         """Every registered worker (``GET /workers``): ``id``, ``url``, ``worker_type``,
         ``source``, ``healthy``, ``enabled``, ``draining``, ``breaker``, ``inflight``, ``load``..."""
         return self._workers().list_workers()
+
+    def get_worker(self, worker_id_or_url: str) -> dict[str, Any]:
+        """One worker (``GET /workers/{id}``); ``WorkerError`` with ``.status`` 404 if unknown."""
+        return self._workers().get(worker_id_or_url)
 
     def set_worker_enabled(self, worker_id_or_url: str, enabled: bool) -> dict[str, Any]:
         """Enable or disable a worker (``PUT /workers/{id}``); a disabled worker takes no new

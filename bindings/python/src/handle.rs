@@ -105,7 +105,7 @@ impl GatewayHandle {
     #[new]
     fn new(py: Python<'_>, config_json: &str) -> PyResult<Self> {
         let config = GatewayConfig::from_json(config_json)
-            .map_err(|e| errors::config_error(py, e.to_string()))?;
+            .map_err(|e| errors::config_error(py, &e))?;
         Ok(Self {
             config,
             state: Mutex::new(None),

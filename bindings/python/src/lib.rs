@@ -17,7 +17,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use pdgate_core::GatewayConfig;
 
 /// The option schema as JSON: `{"options": [{name, flag, help, default, choices, takes_value,
-/// repeated}]}`. The Python CLI and `pdgate.Gateway` are generated from / checked against it.
+/// json_schema, repeated}]}` (`json_schema`: the value's type in the JSON view). The Python CLI and `pdgate.Gateway` are generated from / checked against it.
 #[pyfunction]
 fn config_schema() -> String {
     GatewayConfig::schema().to_string()
@@ -35,7 +35,7 @@ fn parse_cli(py: Python<'_>, argv: Vec<String>) -> PyResult<String> {
             // clap checks each flag; the cross-field rules live in `validate`.
             config
                 .validate()
-                .map_err(|e| errors::config_error(py, e.to_string()))?;
+                .map_err(|e| errors::config_error(py, &e))?;
             Ok(config.to_json())
         }
         Err(e) => Err(errors::command_line_error(
@@ -50,7 +50,7 @@ fn parse_cli(py: Python<'_>, argv: Vec<String>) -> PyResult<String> {
 #[pyfunction]
 fn normalize_config(py: Python<'_>, config_json: &str) -> PyResult<String> {
     let config = GatewayConfig::from_json(config_json)
-        .map_err(|e| errors::config_error(py, e.to_string()))?;
+        .map_err(|e| errors::config_error(py, &e))?;
     Ok(config.to_json())
 }
 

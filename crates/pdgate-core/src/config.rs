@@ -351,6 +351,13 @@ pub enum ConfigError {
     Invalid(String),
     #[error("invalid configuration JSON: {0}")]
     Json(#[from] serde_json::Error),
+    /// A name that is not an option (the JSON view; clap reports the CLI's own).
+    #[error("unknown option {name:?}")]
+    UnknownOption { name: String },
+    /// One option's value has the wrong type or is not one of its choices. `value` is the value
+    /// as JSON text (cut when long).
+    #[error("option {name} = {value}: {reason}")]
+    BadValue { name: String, value: String, reason: String },
 }
 
 impl GatewayConfig {
@@ -372,7 +379,7 @@ impl GatewayConfig {
 
     /// Parse the JSON form used by the Python API; missing keys take the CLI defaults.
     pub fn from_json(text: &str) -> Result<Self, ConfigError> {
-        let config: Self = serde_json::from_str(text)?;
+        let config = crate::config_json::parse(text)?;
         config.validate()?;
         Ok(config)
     }
@@ -527,6 +534,7 @@ impl GatewayConfig {
                     "default": defaults.get(&id).cloned().unwrap_or(serde_json::Value::Null),
                     "choices": a.get_possible_values().iter().map(|v| v.get_name().to_string()).collect::<Vec<_>>(),
                     "takes_value": a.get_action().takes_values(),
+                    "json_schema": crate::config_json::option_schema(a, defaults.get(&id)),
                     "repeated": matches!(a.get_action(), ArgAction::Append) || a.get_num_args().map(|n| n.max_values() > 1).unwrap_or(false),
                 })
             })

@@ -7,6 +7,7 @@
 
 pub mod breaker;
 pub mod config;
+mod config_json;
 mod config_serde;
 pub mod error;
 pub mod health;

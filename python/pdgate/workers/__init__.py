@@ -7,6 +7,8 @@ lines of real SGLang and vLLM workers (built here, run elsewhere).
 """
 
 from ._commands import sglang_command, vllm_command
-from ._reference import ReferenceWorker, WorkerStartError, free_port
+from pdgate.errors import WorkerStartError
+
+from ._reference import ReferenceWorker, free_port
 
 __all__ = sorted(["ReferenceWorker", "WorkerStartError", "free_port", "sglang_command", "vllm_command"])

@@ -15,13 +15,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 
-from pdgate.errors import PdgateError
+from pdgate.errors import WorkerStartError
 
 _CONNECTORS = ("NixlConnector", "MooncakeConnector")
-
-
-class WorkerStartError(PdgateError, RuntimeError):
-    """The worker exited or did not become healthy in time; the message ends with its log."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
