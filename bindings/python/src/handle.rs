@@ -15,8 +15,9 @@ use tokio::runtime::Runtime;
 
 use crate::errors;
 
-/// How long a stop may take to drain in-flight requests before the runtime is torn down.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// How long a stop may take beyond `--shutdown-grace-period-secs` (the gateway cuts what is
+/// left at the end of its grace period; this bounds the closing of connections after it).
+const SHUTDOWN_MARGIN: Duration = Duration::from_secs(5);
 
 struct Running {
     runtime: Runtime,
@@ -25,14 +26,14 @@ struct Running {
 }
 
 impl Running {
-    fn shutdown(self) {
+    fn shutdown(self, grace: Duration) {
         let Running {
             runtime, gateway, ..
         } = self;
         // A request that outlives the grace period is dropped with the runtime.
         // The timer must be created inside the runtime, hence the async block.
         let _ = runtime.block_on(async move {
-            tokio::time::timeout(SHUTDOWN_GRACE, gateway.shutdown()).await
+            tokio::time::timeout(grace + SHUTDOWN_MARGIN, gateway.shutdown()).await
         });
         runtime.shutdown_timeout(Duration::from_secs(1));
     }
@@ -130,7 +131,7 @@ impl GatewayHandle {
         py.detach(|| {
             let running = lock(&self.state).take();
             if let Some(running) = running {
-                running.shutdown();
+                running.shutdown(self.grace());
             }
         });
     }
@@ -164,11 +165,17 @@ impl GatewayHandle {
     }
 }
 
+impl GatewayHandle {
+    fn grace(&self) -> Duration {
+        Duration::from_secs(self.config.shutdown_grace_period_secs)
+    }
+}
+
 impl Drop for GatewayHandle {
     fn drop(&mut self) {
         // A handle collected while running still shuts its gateway down.
         if let Some(running) = lock(&self.state).take() {
-            running.shutdown();
+            running.shutdown(self.grace());
         }
     }
 }

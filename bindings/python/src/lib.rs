@@ -31,7 +31,10 @@ fn config_schema() -> String {
 fn parse_cli(py: Python<'_>, argv: Vec<String>) -> PyResult<String> {
     let args = std::iter::once("pdgate launch".to_string()).chain(argv);
     match GatewayConfig::parse_cli(args) {
-        Ok(config) => {
+        Ok(mut config) => {
+            // `pdgate launch` is a command line: its environment fallbacks (PDGATE_API_KEY, ...)
+            // apply here, never in the config schema or the Python API.
+            config.fill_from_env(|var| std::env::var(var).ok());
             // clap checks each flag; the cross-field rules live in `validate`.
             config
                 .validate()

@@ -155,6 +155,27 @@ pub struct GatewayConfig {
     #[arg(long, default_value_t = 1000)]
     pub retry_max_backoff_ms: u64,
 
+    // --- Overload protection (pdgate-core retry_budget.rs, docs/architecture.md) ---
+    /// Retry budget shared by all requests: retries in the window may be at most this fraction
+    /// of the requests that started in it (plus --retry-budget-min-per-sec), so retries cannot
+    /// multiply an overload. A retry over budget is not made (`pdgate_retries_refused_total`).
+    #[arg(long, default_value_t = 0.2)]
+    pub retry_budget_ratio: f64,
+
+    /// Retries per second the budget allows whatever the traffic (a quiet gateway still retries).
+    #[arg(long, default_value_t = 10)]
+    pub retry_budget_min_per_sec: u32,
+
+    /// Seconds over which the retry budget counts requests and retries.
+    #[arg(long, default_value_t = 10)]
+    pub retry_budget_window_secs: u64,
+
+    /// On SIGTERM (or `stop()`): readiness turns 503 and new requests are refused with 503 at
+    /// once, while requests in flight (streams included) get this many seconds to finish; then
+    /// the gateway stops and exits 0.
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_grace_period_secs: u64,
+
     /// Largest non-streamed worker answer the gateway reads, in bytes. A larger one fails the
     /// leg with 502 `bad_worker_response` (workers are not trusted to bound their answers).
     #[arg(long, default_value_t = 64 * 1024 * 1024)]
@@ -231,12 +252,14 @@ pub struct GatewayConfig {
     #[arg(long, default_value_t = 2)]
     pub load_poll_interval_secs: u64,
 
-    /// Require `Authorization: Bearer KEY` on the client endpoints.
-    #[arg(long, env = "PDGATE_API_KEY", hide_env_values = true)]
+    /// Require `Authorization: Bearer KEY` on the client endpoints. On the command line, the
+    /// environment variable PDGATE_API_KEY stands in when the flag is not given.
+    #[arg(long)]
     pub api_key: Option<String>,
 
-    /// Require `Authorization: Bearer KEY` on the worker API (`/workers`).
-    #[arg(long, env = "PDGATE_ADMIN_API_KEY", hide_env_values = true)]
+    /// Require `Authorization: Bearer KEY` on the worker API (`/workers`). On the command
+    /// line, the environment variable PDGATE_ADMIN_API_KEY stands in when the flag is not given.
+    #[arg(long)]
     pub admin_api_key: Option<String>,
 
     // --- The client edge: who may use the worker API, and how long a client may hold a
@@ -340,7 +363,26 @@ pub enum ConfigError {
     Json(#[from] serde_json::Error),
 }
 
+/// Environment variables that stand in for unset options on a command line: (option, variable).
+/// Only the command-line layers (the `pdgate-gateway` binary, `pdgate launch`) read them, through
+/// [`GatewayConfig::fill_from_env`]; the core reads no environment, so the schema, the defaults
+/// and the Python API never depend on what happens to be set.
+pub const ENV_FALLBACKS: [(&str, &str); 2] = [("api_key", "PDGATE_API_KEY"), ("admin_api_key", "PDGATE_ADMIN_API_KEY")];
+
 impl GatewayConfig {
+    /// Fills options the command line left unset from environment variables
+    /// ([`ENV_FALLBACKS`]), looked up through `lookup` (the caller passes `std::env::var`). An
+    /// empty variable counts as unset.
+    pub fn fill_from_env(&mut self, lookup: impl Fn(&str) -> Option<String>) {
+        let read = |var: &str| lookup(var).filter(|v| !v.is_empty());
+        if self.api_key.is_none() {
+            self.api_key = read(ENV_FALLBACKS[0].1);
+        }
+        if self.admin_api_key.is_none() {
+            self.admin_api_key = read(ENV_FALLBACKS[1].1);
+        }
+    }
+
     /// Parse a command line (the first item is the program name, which `--version` and
     /// `--help` then show: `pdgate launch 0.1.0` from Python, not the Rust binary's name).
     pub fn parse_cli<I, T>(args: I) -> Result<Self, clap::Error>
@@ -395,6 +437,9 @@ impl GatewayConfig {
         }
         if self.balance_rel_threshold.is_nan() || self.balance_rel_threshold < 1.0 {
             return bad(format!("--balance-rel-threshold must be at least 1.0, not {}", self.balance_rel_threshold));
+        }
+        if !self.retry_budget_ratio.is_finite() || self.retry_budget_ratio < 0.0 || self.retry_budget_window_secs == 0 {
+            return bad(format!("--retry-budget-ratio must be a number >= 0 (not {}) and --retry-budget-window-secs at least 1", self.retry_budget_ratio));
         }
         validate_log_level(&self.log_level).map_err(ConfigError::Invalid)?;
         if self.header_read_timeout_secs == 0 || self.body_read_timeout_secs == 0 || self.idle_timeout_secs == 0 {

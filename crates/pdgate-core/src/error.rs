@@ -73,6 +73,9 @@ pub enum ErrorKind {
     LoopDetected,
     /// The worker API is closed: no `--admin-api-key` and no `--admin-api-open` (403).
     AdminApiClosed,
+    /// The gateway is shutting down gracefully: new requests are refused (503) while those in
+    /// flight finish.
+    ShuttingDown,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -143,6 +146,10 @@ impl GatewayError {
         let message = format!("{} worker ended its stream without data: [DONE]; the answer is incomplete", leg.as_str());
         Self::new(ErrorKind::StreamTruncated, Source::Worker, message).on(leg)
     }
+    pub fn shutting_down() -> Self {
+        Self::new(ErrorKind::ShuttingDown, Source::Gateway, "the gateway is shutting down and takes no new requests; retry on another replica")
+    }
+
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Internal, Source::Gateway, message)
     }
@@ -197,6 +204,7 @@ impl GatewayError {
             ErrorKind::ClientTimeout => 408,
             ErrorKind::LoopDetected => 508,
             ErrorKind::AdminApiClosed => 403,
+            ErrorKind::ShuttingDown => 503,
         }
     }
 
@@ -227,6 +235,7 @@ impl GatewayError {
             ErrorKind::ClientTimeout => "body_read_timeout".into(),
             ErrorKind::LoopDetected => "loop_detected".into(),
             ErrorKind::AdminApiClosed => "admin_api_closed".into(),
+            ErrorKind::ShuttingDown => "shutting_down".into(),
         }
     }
 

@@ -14,6 +14,7 @@ pub mod pairing;
 pub mod policy;
 pub mod radix;
 pub mod retry;
+pub mod retry_budget;
 pub mod route;
 pub mod snapshot;
 pub mod worker;

@@ -70,6 +70,13 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
     let headers = parts.headers;
     let started = std::time::Instant::now();
     let route = endpoint.path();
+    if state.is_draining() {
+        // Graceful shutdown: refuse at once, and close the connection so the client's next
+        // request goes to another replica.
+        let mut resp = client_error(&state, route, &GatewayError::shutting_down());
+        resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+        return resp;
+    }
     // Reading the body counts against the request's deadline.
     let deadline = Instant::now() + state.request_timeout();
     let via = match state.edge.hops.outgoing(&headers) {
@@ -145,8 +152,12 @@ async fn readiness(State(state): State<Arc<AppState>>) -> Response {
         let r = snap.eligible(WorkerRole::Regular).len();
         (r > 0, json!({"healthy_workers": r}))
     };
+    // A draining gateway is not ready, whatever its workers: load balancers must stop sending.
+    let draining = state.is_draining();
+    let ready = ready && !draining;
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    let mut body = json!({"status": if ready { "ready" } else { "not_ready" }, "admin_api": auth::admin_api_mode(&state)});
+    let word = if draining { "draining" } else if ready { "ready" } else { "not_ready" };
+    let mut body = json!({"status": word, "admin_api": auth::admin_api_mode(&state)});
     if let (Some(b), Some(d)) = (body.as_object_mut(), detail.as_object()) {
         b.extend(d.clone());
     }

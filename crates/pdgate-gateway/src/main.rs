@@ -12,7 +12,9 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let config = GatewayConfig::parse();
+    let mut config = GatewayConfig::parse();
+    // The command line's environment fallbacks (PDGATE_API_KEY, ...); the core reads none.
+    config.fill_from_env(|var| std::env::var(var).ok());
     init_logging(&config.log_level);
     let gateway = match start(config).await {
         Ok(g) => g,

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use pdgate_core::breaker::{BreakerState, Judgement, Outcome};
 use pdgate_core::radix::RadixTree;
 use pdgate_core::retry::RetryPolicy;
+use pdgate_core::retry_budget::{RetryBudget, RetryBudgetConfig};
 use pdgate_core::policy::{make_policy_with, PolicyOptions};
 use pdgate_core::{GatewayConfig, Policy};
 use pdgate_protocol::Limits;
@@ -28,6 +29,10 @@ pub struct AppState {
     pub prefill_policy: Box<dyn Policy>,
     pub decode_policy: Box<dyn Policy>,
     pub retry: RetryPolicy,
+    /// Retries across all requests stay within this budget (see `pdgate_core::retry_budget`).
+    retry_budget: Mutex<RetryBudget>,
+    /// Set by a graceful shutdown: readiness is 503 and new requests are refused with 503.
+    pub draining: std::sync::atomic::AtomicBool,
     /// The request bounds (`--max-n`, `--max-batch-size`, ...), as the parser takes them.
     pub limits: Limits,
     sequence: AtomicU64,
@@ -54,6 +59,8 @@ impl AppState {
                 max_backoff: Duration::from_millis(config.retry_max_backoff_ms),
             },
             limits: config.limits(),
+            retry_budget: Mutex::new(RetryBudget::new(RetryBudgetConfig::from_config(&config))),
+            draining: std::sync::atomic::AtomicBool::new(false),
             sequence: AtomicU64::new(0),
             tree: Mutex::new(RadixTree::new()),
             engine_ids: Mutex::new(HashMap::new()),
@@ -103,6 +110,26 @@ impl AppState {
         }
     }
 
+    /// Asks the worker's breaker to admit one request ([`Registry::admit`]); false when it
+    /// must go elsewhere. A request admitted as the half-open probe schedules the refresh that
+    /// frees the probe slot if its outcome never comes.
+    pub fn admit(self: &Arc<Self>, url: &str) -> bool {
+        match self.registry.admit(url) {
+            crate::registry::Admission::Pass => true,
+            crate::registry::Admission::Refused => false,
+            crate::registry::Admission::Probe => {
+                tracing::info!(worker = url, "circuit breaker half-open: one probe request let through");
+                let state = self.clone();
+                let timeout = self.registry.breaker_config().probe_timeout;
+                tokio::spawn(async move {
+                    tokio::time::sleep(timeout).await;
+                    state.registry.refresh();
+                });
+                true
+            }
+        }
+    }
+
     /// One health probe of a silent worker (the active check's `--health-check-endpoint`
     /// within `--health-check-timeout-secs`), spawned off the request path so the client's 504
     /// is not delayed. Coalesced: while a probe of the worker is in flight, further no-answer
@@ -146,6 +173,21 @@ impl AppState {
         if self.uses_tree() {
             self.tree.lock().unwrap_or_else(|p| p.into_inner()).remove_tenant(url);
         }
+    }
+
+    /// A request's first attempt: it earns its share of retries for everyone.
+    pub fn retry_budget_deposit(&self) {
+        self.retry_budget.lock().unwrap_or_else(|p| p.into_inner()).deposit(tokio::time::Instant::now().into_std());
+    }
+
+    /// Whether the shared budget allows one more retry now (and spends it if so).
+    pub fn retry_budget_withdraw(&self) -> bool {
+        self.retry_budget.lock().unwrap_or_else(|p| p.into_inner()).try_withdraw(tokio::time::Instant::now().into_std())
+    }
+
+    /// Whether a graceful shutdown has begun.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
     }
 
     /// One step of the round-robin sequence.

@@ -1,4 +1,4 @@
-//! The worker API (SMG-compatible, PROTOCOLS.md §4): add, list, inspect, enable/disable and
+//! The worker API (SMG-compatible, docs/protocols.md §4): add, list, inspect, enable/disable and
 //! drain-then-remove workers at runtime. A second source of the same registry changes as the
 //! static flags and Kubernetes discovery.
 

@@ -1,4 +1,4 @@
-//! SGLang bootstrap rendezvous fields (PROTOCOLS.md §1).
+//! SGLang bootstrap rendezvous fields (docs/protocols.md §1).
 //!
 //! Both legs get the same body with `bootstrap_host`, `bootstrap_port` and `bootstrap_room`; for
 //! a batch (or n>1) each field is a list with one entry and a distinct room per item.

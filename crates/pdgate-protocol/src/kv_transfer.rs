@@ -1,5 +1,5 @@
 //! vLLM `kv_transfer_params` for the NIXL (pull) and Mooncake (push) connectors
-//! (PROTOCOLS.md §2 and §3).
+//! (docs/protocols.md §2 and §3).
 
 use serde_json::{json, Map, Value};
 

@@ -1,5 +1,5 @@
 //! Input-token logprobs in SGLang bootstrap PD: only the prefill computed them, so the gateway
-//! puts the prefill's `meta_info.input_token_logprobs` in front of the decode's (PROTOCOLS.md §1).
+//! puts the prefill's `meta_info.input_token_logprobs` in front of the decode's (docs/protocols.md §1).
 
 use serde_json::Value;
 

@@ -143,7 +143,7 @@ async fn serve_one(stream: TcpStream, app: Router, builder: &http1::Builder, idl
 
 /// One request: the router under `catch_unwind`, the response body tracked for the idle timer.
 async fn handle(mut app: Router, req: Request<Incoming>, activity: Arc<Activity>, metrics: Arc<EdgeMetrics>) -> Result<Response<Tracked>, Infallible> {
-    let busy = Busy::new(activity);
+    let busy = Busy::new(activity, &metrics.requests_in_flight);
     // Kept for the panic report only (cheap clones: shared bytes).
     let client_id = req.headers().get("x-request-id").cloned();
     let path = req.uri().clone();
@@ -201,18 +201,22 @@ impl Activity {
     }
 }
 
-/// A request in flight, until its response body is dropped (sent or abandoned).
-struct Busy(Arc<Activity>);
+/// A request in flight, until its response body is dropped (sent or abandoned). Counted per
+/// connection (idle timer) and gateway-wide (`requests_in_flight`, what a graceful shutdown
+/// waits for).
+struct Busy(Arc<Activity>, prometheus::IntGauge);
 
 impl Busy {
-    fn new(a: Arc<Activity>) -> Self {
+    fn new(a: Arc<Activity>, gateway_wide: &prometheus::IntGauge) -> Self {
         a.in_flight.fetch_add(1, Ordering::AcqRel);
-        Busy(a)
+        gateway_wide.inc();
+        Busy(a, gateway_wide.clone())
     }
 }
 
 impl Drop for Busy {
     fn drop(&mut self) {
+        self.1.dec();
         let ms = u64::try_from(self.0.opened.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.0.last_done_ms.store(ms, Ordering::Release);
         self.0.served.fetch_add(1, Ordering::AcqRel);

@@ -104,6 +104,22 @@ impl From<GatewayError> for AttemptFailure {
     }
 }
 
+/// Asks the breakers of the chosen workers to admit this request, in order; `None` when all
+/// did, else the first that refused (a half-open worker whose one probe is in flight: the
+/// choice was made on a view from before that probe began). Probe slots taken by the earlier
+/// workers are given back, since this choice is not sent.
+pub(crate) fn admit_all(ctx: &Ctx, snap: &pdgate_core::PoolSnapshot, workers: &[usize]) -> Option<usize> {
+    for (k, &w) in workers.iter().enumerate() {
+        if !ctx.state.admit(&snap.worker(w).spec.url) {
+            for &earlier in &workers[..k] {
+                ctx.state.registry.end_probe(&snap.worker(earlier).spec.url);
+            }
+            return Some(w);
+        }
+    }
+    None
+}
+
 /// A request for more tokens than the model's context length can never be served: refuse it
 /// (400 naming the field) instead of letting it wait on the workers until the deadline.
 fn check_context(ctx: &Ctx) -> Result<(), GatewayError> {
@@ -124,6 +140,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         return finish(&ctx, error_response(&err), &record);
     }
     let mut failed: Vec<String> = Vec::new();
+    ctx.state.retry_budget_deposit();
     let response = loop {
         record.attempts += 1;
         if record.attempts > 1 {
@@ -158,7 +175,14 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         }
         let left = ctx.deadline.saturating_duration_since(Instant::now());
         tracing::debug!(request_id = %ctx.request_id, attempt = record.attempts, error = %err, route = %record.full(), "attempt failed");
-        if !ctx.state.retry.should_retry(err, record.attempts, false, left) {
+        let retry = ctx.state.retry.should_retry(err, record.attempts, false, left);
+        // The shared budget is asked last, so only a retry that would happen spends from it.
+        let refused = retry && !ctx.state.retry_budget_withdraw();
+        if refused {
+            metrics.retries_refused.with_label_values(&["budget"]).inc();
+            tracing::debug!(request_id = %ctx.request_id, "retry refused: the shared retry budget is spent");
+        }
+        if !retry || refused {
             crate::edge::log_limit::warn_request(&ctx.state, Some(&ctx.request_id), "request failed", err, Some(&record.header_value()));
             break error_response(err);
         }

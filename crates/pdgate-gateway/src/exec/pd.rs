@@ -1,4 +1,4 @@
-//! Prefill/decode attempts in the three KV protocols (PROTOCOLS.md §1-3).
+//! Prefill/decode attempts in the three KV protocols (docs/protocols.md §1-3).
 //!
 //! - bootstrap: mint rooms, the same body to P and D at once, relay D, drain P.
 //! - nixl:      P first (one token, remote decode), its `kv_transfer_params` → D.
@@ -35,10 +35,18 @@ const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
 pub async fn attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Result<Response, AttemptFailure> {
     let routing = ctx.state.registry.routing();
     let snap = &routing.snapshot;
-    let exclude: Vec<usize> = failed.iter().filter_map(|u| snap.index_of(u)).collect();
+    let mut exclude: Vec<usize> = failed.iter().filter_map(|u| snap.index_of(u)).collect();
     let text = ctx.routing_text();
     let (pp, dp) = (ctx.state.prefill_policy.as_ref(), ctx.state.decode_policy.as_ref());
-    let chosen = ctx.decide(&routing, text.as_deref(), |input| select_pair(snap, pp, dp, input, &exclude, &mut rand::rng()));
+    let chosen = loop {
+        let chosen = ctx.decide(&routing, text.as_deref(), |input| select_pair(snap, pp, dp, input, &exclude, &mut rand::rng()));
+        let Ok((p, d)) = &chosen else { break chosen };
+        match super::admit_all(ctx, snap, &[p.worker, d.worker]) {
+            None => break chosen,
+            Some(refused) if !exclude.contains(&refused) => exclude.push(refused),
+            Some(_) => break Err(GatewayError::no_workers("prefill/decode (the only candidates are half-open, their one probe in flight)")),
+        }
+    };
     if let Ok((p, d)) = &chosen {
         if pp.uses_tree() {
             ctx.remember(text.as_deref(), &snap.worker(p.worker).spec.url);

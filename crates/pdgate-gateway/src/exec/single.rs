@@ -23,10 +23,17 @@ use crate::record::Record;
 pub async fn regular_attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Result<Response, AttemptFailure> {
     let routing = ctx.state.registry.routing();
     let snap = &routing.snapshot;
-    let exclude: Vec<usize> = failed.iter().filter_map(|u| snap.index_of(u)).collect();
+    let mut exclude: Vec<usize> = failed.iter().filter_map(|u| snap.index_of(u)).collect();
     let text = ctx.routing_text();
     let policy = ctx.state.regular_policy.as_ref();
-    let choice = ctx.decide(&routing, text.as_deref(), |input| select_regular(snap, policy, input, &exclude, &mut rand::rng()))?;
+    let choice = loop {
+        let choice = ctx.decide(&routing, text.as_deref(), |input| select_regular(snap, policy, input, &exclude, &mut rand::rng()))?;
+        match super::admit_all(ctx, snap, &[choice.worker]) {
+            None => break choice,
+            Some(refused) if !exclude.contains(&refused) => exclude.push(refused),
+            Some(_) => return Err(GatewayError::no_workers("regular (the only candidates are half-open, their one probe in flight)").into()),
+        }
+    };
     if policy.uses_tree() {
         ctx.remember(text.as_deref(), &snap.worker(choice.worker).spec.url);
     }
