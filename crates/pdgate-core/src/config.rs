@@ -26,25 +26,6 @@ pub enum PolicyName {
     ConsistentHash,
 }
 
-/// One prefill worker as given to the gateway: URL plus the bootstrap port of its KV rendezvous.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct PrefillArg {
-    pub url: String,
-    /// `None` means the engine's own default (8998 for SGLang).
-    pub bootstrap_port: Option<u16>,
-    /// Per-worker override of `kv_connector`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub kv_connector: Option<KvConnector>,
-}
-
-/// One decode or regular worker: a URL, optionally with its own KV connector.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct WorkerArg {
-    pub url: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub kv_connector: Option<KvConnector>,
-}
-
 #[derive(Clone, Debug, Parser, Serialize, Deserialize, PartialEq)]
 #[command(
     name = "pdgate-gateway",
@@ -69,14 +50,16 @@ pub struct GatewayConfig {
     #[arg(long)]
     pub pd_disaggregation: bool,
 
-    /// A prefill worker, optionally its bootstrap port (`none` for the engine default) and
-    /// `kv_connector=NAME` to override the global connector. Repeat for more workers.
-    #[arg(long, num_args = 1..=3, action = ArgAction::Append, value_names = ["URL", "BOOTSTRAP_PORT"])]
+    /// A prefill worker, optionally its bootstrap port (`none` for the engine default), then
+    /// any of `kv_connector=NAME` (overrides the global connector), `kv_engine_id=ID` (a
+    /// Mooncake prefill's engine id) and `label=KEY=VALUE` (repeatable). Repeat for more workers.
+    #[arg(long, num_args = 1.., action = ArgAction::Append, value_names = ["URL", "BOOTSTRAP_PORT"])]
     #[serde(deserialize_with = "crate::config_serde::prefill_list")]
     pub prefill: Vec<Vec<String>>,
 
-    /// A decode worker, optionally followed by `kv_connector=NAME`. Repeat for more workers.
-    #[arg(long, num_args = 1..=2, action = ArgAction::Append, value_name = "URL")]
+    /// A decode worker, optionally followed by `kv_connector=NAME` and `label=KEY=VALUE`
+    /// (repeatable). Repeat for more workers.
+    #[arg(long, num_args = 1.., action = ArgAction::Append, value_name = "URL")]
     #[serde(deserialize_with = "crate::config_serde::decode_list")]
     pub decode: Vec<Vec<String>>,
 
@@ -512,19 +495,13 @@ impl GatewayConfig {
     pub fn workers(&self) -> Result<Vec<WorkerSpec>, ConfigError> {
         let mut out = Vec::new();
         for url in &self.worker_urls {
-            out.push(WorkerSpec::new(url, WorkerRole::Regular).map_err(ConfigError::Invalid)?);
+            let reg = crate::registration::WorkerRegistration::new(url.clone(), WorkerRole::Regular);
+            out.push(reg.into_spec(false).map_err(|e| ConfigError::Invalid(e.message))?);
         }
-        for arg in self.prefill_args()? {
-            let mut spec = WorkerSpec::new(&arg.url, WorkerRole::Prefill).map_err(ConfigError::Invalid)?;
-            spec.bootstrap_port = arg.bootstrap_port;
-            spec.kv_connector = arg.kv_connector;
-            out.push(spec);
-        }
+        out.extend(self.prefill_args()?);
         for tokens in &self.decode {
-            let arg = crate::config_serde::decode_from_tokens(tokens).map_err(ConfigError::Invalid)?;
-            let mut spec = WorkerSpec::new(&arg.url, WorkerRole::Decode).map_err(ConfigError::Invalid)?;
-            spec.kv_connector = arg.kv_connector;
-            out.push(spec);
+            let reg = crate::config_serde::decode_from_tokens(tokens).map_err(ConfigError::Invalid)?;
+            out.push(reg.into_spec(true).map_err(|e| ConfigError::Invalid(e.message))?);
         }
         let mut seen = std::collections::HashSet::new();
         for w in &out {
@@ -535,11 +512,14 @@ impl GatewayConfig {
         Ok(out)
     }
 
-    /// `--prefill URL [PORT]` occurrences as structured values.
-    pub fn prefill_args(&self) -> Result<Vec<PrefillArg>, ConfigError> {
+    /// `--prefill URL [PORT] ...` occurrences as worker specs.
+    pub fn prefill_args(&self) -> Result<Vec<WorkerSpec>, ConfigError> {
         self.prefill
             .iter()
-            .map(|tokens| crate::config_serde::prefill_from_tokens(tokens).map_err(ConfigError::Invalid))
+            .map(|tokens| {
+                let reg = crate::config_serde::prefill_from_tokens(tokens).map_err(ConfigError::Invalid)?;
+                reg.into_spec(true).map_err(|e| ConfigError::Invalid(e.message))
+            })
             .collect()
     }
 

@@ -45,6 +45,9 @@ pub struct Runtime {
     /// in flight, `Some(n)` while one is, with the `n` timeouts that take its verdict. At most
     /// one probe per worker, however many requests of a burst time out (state.rs).
     pub probe: Mutex<Option<u32>>,
+    /// Mooncake prefill: the engine id in use, seeded from the registration (`kv_engine_id`)
+    /// or learned from its bootstrap `/query`; cleared when a transfer with it failed.
+    pub engine_id: Mutex<Option<String>>,
 }
 
 impl Runtime {
@@ -75,7 +78,6 @@ pub struct Entry {
     pub enabled: bool,
     pub draining: bool,
     pub info: EngineInfo,
-    pub kv_engine_id: Option<String>,
     pub runtime: Arc<Runtime>,
 }
 
@@ -151,7 +153,7 @@ impl Registry {
             clock,
         };
         for spec in specs {
-            let _ = reg.add(spec, Source::Static, None);
+            let _ = reg.add(spec, Source::Static);
         }
         reg
     }
@@ -212,11 +214,14 @@ impl Registry {
         out
     }
 
-    pub fn add(&self, spec: WorkerSpec, source: Source, kv_engine_id: Option<String>) -> Result<Entry, RegistryError> {
+    /// Adds a worker (in the gateway, through `membership::apply`: the one entry point of
+    /// membership changes).
+    pub fn add(&self, spec: WorkerSpec, source: Source) -> Result<Entry, RegistryError> {
         self.edit(|entries| {
             if let Some(e) = entries.iter().find(|e| e.spec.url == spec.url) {
                 return Err(RegistryError::Duplicate(e.id.clone()));
             }
+            let engine_id = Mutex::new(spec.kv_engine_id.clone());
             let entry = Entry {
                 id: worker_id(&spec.url),
                 spec: Arc::new(spec),
@@ -225,8 +230,7 @@ impl Registry {
                 enabled: true,
                 draining: false,
                 info: EngineInfo::default(),
-                kv_engine_id,
-                runtime: Arc::new(Runtime { polled_load: AtomicI64::new(-1), ..Default::default() }),
+                runtime: Arc::new(Runtime { polled_load: AtomicI64::new(-1), engine_id, ..Default::default() }),
             };
             entries.push(entry.clone());
             Ok(entry)
@@ -418,7 +422,7 @@ mod tests {
     #[test]
     fn duplicates_are_refused_and_drain_waits_for_inflight() {
         let reg = Registry::new(vec![spec("http://a:1", WorkerRole::Regular)], opts(), BreakerConfig::default());
-        assert!(matches!(reg.add(spec("http://a:1", WorkerRole::Regular), Source::Api, None), Err(RegistryError::Duplicate(_))));
+        assert!(matches!(reg.add(spec("http://a:1", WorkerRole::Regular), Source::Api), Err(RegistryError::Duplicate(_))));
         let e = reg.get("http://a:1").unwrap();
         reg.observe_health(&e.id, true, 1, 1);
         assert_eq!(reg.routing().snapshot.eligible(WorkerRole::Regular).len(), 1);

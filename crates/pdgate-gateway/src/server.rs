@@ -13,7 +13,8 @@ use tokio::task::JoinHandle;
 
 use crate::edge::conn::{self, Limits};
 use crate::edge::own_addr::OwnListener;
-use crate::registry::Registry;
+use crate::membership::{self, Change};
+use crate::registry::{Registry, Source};
 use crate::state::AppState;
 use crate::{front, health, load};
 
@@ -96,10 +97,14 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     }
     announce_admin_api(&config, addr);
     let limits = Limits::from_config(&config);
-    let registry = Registry::new(workers, options, BreakerConfig::from_config(&config));
+    let registry = Registry::new(Vec::new(), options, BreakerConfig::from_config(&config));
     let mut state = AppState::new(config, registry);
     state.edge.own = own;
     let state = Arc::new(state);
+    // The static flags are the first source of membership changes (membership.rs).
+    for spec in workers {
+        let _ = membership::apply(&state, Change::Add(spec, Source::Static));
+    }
     let edge_metrics = state.metrics.edge.clone();
     let (tx, rx) = watch::channel(false);
     health::spawn_supervisor(&state, rx.clone());

@@ -1,6 +1,5 @@
 //! Everything a request handler shares: config, registry, client, metrics, policies.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -39,8 +38,6 @@ pub struct AppState {
     /// Recent prompts per worker, for cache-aware policies (keys are worker URLs, so one tree
     /// serves every pool). Locked only around a decision and its insert, never across an await.
     pub tree: Mutex<RadixTree>,
-    /// Mooncake: prefill URL → engine id learned from its bootstrap server's `/query`.
-    engine_ids: Mutex<HashMap<String, String>>,
     /// The client edge: hop token, own listener, log limiter (src/edge).
     pub edge: crate::edge::Edge,
 }
@@ -63,7 +60,6 @@ impl AppState {
             draining: std::sync::atomic::AtomicBool::new(false),
             sequence: AtomicU64::new(0),
             tree: Mutex::new(RadixTree::new()),
-            engine_ids: Mutex::new(HashMap::new()),
             edge: crate::edge::Edge::new(),
             registry,
             config,
@@ -199,16 +195,25 @@ impl AppState {
         Duration::from_secs(self.config.request_timeout_secs)
     }
 
+    /// A Mooncake prefill's engine id, stored once: in the worker's runtime record (seeded from
+    /// its registration, else learned from `/query`).
     pub fn cached_engine_id(&self, prefill_url: &str) -> Option<String> {
-        self.engine_ids.lock().unwrap_or_else(|p| p.into_inner()).get(prefill_url).cloned()
+        self.with_engine_id(prefill_url, |id| id.clone()).flatten()
     }
 
     pub fn store_engine_id(&self, prefill_url: &str, id: String) {
-        self.engine_ids.lock().unwrap_or_else(|p| p.into_inner()).insert(prefill_url.to_string(), id);
+        self.with_engine_id(prefill_url, |slot| *slot = Some(id));
     }
 
     /// Forget a prefill's engine id (it may have restarted with a new one).
     pub fn forget_engine_id(&self, prefill_url: &str) {
-        self.engine_ids.lock().unwrap_or_else(|p| p.into_inner()).remove(prefill_url);
+        self.with_engine_id(prefill_url, |slot| *slot = None);
+    }
+
+    fn with_engine_id<T>(&self, prefill_url: &str, f: impl FnOnce(&mut Option<String>) -> T) -> Option<T> {
+        let routing = self.registry.routing();
+        let runtime = &routing.runtime[routing.snapshot.index_of(prefill_url)?];
+        let mut slot = runtime.engine_id.lock().unwrap_or_else(|p| p.into_inner());
+        Some(f(&mut slot))
     }
 }

@@ -27,8 +27,6 @@ use crate::metrics::InflightGuard;
 use crate::registry::Runtime;
 use crate::record::{Record, Rendezvous};
 
-/// Default port of an engine's bootstrap server when the gateway was given none.
-const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 /// Longest wait for a Mooncake bootstrap `/query`.
 const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -189,7 +187,7 @@ async fn run_nixl(ctx: &Ctx, p: &Picked, d: &Picked, record: &mut Record) -> Res
 }
 
 fn bootstrap_base(p: &WorkerSpec) -> String {
-    let port = p.bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT);
+    let port = p.bootstrap_port.unwrap_or(pdgate_core::worker::DEFAULT_BOOTSTRAP_PORT);
     if p.host.contains(':') {
         format!("http://[{}]:{port}", p.host)
     } else {
