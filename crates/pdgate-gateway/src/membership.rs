@@ -49,11 +49,19 @@ fn drain(state: &Arc<AppState>, key: &str) -> Result<Entry, RegistryError> {
     let (id, url) = (entry.id.clone(), entry.spec.url.clone());
     tokio::spawn(async move {
         let deadline = tokio::time::Instant::now() + state.request_timeout();
-        while !state.registry.finish_drain(&id, tokio::time::Instant::now() >= deadline) {
+        loop {
+            if state.registry.finish_drain(&id, false) {
+                state.forget_worker(&url);
+                tracing::info!(id = %id, "drained worker removed");
+                return;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                tracing::info!(id = %id, "drain timed out: removing the worker with requests still in flight");
+                let _ = apply(&state, Change::Remove(id));
+                return;
+            }
             tokio::time::sleep(DRAIN_POLL).await;
         }
-        state.forget_worker(&url);
-        tracing::info!(id = %id, "drained worker removed");
     });
     Ok(entry)
 }

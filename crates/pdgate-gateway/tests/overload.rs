@@ -3,7 +3,6 @@
 
 mod common;
 
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::mocks::{spawn, Fault, Mock};
@@ -90,7 +89,8 @@ async fn a_half_open_breaker_lets_one_probe_through_at_a_time() {
     sick.set_fault(Fault::Slow(2000));
     tokio::time::sleep(Duration::from_secs(6)).await;
     let (sick_before, well_before) = (sick.log().count(), well.log().count());
-    let answers = join_all((0..10).map(|_| post(&url, &json!({"prompt": "x"})))).await;
+    let body = json!({"prompt": "x"});
+    let answers = join_all((0..10).map(|_| post(&url, &body))).await;
     for (status, text) in &answers {
         assert_eq!(*status, 200, "{text}");
     }
@@ -110,11 +110,13 @@ async fn a_half_open_breaker_lets_one_probe_through_at_a_time() {
 async fn shutdown_refuses_new_requests_and_lets_streams_in_flight_finish() {
     let (gw, url, workers) = regular_pool(1, json!({"shutdown_grace_period_secs": 60})).await;
     workers[0].set_fault(Fault::SlowStream(500));
-    let streams = join_all((0..5).map(|_| post(&url, &json!({"prompt": "x", "stream": true, "max_tokens": 8}))));
+    let body = json!({"prompt": "x", "stream": true, "max_tokens": 8});
+    let streams = join_all((0..5).map(|_| post(&url, &body)));
     let (worker, url) = (&workers[0], url.as_str());
     let during = async move {
-        // Until the five streams are running on the worker.
-        while worker.log().active() < 5 {
+        // Until the five streams reached the worker (a mock's stream outlives its handler, so
+        // `active` does not count it; `count` does once the request arrived).
+        while worker.log().count() < 5 {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let stop = tokio::spawn(gw.shutdown());
@@ -125,7 +127,6 @@ async fn shutdown_refuses_new_requests_and_lets_streams_in_flight_finish() {
         let (status, text) = post(&url, &json!({"prompt": "x"})).await;
         assert_eq!(status, 503, "{text}");
         assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["error"]["code"], "shutting_down");
-        assert_eq!(worker.log().active(), 5, "the streams were cut");
         stop
     };
     let (answers, stop) = tokio::join!(streams, during);
@@ -135,7 +136,6 @@ async fn shutdown_refuses_new_requests_and_lets_streams_in_flight_finish() {
     }
     tokio::time::timeout(Duration::from_secs(5), stop).await.expect("shutdown did not return").unwrap();
     assert_eq!(workers[0].log().count(), 5, "the refused request reached the worker");
-    assert_eq!(workers[0].log().active.load(Ordering::SeqCst), 0);
 }
 
 /// A stream longer than the grace period is cut at its end, and shutdown returns then.
@@ -147,7 +147,7 @@ async fn shutdown_cuts_what_outlives_the_grace_period() {
         let url = url.clone();
         async move { post(&url, &json!({"prompt": "x", "stream": true})).await }
     });
-    while workers[0].log().active() < 1 {
+    while workers[0].log().count() < 1 {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let started = tokio::time::Instant::now();
