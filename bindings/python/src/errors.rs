@@ -9,10 +9,7 @@ use pyo3::types::PyTuple;
 
 /// Instantiate `pdgate.errors.<class>(*args)` as a `PyErr`.
 fn raise<'py>(py: Python<'py>, class: &str, args: Bound<'py, PyTuple>, fallback: String) -> PyErr {
-    let made = py
-        .import("pdgate.errors")
-        .and_then(|m| m.getattr(class))
-        .and_then(|cls| cls.call1(args));
+    let made = py.import("pdgate.errors").and_then(|m| m.getattr(class)).and_then(|cls| cls.call1(args));
     match made {
         Ok(exc) => PyErr::from_value(exc),
         // Only if the Python package is broken: still raise something readable.

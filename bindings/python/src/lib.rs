@@ -36,24 +36,17 @@ fn parse_cli(py: Python<'_>, argv: Vec<String>) -> PyResult<String> {
             // apply here, never in the config schema or the Python API.
             config.fill_from_env(|var| std::env::var(var).ok());
             // clap checks each flag; the cross-field rules live in `validate`.
-            config
-                .validate()
-                .map_err(|e| errors::config_error(py, e.to_string()))?;
+            config.validate().map_err(|e| errors::config_error(py, e.to_string()))?;
             Ok(config.to_json())
         }
-        Err(e) => Err(errors::command_line_error(
-            py,
-            e.render().to_string(),
-            e.exit_code(),
-        )),
+        Err(e) => Err(errors::command_line_error(py, e.render().to_string(), e.exit_code())),
     }
 }
 
 /// Validate config JSON and return it complete (every option present, defaults filled in).
 #[pyfunction]
 fn normalize_config(py: Python<'_>, config_json: &str) -> PyResult<String> {
-    let config = GatewayConfig::from_json(config_json)
-        .map_err(|e| errors::config_error(py, e.to_string()))?;
+    let config = GatewayConfig::from_json(config_json).map_err(|e| errors::config_error(py, e.to_string()))?;
     Ok(config.to_json())
 }
 

@@ -33,13 +33,7 @@ pub struct BreakerConfig {
 
 impl Default for BreakerConfig {
     fn default() -> Self {
-        BreakerConfig {
-            enabled: true,
-            failure_threshold: 5,
-            success_threshold: 2,
-            cooldown: Duration::from_secs(30),
-            probe_timeout: Duration::from_secs(600),
-        }
+        BreakerConfig { enabled: true, failure_threshold: 5, success_threshold: 2, cooldown: Duration::from_secs(30), probe_timeout: Duration::from_secs(600) }
     }
 }
 
@@ -304,13 +298,7 @@ mod tests {
     use super::*;
 
     fn cfg() -> BreakerConfig {
-        BreakerConfig {
-            enabled: true,
-            failure_threshold: 3,
-            success_threshold: 2,
-            cooldown: Duration::from_secs(30),
-            probe_timeout: Duration::from_secs(60),
-        }
+        BreakerConfig { enabled: true, failure_threshold: 3, success_threshold: 2, cooldown: Duration::from_secs(30), probe_timeout: Duration::from_secs(60) }
     }
 
     #[test]

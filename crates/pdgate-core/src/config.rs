@@ -27,11 +27,7 @@ pub enum PolicyName {
 }
 
 #[derive(Clone, Debug, Parser, Serialize, Deserialize, PartialEq)]
-#[command(
-    name = "pdgate-gateway",
-    about = "pdgate: a gateway for prefill/decode disaggregated LLM serving",
-    version
-)]
+#[command(name = "pdgate-gateway", about = "pdgate: a gateway for prefill/decode disaggregated LLM serving", version)]
 #[serde(default, deny_unknown_fields)]
 pub struct GatewayConfig {
     /// Address to listen on.

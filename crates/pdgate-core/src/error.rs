@@ -33,7 +33,9 @@ impl Leg {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ErrorKind {
     /// The client's request is malformed (400). `param` names the field when known.
-    InvalidRequest { param: Option<String> },
+    InvalidRequest {
+        param: Option<String>,
+    },
     PayloadTooLarge,
     NotFound,
     MethodNotAllowed,
@@ -50,7 +52,10 @@ pub enum ErrorKind {
     /// Could not connect to the worker, or it closed the connection before answering.
     WorkerUnreachable,
     /// The worker answered with a non-success status; `body` is its error body, if any.
-    WorkerStatus { status: u16, body: Option<String> },
+    WorkerStatus {
+        status: u16,
+        body: Option<String>,
+    },
     /// The worker's answer was broken (bad JSON, cut stream, missing PD fields).
     WorkerProtocol,
     /// The worker's answer is not what the request asked for: not JSON of the endpoint's shape,

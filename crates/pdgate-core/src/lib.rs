@@ -20,13 +20,13 @@ pub mod route;
 pub mod snapshot;
 pub mod worker;
 
+pub use breaker::{Breaker, BreakerConfig, BreakerState, Judgement, Outcome};
 pub use config::{ConfigError, GatewayConfig, PolicyName};
 pub use error::{ErrorKind, GatewayError, Leg, Source};
-pub use breaker::{Breaker, BreakerConfig, BreakerState, Judgement, Outcome};
 pub use health::HealthState;
 pub use pairing::{KvLayout, PairingKey, PairingMode};
 pub use policy::{make_policy, make_policy_with, LoadView, Policy, PolicyOptions, RouteInput, Selection};
 pub use radix::RadixTree;
-pub use snapshot::{PoolSnapshot, SnapshotOptions, WorkerView};
 pub use registration::{RegistrationError, WorkerRegistration};
+pub use snapshot::{PoolSnapshot, SnapshotOptions, WorkerView};
 pub use worker::{KvConnector, WorkerRole, WorkerSpec, DEFAULT_BOOTSTRAP_PORT};

@@ -35,11 +35,7 @@ impl Default for RetryBudgetConfig {
 
 impl RetryBudgetConfig {
     pub fn from_config(c: &GatewayConfig) -> Self {
-        RetryBudgetConfig {
-            ratio: c.retry_budget_ratio.max(0.0),
-            min_per_sec: c.retry_budget_min_per_sec,
-            window: Duration::from_secs(c.retry_budget_window_secs.max(1)),
-        }
+        RetryBudgetConfig { ratio: c.retry_budget_ratio.max(0.0), min_per_sec: c.retry_budget_min_per_sec, window: Duration::from_secs(c.retry_budget_window_secs.max(1)) }
     }
 }
 

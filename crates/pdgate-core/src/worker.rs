@@ -113,17 +113,7 @@ impl WorkerSpec {
         }
         // The parsed form: scheme and host lower-cased, so one worker has one URL.
         let url = parsed.as_str().trim_end_matches('/').to_string();
-        Ok(WorkerSpec {
-            url,
-            role,
-            host,
-            bootstrap_port: None,
-            kv_connector: None,
-            labels: BTreeMap::new(),
-            runtime: None,
-            kv_layout: KvLayout::default(),
-            kv_engine_id: None,
-        })
+        Ok(WorkerSpec { url, role, host, bootstrap_port: None, kv_connector: None, labels: BTreeMap::new(), runtime: None, kv_layout: KvLayout::default(), kv_engine_id: None })
     }
 
     /// The connector this worker speaks, given the gateway-wide default.

@@ -12,11 +12,20 @@ fn cli(args: &[&str]) -> GatewayConfig {
 fn smg_style_prefill_flags_group_url_and_port() {
     let c = cli(&[
         "--pd-disaggregation",
-        "--prefill", "http://p1:30000", "8998",
-        "--prefill", "http://p2:30000",
-        "--prefill", "http://p3:30000", "none", "kv_connector=nixl",
-        "--decode", "http://d1:30001",
-        "--decode", "http://d2:30001", "kv_connector=nixl",
+        "--prefill",
+        "http://p1:30000",
+        "8998",
+        "--prefill",
+        "http://p2:30000",
+        "--prefill",
+        "http://p3:30000",
+        "none",
+        "kv_connector=nixl",
+        "--decode",
+        "http://d1:30001",
+        "--decode",
+        "http://d2:30001",
+        "kv_connector=nixl",
     ]);
     c.validate().unwrap();
     let p = c.prefill_args().unwrap();

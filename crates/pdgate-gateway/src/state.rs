@@ -7,10 +7,10 @@ use std::time::Duration;
 use std::sync::Arc;
 
 use pdgate_core::breaker::{BreakerState, Judgement, Outcome};
+use pdgate_core::policy::{make_policy_with, PolicyOptions};
 use pdgate_core::radix::RadixTree;
 use pdgate_core::retry::RetryPolicy;
 use pdgate_core::retry_budget::{RetryBudget, RetryBudgetConfig};
-use pdgate_core::policy::{make_policy_with, PolicyOptions};
 use pdgate_core::{GatewayConfig, Policy};
 use pdgate_protocol::Limits;
 

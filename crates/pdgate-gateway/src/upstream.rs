@@ -38,10 +38,7 @@ impl Upstream {
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(connect_timeout));
         connector.enforce_http(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .pool_max_idle_per_host(256)
-            .build(connector);
+        let client = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(60)).pool_max_idle_per_host(256).build(connector);
         Upstream { limits: AnswerLimits::from_config(&pdgate_core::GatewayConfig::default()), client }
     }
 
@@ -64,18 +61,13 @@ impl Upstream {
             Some(via) => req.header(header::VIA, via),
             None => req,
         };
-        let req = req
-            .body(Full::new(body))
-            .map_err(|e| GatewayError::internal(format!("cannot build request to {base}{path}: {e}")))?;
+        let req = req.body(Full::new(body)).map_err(|e| GatewayError::internal(format!("cannot build request to {base}{path}: {e}")))?;
         self.client.request(req).await.map_err(|e| unreachable(leg, base, &e))
     }
 
     pub async fn get(&self, url: &str, leg: Leg) -> Result<Response<Incoming>, GatewayError> {
-        let req = Request::builder()
-            .method(Method::GET)
-            .uri(url)
-            .body(Full::new(Bytes::new()))
-            .map_err(|e| GatewayError::internal(format!("cannot build request to {url}: {e}")))?;
+        let req =
+            Request::builder().method(Method::GET).uri(url).body(Full::new(Bytes::new())).map_err(|e| GatewayError::internal(format!("cannot build request to {url}: {e}")))?;
         self.client.request(req).await.map_err(|e| unreachable(leg, url, &e))
     }
 }

@@ -23,9 +23,7 @@ use crate::render::error_response;
 use crate::state::AppState;
 
 pub fn routes() -> Router<Arc<AppState>> {
-    Router::new()
-        .route("/workers", get(list).post(add))
-        .route("/workers/{id}", get(one).delete(remove).put(update))
+    Router::new().route("/workers", get(list).post(add)).route("/workers/{id}", get(one).delete(remove).put(update))
 }
 
 #[derive(Deserialize)]
@@ -101,10 +99,7 @@ async fn add(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
                 WorkerRole::Regular => "null",
             };
             if mode != expected {
-                return Err(GatewayError::invalid(
-                    Some("worker_type"),
-                    format!("{} reports disaggregation_mode {mode:?} but was added as {}", spec.url, spec.role.as_str()),
-                ));
+                return Err(GatewayError::invalid(Some("worker_type"), format!("{} reports disaggregation_mode {mode:?} but was added as {}", spec.url, spec.role.as_str())));
             }
         }
         let entry = membership::apply(&state, Change::Add(spec, Source::Api)).map_err(|e| match e {

@@ -65,8 +65,11 @@ mod tests {
     fn batch_gets_lists_and_null_port_stays_null() {
         let mut body = Map::new();
         inject(&mut body, "h", None, &Rooms::Batch(vec![1, 2, 3]));
-        assert_eq!(Value::Object(body.clone()), json!({
-            "bootstrap_host": ["h", "h", "h"], "bootstrap_port": [null, null, null], "bootstrap_room": [1, 2, 3]
-        }));
+        assert_eq!(
+            Value::Object(body.clone()),
+            json!({
+                "bootstrap_host": ["h", "h", "h"], "bootstrap_port": [null, null, null], "bootstrap_room": [1, 2, 3]
+            })
+        );
     }
 }

@@ -66,12 +66,7 @@ pub fn mooncake_prefill_body(original: &Map<String, Value>, transfer_id: &str) -
     prefill_common(original, json!({"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": transfer_id}))
 }
 
-pub fn mooncake_decode_body(
-    original: &Map<String, Value>,
-    transfer_id: &str,
-    engine_id: &str,
-    bootstrap_addr: &str,
-) -> Map<String, Value> {
+pub fn mooncake_decode_body(original: &Map<String, Value>, transfer_id: &str, engine_id: &str, bootstrap_addr: &str) -> Map<String, Value> {
     let mut body = original.clone();
     body.insert(
         "kv_transfer_params".into(),

@@ -8,9 +8,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use crate::health::check_and_record;
+use crate::membership::{self, Change};
 use crate::registry::{Entry, RegistryError, Source};
 use crate::state::AppState;
-use crate::membership::{self, Change};
 
 use super::pod::Candidate;
 

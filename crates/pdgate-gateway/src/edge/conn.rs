@@ -49,11 +49,7 @@ pub struct Limits {
 
 impl Limits {
     pub fn from_config(c: &GatewayConfig) -> Self {
-        Limits {
-            header_read: Duration::from_secs(c.header_read_timeout_secs),
-            idle: Duration::from_secs(c.idle_timeout_secs),
-            max_connections: c.max_connections,
-        }
+        Limits { header_read: Duration::from_secs(c.header_read_timeout_secs), idle: Duration::from_secs(c.idle_timeout_secs), max_connections: c.max_connections }
     }
 }
 
@@ -291,9 +287,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_panicking_handler_is_answered_500_and_the_server_keeps_serving() {
-        let app = Router::new()
-            .route("/panic", get(boom))
-            .route("/ok", get(|| async { "fine" }));
+        let app = Router::new().route("/panic", get(boom)).route("/ok", get(|| async { "fine" }));
         let metrics = crate::metrics::Metrics::new().edge;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();

@@ -32,18 +32,8 @@ pub fn answering_deadline_error(leg: Leg) -> GatewayError {
 
 /// Sends one leg and waits for a 2xx response head. A non-2xx answer becomes an error carrying
 /// the worker's error body (read within the deadline).
-pub async fn send(
-    upstream: &Upstream,
-    url: &str,
-    path: &str,
-    body: Bytes,
-    request_id: &str,
-    leg: Leg,
-    deadline: Instant,
-) -> Result<Response<Incoming>, GatewayError> {
-    let resp = timeout_at(deadline, upstream.post_json(url, path, body, request_id, leg))
-        .await
-        .map_err(|_| deadline_error(leg))??;
+pub async fn send(upstream: &Upstream, url: &str, path: &str, body: Bytes, request_id: &str, leg: Leg, deadline: Instant) -> Result<Response<Incoming>, GatewayError> {
+    let resp = timeout_at(deadline, upstream.post_json(url, path, body, request_id, leg)).await.map_err(|_| deadline_error(leg))??;
     let status = resp.status();
     if status.is_success() {
         return Ok(resp);
@@ -91,15 +81,7 @@ async fn read_all(mut body: Incoming, limit: usize, leg: Leg) -> Result<Bytes, G
 }
 
 /// Sends a leg and reads its whole answer.
-pub async fn send_and_read(
-    upstream: &Upstream,
-    url: &str,
-    path: &str,
-    body: Bytes,
-    request_id: &str,
-    leg: Leg,
-    deadline: Instant,
-) -> Result<Bytes, GatewayError> {
+pub async fn send_and_read(upstream: &Upstream, url: &str, path: &str, body: Bytes, request_id: &str, leg: Leg, deadline: Instant) -> Result<Bytes, GatewayError> {
     let resp = send(upstream, url, path, body, request_id, leg, deadline).await?;
     check_head_encoding(&resp, leg)?;
     read_limited(resp.into_body(), upstream.limits.max_response_bytes, leg, deadline).await

@@ -69,13 +69,7 @@ impl Ctx {
     /// key, the text and, when a policy reads it, the radix tree (locked for the decision only).
     pub fn decide<T>(&self, routing: &Routing, text: Option<&str>, select: impl FnOnce(&RouteInput<'_>) -> T) -> T {
         let loads = self.state.loads(&routing.runtime);
-        let input = RouteInput {
-            text,
-            key: self.session_key.as_deref(),
-            sequence: self.state.next_sequence(),
-            loads: &loads,
-            ..RouteInput::default()
-        };
+        let input = RouteInput { text, key: self.session_key.as_deref(), sequence: self.state.next_sequence(), loads: &loads, ..RouteInput::default() };
         if !self.state.uses_tree() {
             return select(&input);
         }
@@ -147,11 +141,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
             // A retry is a new rendezvous: the old id may still be live on the failed pair.
             ctx.request_id = crate::request_id::mint(ctx.client_request_id.as_deref());
         }
-        let result = if ctx.state.config.pd_disaggregation {
-            pd::attempt(&ctx, &failed, &mut record).await
-        } else {
-            single::regular_attempt(&ctx, &failed, &mut record).await
-        };
+        let result = if ctx.state.config.pd_disaggregation { pd::attempt(&ctx, &failed, &mut record).await } else { single::regular_attempt(&ctx, &failed, &mut record).await };
         let failure = match result {
             Ok(resp) => {
                 // A stream's relayed worker is judged when the stream ends (relay.rs).

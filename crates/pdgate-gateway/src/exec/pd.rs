@@ -24,8 +24,8 @@ use super::relay::{Finish, PrefillFuture};
 use super::single::relay_leg;
 use super::{AttemptFailure, Ctx};
 use crate::metrics::InflightGuard;
-use crate::registry::Runtime;
 use crate::record::{Record, Rendezvous};
+use crate::registry::Runtime;
 
 /// Longest wait for a Mooncake bootstrap `/query`.
 const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -163,8 +163,7 @@ async fn run_nixl(ctx: &Ctx, p: &Picked, d: &Picked, record: &mut Record) -> Res
     let p_body = to_bytes(&kv_transfer::nixl_prefill_body(&ctx.req.body))?;
     let accounting = finish(ctx, KvConnector::Nixl, p, d);
     let answer = spawn_prefill(ctx, p, p_body, KvConnector::Nixl).await?;
-    let answer: Value = serde_json::from_slice(&answer)
-        .map_err(|e| GatewayError::protocol(Leg::Prefill, format!("prefill answer is not JSON: {e}")))?;
+    let answer: Value = serde_json::from_slice(&answer).map_err(|e| GatewayError::protocol(Leg::Prefill, format!("prefill answer is not JSON: {e}")))?;
     let metrics = &ctx.state.metrics;
     let (d_body, counted) = match kv_transfer::returned_params(&answer) {
         Some(params) => {
@@ -226,4 +225,3 @@ async fn run_mooncake(ctx: &Ctx, p: &Picked, d: &Picked, record: &mut Record) ->
     let prefill = spawn_prefill(ctx, p, p_body, KvConnector::Mooncake);
     relay_leg(ctx, &d.spec.url, Leg::Decode, d_body, Some(prefill), false, finish(ctx, KvConnector::Mooncake, p, d)).await
 }
-

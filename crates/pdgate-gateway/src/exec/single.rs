@@ -54,20 +54,14 @@ pub async fn regular_attempt(ctx: &Ctx, failed: &[String], record: &mut Record) 
     };
     // The received bytes unless the parser removed gateway-owned fields (see `Ctx::forward_body`).
     let body = ctx.forward_body().map_err(|error| AttemptFailure { error, worker: None })?;
-    relay_leg(ctx, &url, Leg::Regular, body, None, false, finish)
-        .await
-        .map_err(|error| AttemptFailure { error, worker: Some(url) })
+    relay_leg(ctx, &url, Leg::Regular, body, None, false, finish).await.map_err(|error| AttemptFailure { error, worker: Some(url) })
 }
 
 /// Runs `fut` while watching the prefill leg: a prefill failure aborts `fut` (which drops the
 /// decode connection) and becomes the result; a prefill success is kept in `p_out`. When both
 /// end at once (the deadline, with neither leg answering: in SGLang bootstrap each waits for
 /// the other) the relayed leg's result wins, so the blame is not a coin toss.
-async fn race<T>(
-    p: &mut Option<PrefillFuture>,
-    p_out: &mut Option<Bytes>,
-    fut: impl Future<Output = Result<T, GatewayError>>,
-) -> Result<T, GatewayError> {
+async fn race<T>(p: &mut Option<PrefillFuture>, p_out: &mut Option<Bytes>, fut: impl Future<Output = Result<T, GatewayError>>) -> Result<T, GatewayError> {
     tokio::pin!(fut);
     loop {
         let prefill = tokio::select! {
@@ -113,15 +107,7 @@ async fn prefill_logprobs(p: &mut Option<PrefillFuture>, p_out: &mut Option<Byte
 /// `merge_logprobs`: put the prefill's input logprobs into the answer (SGLang bootstrap).
 /// The answer is checked before any byte of it is relayed (workers are not trusted): JSON of
 /// the route's shape, or SSE for a stream, in no content encoding, within the size limits.
-pub async fn relay_leg(
-    ctx: &Ctx,
-    url: &str,
-    leg: Leg,
-    body: Bytes,
-    mut prefill: Option<PrefillFuture>,
-    merge_logprobs: bool,
-    finish: Finish,
-) -> Result<Response, GatewayError> {
+pub async fn relay_leg(ctx: &Ctx, url: &str, leg: Leg, body: Bytes, mut prefill: Option<PrefillFuture>, merge_logprobs: bool, finish: Finish) -> Result<Response, GatewayError> {
     let deadline = ctx.deadline;
     let limits = ctx.state.upstream.limits;
     let mut p_out = None;
@@ -146,13 +132,11 @@ pub async fn relay_leg(
         resp.extensions_mut().insert(OutcomeAtEnd(url.to_string()));
         return Ok(resp);
     }
-    let bytes = race(&mut prefill, &mut p_out, leg::read_limited(body, limits.max_response_bytes, leg, deadline))
-        .await
-        .inspect_err(|e| {
-            if e.kind == ErrorKind::BadWorkerResponse {
-                count_bad(ctx, leg, "too_large");
-            }
-        })?;
+    let bytes = race(&mut prefill, &mut p_out, leg::read_limited(body, limits.max_response_bytes, leg, deadline)).await.inspect_err(|e| {
+        if e.kind == ErrorKind::BadWorkerResponse {
+            count_bad(ctx, leg, "too_large");
+        }
+    })?;
     let answer = check_json(ctx.req.endpoint, &bytes).map_err(|b| refuse(ctx, leg, b))?;
     let logprobs = if merge_logprobs { Some(prefill_logprobs(&mut prefill, &mut p_out, deadline).await?) } else { None };
     drain_prefill(prefill, deadline);

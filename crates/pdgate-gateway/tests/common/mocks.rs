@@ -144,14 +144,7 @@ impl Mock {
 pub async fn spawn(role: &'static str, rdv: Arc<Rendezvous>, fault: Fault) -> Mock {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let state = MockState {
-        role,
-        fault: Arc::new(Mutex::new(fault)),
-        log: Arc::new(Log::default()),
-        rdv,
-        self_host: "127.0.0.1".into(),
-        bootstrap_port: 0,
-    };
+    let state = MockState { role, fault: Arc::new(Mutex::new(fault)), log: Arc::new(Log::default()), rdv, self_host: "127.0.0.1".into(), bootstrap_port: 0 };
     let app = Router::new()
         .route("/health", get(health))
         .route("/v1/models", get(|| async { Json(json!({"object": "list", "data": [{"id": "mock-model", "object": "model", "max_model_len": MOCK_CONTEXT}]})) }))
@@ -310,7 +303,8 @@ fn nixl_decode(s: &MockState, body: &Value, stream: bool, fault: Fault) -> Respo
     let fields = ["remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port"];
     let complete = fields.iter().all(|f| p.get(*f).is_some_and(|v| !v.is_null()));
     let pulled = complete
-        && p["remote_request_id"].as_str().and_then(|rid| s.rdv.blocks.lock().unwrap().remove(rid)).as_deref() == p["remote_block_ids"].as_array().map(|a| a.iter().filter_map(Value::as_u64).collect::<Vec<_>>()).as_deref();
+        && p["remote_request_id"].as_str().and_then(|rid| s.rdv.blocks.lock().unwrap().remove(rid)).as_deref()
+            == p["remote_block_ids"].as_array().map(|a| a.iter().filter_map(Value::as_u64).collect::<Vec<_>>()).as_deref();
     let cached = if pulled { 5 } else { 0 };
     answer(body, stream, fault, json!({}), Some((5, cached)))
 }
