@@ -18,11 +18,23 @@ mod request_id;
 mod server;
 mod state;
 mod upstream;
+mod worker_tls;
 mod workers_api;
 
 pub use pdgate_core::GatewayConfig;
 pub use record::ROUTE_HEADER;
 pub use server::{start, RunningGateway, StartError};
+
+/// The environment variable `pdgate-gateway` (and `pdgate launch`) read the worker key from
+/// when `--worker-api-key` is not given; read by the binaries, never by the config schema.
+pub const WORKER_API_KEY_ENV: &str = "PDGATE_WORKER_API_KEY";
+
+/// Fills `--worker-api-key` from [`WORKER_API_KEY_ENV`] when the command line left it out.
+pub fn worker_api_key_from_env(config: &mut GatewayConfig) {
+    if config.worker_api_key.is_none() {
+        config.worker_api_key = std::env::var(WORKER_API_KEY_ENV).ok().filter(|k| !k.is_empty());
+    }
+}
 
 /// Installs the tracing subscriber once; later calls are no-ops. `RUST_LOG` wins over `filter`.
 pub fn init_logging(filter: &str) {

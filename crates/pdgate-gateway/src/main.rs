@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use pdgate_gateway::{init_logging, start, GatewayConfig};
+use pdgate_gateway::{init_logging, start, worker_api_key_from_env, GatewayConfig};
 
 // glibc malloc took ~10% of the gateway's CPU per request (cross-thread frees, consolidation);
 // mimalloc's thread-local free lists cut that to a few percent (docs/performance.md).
@@ -15,6 +15,7 @@ async fn main() -> ExitCode {
     let mut config = GatewayConfig::parse();
     // The command line's environment fallbacks (PDGATE_API_KEY, ...); the core reads none.
     config.fill_from_env(|var| std::env::var(var).ok());
+    worker_api_key_from_env(&mut config);
     init_logging(&config.log_level);
     let gateway = match start(config).await {
         Ok(g) => g,

@@ -16,6 +16,7 @@ use crate::edge::own_addr::OwnListener;
 use crate::membership::{self, Change};
 use crate::registry::{Registry, Source};
 use crate::state::AppState;
+use crate::upstream::Upstream;
 use crate::{front, health, load};
 
 /// How often a graceful shutdown looks whether the requests in flight have ended.
@@ -31,6 +32,9 @@ pub enum StartError {
     Bind { addr: String, source: std::io::Error },
     #[error("{0}")]
     Discovery(String),
+    /// The worker client cannot be built (`--worker-ca-cert`, `--worker-api-key`).
+    #[error("{0}")]
+    Upstream(String),
 }
 
 pub struct RunningGateway {
@@ -84,6 +88,7 @@ impl RunningGateway {
 pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> {
     config.validate()?;
     let workers = config.workers()?;
+    let upstream = Upstream::from_config(&config).map_err(StartError::Upstream)?;
     let discovery = crate::discovery::prepare(&config).await.map_err(StartError::Discovery)?;
     let bind = format!("{}:{}", config.host, config.port);
     let listener = TcpListener::bind(&bind).await.map_err(|source| StartError::Bind { addr: bind.clone(), source })?;
@@ -98,7 +103,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     announce_admin_api(&config, addr);
     let limits = Limits::from_config(&config);
     let registry = Registry::new(Vec::new(), options, BreakerConfig::from_config(&config));
-    let mut state = AppState::new(config, registry);
+    let mut state = AppState::new(config, registry, upstream);
     state.edge.own = own;
     let state = Arc::new(state);
     // The static flags are the first source of membership changes (membership.rs).
