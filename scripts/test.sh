@@ -11,6 +11,14 @@ PY="${PYTHON:-python3}"
 echo "== building and installing pdgate (maturin, release)"
 "$PY" -m pip install -q --disable-pip-version-check ".[test]"
 
+echo "== cargo fmt --check, cargo clippy -D warnings"
+# Formatting and lints first: they take seconds and fail for reasons a test run would bury.
+cargo fmt --all --check
+cargo clippy -q --workspace --all-targets -- -D warnings
+if command -v cargo-machete >/dev/null 2>&1; then
+    cargo machete  # unused dependencies (installed by .ci/run)
+fi
+
 echo "== cargo test"
 # The pyo3 extension crate links against libpython only when loaded by Python: test it there.
 cargo test -q --workspace --exclude pdgate-python

@@ -95,7 +95,9 @@ class Gateway:
         return self
 
     def stop(self) -> None:
-        """Stop accepting, let in-flight requests finish (bounded), release the port. Idempotent."""
+        """Graceful stop: readiness turns 503 and new requests get 503 at once; requests in
+        flight (streams included) get ``shutdown_grace_period_secs`` to finish; then the port is
+        released. Idempotent."""
         if self._handle is not None:
             self._handle.stop()
 

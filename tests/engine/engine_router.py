@@ -1,4 +1,4 @@
-"""A minimal router that follows PROTOCOLS.md, written with plain httpx: the engine must work
+"""A minimal router that follows docs/protocols.md, written with plain httpx: the engine must work
 behind any such router, not only behind pdgate."""
 
 from __future__ import annotations

@@ -137,3 +137,19 @@ def test_rust_binary_takes_the_same_flags() -> None:
     assert out.returncode == 0
     flags = set(re.findall(r"--[a-z][a-z0-9-]+", out.stdout)) - {"--help", "--version"}
     assert flags == {o["flag"] for o in SCHEMA}
+
+
+def test_the_schema_and_the_python_api_read_no_environment() -> None:
+    """An API key in the environment reaches neither `config_schema()` nor `pdgate.Gateway`
+    (the core reads no environment); only the command line (`pdgate launch`) applies it."""
+    code = (
+        "import json, pdgate\n"
+        "from pdgate import _core\n"
+        "schema = {o['name']: o['default'] for o in pdgate.config_schema()}\n"
+        "embedded = pdgate.Gateway(port=0).config\n"
+        "cli = json.loads(_core.parse_cli(['--port', '0']))\n"
+        "print(json.dumps([schema['api_key'], schema['admin_api_key'], embedded['api_key'], cli['api_key'], cli['admin_api_key']]))\n"
+    )
+    env = {**os.environ, "PDGATE_API_KEY": "from-env", "PDGATE_ADMIN_API_KEY": "admin-env"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip().splitlines()[-1] == '[null, null, null, "from-env", "admin-env"]', out.stdout + out.stderr

@@ -1,4 +1,4 @@
-"""vLLM MooncakeConnector mocks (PROTOCOLS.md §3): a shared transfer_id, the prefill pushes.
+"""vLLM MooncakeConnector mocks (docs/protocols.md §3): a shared transfer_id, the prefill pushes.
 
 The prefill's bootstrap server answers `GET /query` with its engine id; the decode checks that
 the gateway relayed that id and the bootstrap address, then receives the KV the prefill pushed

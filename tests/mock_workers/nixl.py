@@ -1,4 +1,4 @@
-"""vLLM NixlConnector mocks (PROTOCOLS.md §2): prefill publishes blocks, decode pulls them.
+"""vLLM NixlConnector mocks (docs/protocols.md §2): prefill publishes blocks, decode pulls them.
 
 The prefill holds its blocks until a decode pulls them with exactly the params it returned (a
 side channel checks engine id, request id and block ids), so a gateway that drops or alters a

@@ -1,4 +1,4 @@
-"""SGLang-style PD ("bootstrap") mocks that enforce the rendezvous of PROTOCOLS.md §1.
+"""SGLang-style PD ("bootstrap") mocks that enforce the rendezvous of docs/protocols.md §1.
 
 The prefill runs a bootstrap server. For each room the decode first reserves KV there, then
 waits for the KV; the prefill waits for the reservation before "computing", writes the KV (the

@@ -10,10 +10,7 @@ use pyo3::types::{PyString, PyTuple};
 
 /// Instantiate `pdgate.errors.<class>(*args)` as a `PyErr`.
 fn raise<'py>(py: Python<'py>, class: &str, args: Bound<'py, PyTuple>, fallback: String) -> PyErr {
-    let made = py
-        .import("pdgate.errors")
-        .and_then(|m| m.getattr(class))
-        .and_then(|cls| cls.call1(args));
+    let made = py.import("pdgate.errors").and_then(|m| m.getattr(class)).and_then(|cls| cls.call1(args));
     match made {
         Ok(exc) => PyErr::from_value(exc),
         // Only if the Python package is broken: still raise something readable.
@@ -37,11 +34,7 @@ pub fn config_error(py: Python<'_>, error: &ConfigError) -> PyErr {
         ConfigError::BadValue { name, value, .. } => {
             // The value travels as JSON text; give Python the value itself (the text when it
             // was cut short and so is no JSON any more).
-            let value = py
-                .import("json")
-                .and_then(|json| json.call_method1("loads", (value.as_str(),)))
-                .unwrap_or_else(|_| PyString::new(py, value).into_any())
-                .unbind();
+            let value = py.import("json").and_then(|json| json.call_method1("loads", (value.as_str(),))).unwrap_or_else(|_| PyString::new(py, value).into_any()).unbind();
             ("OptionError", (message.clone(), name.clone(), value))
         }
         _ => return with_message(py, "ConfigError", message),

@@ -15,8 +15,9 @@ use tokio::runtime::Runtime;
 
 use crate::errors;
 
-/// How long a stop may take to drain in-flight requests before the runtime is torn down.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// How long a stop may take beyond `--shutdown-grace-period-secs` (the gateway cuts what is
+/// left at the end of its grace period; this bounds the closing of connections after it).
+const SHUTDOWN_MARGIN: Duration = Duration::from_secs(5);
 
 struct Running {
     runtime: Runtime,
@@ -25,15 +26,11 @@ struct Running {
 }
 
 impl Running {
-    fn shutdown(self) {
-        let Running {
-            runtime, gateway, ..
-        } = self;
+    fn shutdown(self, grace: Duration) {
+        let Running { runtime, gateway, .. } = self;
         // A request that outlives the grace period is dropped with the runtime.
         // The timer must be created inside the runtime, hence the async block.
-        let _ = runtime.block_on(async move {
-            tokio::time::timeout(SHUTDOWN_GRACE, gateway.shutdown()).await
-        });
+        let _ = runtime.block_on(async move { tokio::time::timeout(grace + SHUTDOWN_MARGIN, gateway.shutdown()).await });
         runtime.shutdown_timeout(Duration::from_secs(1));
     }
 }
@@ -47,20 +44,14 @@ pub struct GatewayHandle {
 
 fn lock(state: &Mutex<Option<Running>>) -> MutexGuard<'_, Option<Running>> {
     // A panic while holding the lock leaves plain data behind; keep using it.
-    state
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+    state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Where a client on this machine reaches a socket bound to `addr` (0.0.0.0 → 127.0.0.1).
 fn reachable(addr: SocketAddr) -> SocketAddr {
     match addr.ip() {
-        IpAddr::V4(ip) if ip.is_unspecified() => {
-            SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), addr.port())
-        }
-        IpAddr::V6(ip) if ip.is_unspecified() => {
-            SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), addr.port())
-        }
+        IpAddr::V4(ip) if ip.is_unspecified() => SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), addr.port()),
+        IpAddr::V6(ip) if ip.is_unspecified() => SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), addr.port()),
         _ => addr,
     }
 }
@@ -76,11 +67,7 @@ fn start_blocking(config: GatewayConfig, state: &Mutex<Option<Running>>) -> Star
     if slot.is_some() {
         return StartOutcome::AlreadyRunning;
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .thread_name("pdgate-gateway")
-        .build()
-    {
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("pdgate-gateway").build() {
         Ok(rt) => rt,
         Err(e) => return StartOutcome::Failed(format!("cannot create the tokio runtime: {e}")),
     };
@@ -88,11 +75,7 @@ fn start_blocking(config: GatewayConfig, state: &Mutex<Option<Running>>) -> Star
     match runtime.block_on(pdgate_gateway::start(config)) {
         Ok(gateway) => {
             let addr = gateway.local_addr();
-            *slot = Some(Running {
-                runtime,
-                gateway,
-                addr,
-            });
+            *slot = Some(Running { runtime, gateway, addr });
             StartOutcome::Started
         }
         Err(e) => StartOutcome::Failed(e.to_string()),
@@ -104,12 +87,8 @@ impl GatewayHandle {
     /// Validate `config_json` (the `GatewayConfig` JSON form); nothing starts yet.
     #[new]
     fn new(py: Python<'_>, config_json: &str) -> PyResult<Self> {
-        let config = GatewayConfig::from_json(config_json)
-            .map_err(|e| errors::config_error(py, &e))?;
-        Ok(Self {
-            config,
-            state: Mutex::new(None),
-        })
+        let config = GatewayConfig::from_json(config_json).map_err(|e| errors::config_error(py, &e))?;
+        Ok(Self { config, state: Mutex::new(None) })
     }
 
     /// Bind and start serving; returns once the gateway accepts connections.
@@ -117,10 +96,7 @@ impl GatewayHandle {
         let config = self.config.clone();
         match py.detach(|| start_blocking(config, &self.state)) {
             StartOutcome::Started => Ok(()),
-            StartOutcome::AlreadyRunning => Err(errors::state_error(
-                py,
-                "the gateway is already running".into(),
-            )),
+            StartOutcome::AlreadyRunning => Err(errors::state_error(py, "the gateway is already running".into())),
             StartOutcome::Failed(message) => Err(errors::start_error(py, message)),
         }
     }
@@ -130,7 +106,7 @@ impl GatewayHandle {
         py.detach(|| {
             let running = lock(&self.state).take();
             if let Some(running) = running {
-                running.shutdown();
+                running.shutdown(self.grace());
             }
         });
     }
@@ -150,11 +126,7 @@ impl GatewayHandle {
     /// `http://host:port` for clients on this machine; `None` when not running.
     #[getter]
     fn url(&self, py: Python<'_>) -> Option<String> {
-        py.detach(|| {
-            lock(&self.state)
-                .as_ref()
-                .map(|r| format!("http://{}", reachable(r.addr)))
-        })
+        py.detach(|| lock(&self.state).as_ref().map(|r| format!("http://{}", reachable(r.addr))))
     }
 
     /// The complete configuration as JSON (defaults filled in).
@@ -164,11 +136,17 @@ impl GatewayHandle {
     }
 }
 
+impl GatewayHandle {
+    fn grace(&self) -> Duration {
+        Duration::from_secs(self.config.shutdown_grace_period_secs)
+    }
+}
+
 impl Drop for GatewayHandle {
     fn drop(&mut self) {
         // A handle collected while running still shuts its gateway down.
         if let Some(running) = lock(&self.state).take() {
-            running.shutdown();
+            running.shutdown(self.grace());
         }
     }
 }

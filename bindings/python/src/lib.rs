@@ -31,26 +31,22 @@ fn config_schema() -> String {
 fn parse_cli(py: Python<'_>, argv: Vec<String>) -> PyResult<String> {
     let args = std::iter::once("pdgate launch".to_string()).chain(argv);
     match GatewayConfig::parse_cli(args) {
-        Ok(config) => {
+        Ok(mut config) => {
+            // `pdgate launch` is a command line: its environment fallbacks (PDGATE_API_KEY, ...)
+            // apply here, never in the config schema or the Python API.
+            config.fill_from_env(|var| std::env::var(var).ok());
             // clap checks each flag; the cross-field rules live in `validate`.
-            config
-                .validate()
-                .map_err(|e| errors::config_error(py, &e))?;
+            config.validate().map_err(|e| errors::config_error(py, &e))?;
             Ok(config.to_json())
         }
-        Err(e) => Err(errors::command_line_error(
-            py,
-            e.render().to_string(),
-            e.exit_code(),
-        )),
+        Err(e) => Err(errors::command_line_error(py, e.render().to_string(), e.exit_code())),
     }
 }
 
 /// Validate config JSON and return it complete (every option present, defaults filled in).
 #[pyfunction]
 fn normalize_config(py: Python<'_>, config_json: &str) -> PyResult<String> {
-    let config = GatewayConfig::from_json(config_json)
-        .map_err(|e| errors::config_error(py, &e))?;
+    let config = GatewayConfig::from_json(config_json).map_err(|e| errors::config_error(py, &e))?;
     Ok(config.to_json())
 }
 

@@ -15,8 +15,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 const SIZES: [usize; 3] = [10, 1_000, 10_000];
-const POLICIES: [PolicyName; 5] =
-    [PolicyName::Random, PolicyName::RoundRobin, PolicyName::PowerOfTwo, PolicyName::ConsistentHash, PolicyName::CacheAware];
+const POLICIES: [PolicyName; 5] = [PolicyName::Random, PolicyName::RoundRobin, PolicyName::PowerOfTwo, PolicyName::ConsistentHash, PolicyName::CacheAware];
 /// Distinct system prompts; each request is one of them plus a unique question.
 const SYSTEM_PROMPTS: usize = 50;
 /// Characters of request text inserted into the tree before measuring.
@@ -69,13 +68,7 @@ fn fleet(n: usize) -> Fleet {
 }
 
 fn decide(policy: &dyn Policy, f: &Fleet, i: usize, rng: &mut StdRng) -> usize {
-    let input = RouteInput {
-        text: Some(&f.texts[i % f.texts.len()]),
-        key: Some(&f.keys[i % f.keys.len()]),
-        sequence: i as u64,
-        loads: &f.loads,
-        tree: Some(&f.tree),
-    };
+    let input = RouteInput { text: Some(&f.texts[i % f.texts.len()]), key: Some(&f.keys[i % f.keys.len()]), sequence: i as u64, loads: &f.loads, tree: Some(&f.tree) };
     policy.select(&f.snap, &f.candidates, &input, rng).map(|s| s.worker).unwrap_or(usize::MAX)
 }
 
@@ -143,11 +136,7 @@ fn percentiles(fleets: &[(usize, Fleet)]) {
 
 fn main() {
     let fleets: Vec<(usize, Fleet)> = SIZES.iter().map(|&n| (n, fleet(n))).collect();
-    let mut c = Criterion::default()
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(1))
-        .sample_size(20)
-        .configure_from_args();
+    let mut c = Criterion::default().warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(1)).sample_size(20).configure_from_args();
     bench_select(&mut c, &fleets);
     bench_tree_update(&mut c, &fleets[1].1);
     c.final_summary();

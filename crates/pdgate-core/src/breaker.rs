@@ -6,9 +6,13 @@
 //! strict worker is not a broken one. Time is an argument (`now`), so the machine is tested on
 //! a fake clock; the gateway passes `tokio::time::Instant::now().into_std()`.
 //!
-//! Half-open lets requests through (they are the probes); the first failure re-opens. The
-//! snapshot is immutable, so the gateway must rebuild it when a breaker changes state and at
-//! [`Breaker::half_open_at`] (an open breaker becomes half-open by the clock alone).
+//! Half-open lets ONE request through at a time (the probe, [`Breaker::try_admit`]); the
+//! others go elsewhere until its outcome is recorded, so a worker that is still broken fails
+//! one request per probe, not every request that arrives in the meantime. The first failure
+//! re-opens. A probe whose outcome never comes (its client went away) frees the slot after
+//! `probe_timeout`. The snapshot is immutable, so the gateway must rebuild it when a breaker
+//! changes state, when a probe starts or ends, and at [`Breaker::half_open_at`] (an open
+//! breaker becomes half-open by the clock alone).
 
 use std::time::{Duration, Instant};
 
@@ -22,11 +26,14 @@ pub struct BreakerConfig {
     pub failure_threshold: u32,
     pub success_threshold: u32,
     pub cooldown: Duration,
+    /// How long a half-open probe holds the slot at most (the request deadline, at most one
+    /// cool-down).
+    pub probe_timeout: Duration,
 }
 
 impl Default for BreakerConfig {
     fn default() -> Self {
-        BreakerConfig { enabled: true, failure_threshold: 5, success_threshold: 2, cooldown: Duration::from_secs(30) }
+        BreakerConfig { enabled: true, failure_threshold: 5, success_threshold: 2, cooldown: Duration::from_secs(30), probe_timeout: Duration::from_secs(600) }
     }
 }
 
@@ -37,6 +44,10 @@ impl BreakerConfig {
             failure_threshold: c.breaker_failure_threshold.max(1),
             success_threshold: c.breaker_success_threshold.max(1),
             cooldown: Duration::from_secs(c.breaker_cooldown_secs),
+            // A probe whose outcome never comes (its client went away before any verdict)
+            // holds the slot for the request deadline at most, and never longer than one
+            // cool-down: at most one probe per cool-down is the worst case.
+            probe_timeout: Duration::from_secs(c.request_timeout_secs.min(c.breaker_cooldown_secs).max(1)),
         }
     }
 }
@@ -152,6 +163,8 @@ pub struct Breaker {
     opened_at: Option<Instant>,
     /// When the worker last answered a request (judges [`Outcome::NoAnswerSince`]).
     last_success: Option<Instant>,
+    /// When the half-open probe now in flight was let through; `None` when there is none.
+    probe_since: Option<Instant>,
 }
 
 impl Breaker {
@@ -168,6 +181,38 @@ impl Breaker {
 
     pub fn allows(&self, now: Instant, cfg: &BreakerConfig) -> bool {
         self.state(now, cfg).allows()
+    }
+
+    /// Admits one request at `now`: always when closed, never when open, and when half-open
+    /// only if no probe is in flight (this request becomes the probe and holds the slot until
+    /// an outcome is recorded or `probe_timeout` passes).
+    pub fn try_admit(&mut self, now: Instant, cfg: &BreakerConfig) -> bool {
+        match self.state(now, cfg) {
+            BreakerState::Closed => true,
+            BreakerState::Open => false,
+            BreakerState::HalfOpen if self.probing(now, cfg) => false,
+            BreakerState::HalfOpen => {
+                self.probe_since = Some(now);
+                true
+            }
+        }
+    }
+
+    /// Whether a half-open probe holds the slot at `now` (routing then skips the worker).
+    pub fn probing(&self, now: Instant, cfg: &BreakerConfig) -> bool {
+        self.probe_since.is_some_and(|t| now.saturating_duration_since(t) < cfg.probe_timeout)
+    }
+
+    /// When the probe in flight gives up its slot by the clock alone (the gateway rebuilds its
+    /// snapshot then, so the next request can probe).
+    pub fn probe_expires_at(&self, cfg: &BreakerConfig) -> Option<Instant> {
+        self.probe_since.map(|t| t + cfg.probe_timeout)
+    }
+
+    /// Frees the probe slot without a verdict (the probe's outcome was neutral: a 429, the
+    /// client cancelled). True when a probe was in flight.
+    pub fn end_probe(&mut self) -> bool {
+        self.probe_since.take().is_some()
     }
 
     /// When an open breaker turns half-open by itself (the gateway rebuilds its snapshot then).
@@ -201,6 +246,9 @@ impl Breaker {
             Judgement::Probe => Outcome::Failure,
         };
         let before = self.state;
+        // Any verdict ends the probe in flight (a late outcome of an older request too: the
+        // next request then probes again, which errs on the side of finding out sooner).
+        self.probe_since = None;
         // Apply the cool-down first: an outcome that arrives after it is a half-open probe,
         // and only probes count towards closing again.
         let current = self.state(now, cfg);
@@ -250,7 +298,7 @@ mod tests {
     use super::*;
 
     fn cfg() -> BreakerConfig {
-        BreakerConfig { enabled: true, failure_threshold: 3, success_threshold: 2, cooldown: Duration::from_secs(30) }
+        BreakerConfig { enabled: true, failure_threshold: 3, success_threshold: 2, cooldown: Duration::from_secs(30), probe_timeout: Duration::from_secs(60) }
     }
 
     #[test]
@@ -332,6 +380,53 @@ mod tests {
         assert_eq!(b.judge(Outcome::Success), Judgement::Record(Outcome::Success));
         assert_eq!(Outcome::of_probe(true), Outcome::Neutral);
         assert_eq!(Outcome::of_probe(false), Outcome::Failure);
+    }
+
+    #[test]
+    fn half_open_admits_one_probe_at_a_time() {
+        let (c, t0) = (cfg(), Instant::now());
+        let s = Duration::from_secs(1);
+        let mut b = Breaker::default();
+        assert!(b.try_admit(t0, &c) && b.try_admit(t0, &c), "closed admits everyone");
+        for _ in 0..3 {
+            b.record(Outcome::Failure, t0, &c);
+        }
+        assert!(!b.try_admit(t0 + s, &c), "open admits nobody");
+        let t1 = t0 + c.cooldown;
+        assert!(b.try_admit(t1, &c), "the first request after the cool-down probes");
+        assert!(b.probing(t1, &c));
+        for k in 1..10 {
+            assert!(!b.try_admit(t1 + k * s, &c), "only one probe in flight");
+        }
+        // Its success frees the slot for the next probe; two successes close.
+        assert_eq!(b.record(Outcome::Success, t1 + 10 * s, &c), Some(BreakerState::HalfOpen));
+        assert!(!b.probing(t1 + 10 * s, &c));
+        assert!(b.try_admit(t1 + 10 * s, &c) && !b.try_admit(t1 + 10 * s, &c));
+        assert_eq!(b.record(Outcome::Success, t1 + 11 * s, &c), Some(BreakerState::Closed));
+        assert!(b.try_admit(t1 + 11 * s, &c) && b.try_admit(t1 + 11 * s, &c));
+    }
+
+    #[test]
+    fn a_failed_probe_reopens_and_a_lost_one_frees_its_slot() {
+        let (c, t0) = (cfg(), Instant::now());
+        let mut b = Breaker::default();
+        for _ in 0..3 {
+            b.record(Outcome::Failure, t0, &c);
+        }
+        let t1 = t0 + c.cooldown;
+        assert!(b.try_admit(t1, &c));
+        assert_eq!(b.record(Outcome::Failure, t1, &c), Some(BreakerState::Open));
+        assert!(!b.try_admit(t1, &c), "open again, for a whole cool-down");
+        let t2 = t1 + c.cooldown;
+        assert!(b.try_admit(t2, &c));
+        // The probe's client went away and no verdict ever comes: the slot is freed by time.
+        assert_eq!(b.probe_expires_at(&c), Some(t2 + c.probe_timeout));
+        assert!(!b.try_admit(t2 + c.probe_timeout - Duration::from_secs(1), &c));
+        assert!(b.try_admit(t2 + c.probe_timeout, &c), "a new probe after the timeout");
+        // A neutral outcome (429, cancel) frees the slot without a verdict.
+        assert!(b.end_probe());
+        assert_eq!(b.state(t2 + c.probe_timeout, &c), BreakerState::HalfOpen);
+        assert!(b.try_admit(t2 + c.probe_timeout, &c));
     }
 
     #[test]

@@ -26,31 +26,8 @@ pub enum PolicyName {
     ConsistentHash,
 }
 
-/// One prefill worker as given to the gateway: URL plus the bootstrap port of its KV rendezvous.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct PrefillArg {
-    pub url: String,
-    /// `None` means the engine's own default (8998 for SGLang).
-    pub bootstrap_port: Option<u16>,
-    /// Per-worker override of `kv_connector`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub kv_connector: Option<KvConnector>,
-}
-
-/// One decode or regular worker: a URL, optionally with its own KV connector.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct WorkerArg {
-    pub url: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub kv_connector: Option<KvConnector>,
-}
-
 #[derive(Clone, Debug, Parser, Serialize, Deserialize, PartialEq)]
-#[command(
-    name = "pdgate-gateway",
-    about = "pdgate: a gateway for prefill/decode disaggregated LLM serving",
-    version
-)]
+#[command(name = "pdgate-gateway", about = "pdgate: a gateway for prefill/decode disaggregated LLM serving", version)]
 #[serde(default, deny_unknown_fields)]
 pub struct GatewayConfig {
     /// Address to listen on.
@@ -69,14 +46,16 @@ pub struct GatewayConfig {
     #[arg(long)]
     pub pd_disaggregation: bool,
 
-    /// A prefill worker, optionally its bootstrap port (`none` for the engine default) and
-    /// `kv_connector=NAME` to override the global connector. Repeat for more workers.
-    #[arg(long, num_args = 1..=3, action = ArgAction::Append, value_names = ["URL", "BOOTSTRAP_PORT"])]
+    /// A prefill worker, optionally its bootstrap port (`none` for the engine default), then
+    /// any of `kv_connector=NAME` (overrides the global connector), `kv_engine_id=ID` (a
+    /// Mooncake prefill's engine id) and `label=KEY=VALUE` (repeatable). Repeat for more workers.
+    #[arg(long, num_args = 1.., action = ArgAction::Append, value_names = ["URL", "BOOTSTRAP_PORT"])]
     #[serde(deserialize_with = "crate::config_serde::prefill_list")]
     pub prefill: Vec<Vec<String>>,
 
-    /// A decode worker, optionally followed by `kv_connector=NAME`. Repeat for more workers.
-    #[arg(long, num_args = 1..=2, action = ArgAction::Append, value_name = "URL")]
+    /// A decode worker, optionally followed by `kv_connector=NAME` and `label=KEY=VALUE`
+    /// (repeatable). Repeat for more workers.
+    #[arg(long, num_args = 1.., action = ArgAction::Append, value_name = "URL")]
     #[serde(deserialize_with = "crate::config_serde::decode_list")]
     pub decode: Vec<Vec<String>>,
 
@@ -168,6 +147,27 @@ pub struct GatewayConfig {
     #[arg(long, default_value_t = 1000)]
     pub retry_max_backoff_ms: u64,
 
+    // --- Overload protection (pdgate-core retry_budget.rs, docs/architecture.md) ---
+    /// Retry budget shared by all requests: retries in the window may be at most this fraction
+    /// of the requests that started in it (plus --retry-budget-min-per-sec), so retries cannot
+    /// multiply an overload. A retry over budget is not made (`pdgate_retries_refused_total`).
+    #[arg(long, default_value_t = 0.2)]
+    pub retry_budget_ratio: f64,
+
+    /// Retries per second the budget allows whatever the traffic (a quiet gateway still retries).
+    #[arg(long, default_value_t = 10)]
+    pub retry_budget_min_per_sec: u32,
+
+    /// Seconds over which the retry budget counts requests and retries.
+    #[arg(long, default_value_t = 10)]
+    pub retry_budget_window_secs: u64,
+
+    /// On SIGTERM (or `stop()`): readiness turns 503 and new requests are refused with 503 at
+    /// once, while requests in flight (streams included) get this many seconds to finish; then
+    /// the gateway stops and exits 0.
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_grace_period_secs: u64,
+
     /// Largest non-streamed worker answer the gateway reads, in bytes. A larger one fails the
     /// leg with 502 `bad_worker_response` (workers are not trusted to bound their answers).
     #[arg(long, default_value_t = 64 * 1024 * 1024)]
@@ -244,12 +244,14 @@ pub struct GatewayConfig {
     #[arg(long, default_value_t = 2)]
     pub load_poll_interval_secs: u64,
 
-    /// Require `Authorization: Bearer KEY` on the client endpoints.
-    #[arg(long, env = "PDGATE_API_KEY", hide_env_values = true)]
+    /// Require `Authorization: Bearer KEY` on the client endpoints. On the command line, the
+    /// environment variable PDGATE_API_KEY stands in when the flag is not given.
+    #[arg(long)]
     pub api_key: Option<String>,
 
-    /// Require `Authorization: Bearer KEY` on the worker API (`/workers`).
-    #[arg(long, env = "PDGATE_ADMIN_API_KEY", hide_env_values = true)]
+    /// Require `Authorization: Bearer KEY` on the worker API (`/workers`). On the command
+    /// line, the environment variable PDGATE_ADMIN_API_KEY stands in when the flag is not given.
+    #[arg(long)]
     pub admin_api_key: Option<String>,
 
     // --- The client edge: who may use the worker API, and how long a client may hold a
@@ -360,7 +362,26 @@ pub enum ConfigError {
     BadValue { name: String, value: String, reason: String },
 }
 
+/// Environment variables that stand in for unset options on a command line: (option, variable).
+/// Only the command-line layers (the `pdgate-gateway` binary, `pdgate launch`) read them, through
+/// [`GatewayConfig::fill_from_env`]; the core reads no environment, so the schema, the defaults
+/// and the Python API never depend on what happens to be set.
+pub const ENV_FALLBACKS: [(&str, &str); 2] = [("api_key", "PDGATE_API_KEY"), ("admin_api_key", "PDGATE_ADMIN_API_KEY")];
+
 impl GatewayConfig {
+    /// Fills options the command line left unset from environment variables
+    /// ([`ENV_FALLBACKS`]), looked up through `lookup` (the caller passes `std::env::var`). An
+    /// empty variable counts as unset.
+    pub fn fill_from_env(&mut self, lookup: impl Fn(&str) -> Option<String>) {
+        let read = |var: &str| lookup(var).filter(|v| !v.is_empty());
+        if self.api_key.is_none() {
+            self.api_key = read(ENV_FALLBACKS[0].1);
+        }
+        if self.admin_api_key.is_none() {
+            self.admin_api_key = read(ENV_FALLBACKS[1].1);
+        }
+    }
+
     /// Parse a command line (the first item is the program name, which `--version` and
     /// `--help` then show: `pdgate launch 0.1.0` from Python, not the Rust binary's name).
     pub fn parse_cli<I, T>(args: I) -> Result<Self, clap::Error>
@@ -415,6 +436,9 @@ impl GatewayConfig {
         }
         if self.balance_rel_threshold.is_nan() || self.balance_rel_threshold < 1.0 {
             return bad(format!("--balance-rel-threshold must be at least 1.0, not {}", self.balance_rel_threshold));
+        }
+        if !self.retry_budget_ratio.is_finite() || self.retry_budget_ratio < 0.0 || self.retry_budget_window_secs == 0 {
+            return bad(format!("--retry-budget-ratio must be a number >= 0 (not {}) and --retry-budget-window-secs at least 1", self.retry_budget_ratio));
         }
         validate_log_level(&self.log_level).map_err(ConfigError::Invalid)?;
         if self.header_read_timeout_secs == 0 || self.body_read_timeout_secs == 0 || self.idle_timeout_secs == 0 {
@@ -487,19 +511,13 @@ impl GatewayConfig {
     pub fn workers(&self) -> Result<Vec<WorkerSpec>, ConfigError> {
         let mut out = Vec::new();
         for url in &self.worker_urls {
-            out.push(WorkerSpec::new(url, WorkerRole::Regular).map_err(ConfigError::Invalid)?);
+            let reg = crate::registration::WorkerRegistration::new(url.clone(), WorkerRole::Regular);
+            out.push(reg.into_spec(false).map_err(|e| ConfigError::Invalid(e.message))?);
         }
-        for arg in self.prefill_args()? {
-            let mut spec = WorkerSpec::new(&arg.url, WorkerRole::Prefill).map_err(ConfigError::Invalid)?;
-            spec.bootstrap_port = arg.bootstrap_port;
-            spec.kv_connector = arg.kv_connector;
-            out.push(spec);
-        }
+        out.extend(self.prefill_args()?);
         for tokens in &self.decode {
-            let arg = crate::config_serde::decode_from_tokens(tokens).map_err(ConfigError::Invalid)?;
-            let mut spec = WorkerSpec::new(&arg.url, WorkerRole::Decode).map_err(ConfigError::Invalid)?;
-            spec.kv_connector = arg.kv_connector;
-            out.push(spec);
+            let reg = crate::config_serde::decode_from_tokens(tokens).map_err(ConfigError::Invalid)?;
+            out.push(reg.into_spec(true).map_err(|e| ConfigError::Invalid(e.message))?);
         }
         let mut seen = std::collections::HashSet::new();
         for w in &out {
@@ -510,11 +528,14 @@ impl GatewayConfig {
         Ok(out)
     }
 
-    /// `--prefill URL [PORT]` occurrences as structured values.
-    pub fn prefill_args(&self) -> Result<Vec<PrefillArg>, ConfigError> {
+    /// `--prefill URL [PORT] ...` occurrences as worker specs.
+    pub fn prefill_args(&self) -> Result<Vec<WorkerSpec>, ConfigError> {
         self.prefill
             .iter()
-            .map(|tokens| crate::config_serde::prefill_from_tokens(tokens).map_err(ConfigError::Invalid))
+            .map(|tokens| {
+                let reg = crate::config_serde::prefill_from_tokens(tokens).map_err(ConfigError::Invalid)?;
+                reg.into_spec(true).map_err(|e| ConfigError::Invalid(e.message))
+            })
             .collect()
     }
 

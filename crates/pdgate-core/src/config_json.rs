@@ -183,8 +183,7 @@ pub fn parse(text: &str) -> Result<GatewayConfig, ConfigError> {
     let Value::Object(options) = &value else {
         return Err(ConfigError::Invalid(format!("the options must be an object of names to values, not {}", shown(&value))));
     };
-    serde_json::from_value::<GatewayConfig>(value.clone())
-        .map_err(|whole| blame(options).unwrap_or(ConfigError::Invalid(whole.to_string())))
+    serde_json::from_value::<GatewayConfig>(value.clone()).map_err(|whole| blame(options).unwrap_or(ConfigError::Invalid(whole.to_string())))
 }
 
 #[cfg(test)]
@@ -207,9 +206,7 @@ mod tests {
     #[test]
     fn types_follow_the_declaration() {
         let schema = GatewayConfig::schema();
-        let of = |name: &str| {
-            schema["options"].as_array().and_then(|o| o.iter().find(|o| o["name"] == name)).map(|o| o["json_schema"].clone())
-        };
+        let of = |name: &str| schema["options"].as_array().and_then(|o| o.iter().find(|o| o["name"] == name)).map(|o| o["json_schema"].clone());
         assert_eq!(of("port"), Some(json!({"type": "integer", "minimum": 0, "maximum": 65535})));
         assert_eq!(of("pd_disaggregation"), Some(json!({"type": "boolean"})));
         assert_eq!(of("cache_threshold"), Some(json!({"type": "number"})));

@@ -7,51 +7,17 @@
 use serde::{Deserialize, Deserializer};
 use serde_json::Value;
 
-use crate::config::{PrefillArg, WorkerArg};
-use crate::worker::KvConnector;
+use crate::registration::WorkerRegistration;
+use crate::worker::WorkerRole;
 
-fn parse_connector(value: &str) -> Result<KvConnector, String> {
-    KvConnector::from_name(value)
-        .ok_or_else(|| format!("unknown kv_connector {value:?} (expected bootstrap, nixl or mooncake)"))
+/// `[URL, PORT?, kv_connector=NAME?, ...]` → a prefill registration (registration.rs).
+pub fn prefill_from_tokens(tokens: &[String]) -> Result<WorkerRegistration, String> {
+    crate::registration::from_tokens(tokens, WorkerRole::Prefill)
 }
 
-/// `[URL, PORT?, kv_connector=NAME?]` → a prefill worker.
-pub fn prefill_from_tokens(tokens: &[String]) -> Result<PrefillArg, String> {
-    let (url, rest) = tokens.split_first().ok_or("--prefill needs a URL")?;
-    let mut arg = PrefillArg { url: url.clone(), bootstrap_port: None, kv_connector: None };
-    for (i, token) in rest.iter().enumerate() {
-        if let Some(name) = token.strip_prefix("kv_connector=") {
-            arg.kv_connector = Some(parse_connector(name)?);
-        } else if i == 0 {
-            arg.bootstrap_port = parse_port(token)?;
-        } else {
-            return Err(format!("unexpected token {token:?} after prefill {url}"));
-        }
-    }
-    Ok(arg)
-}
-
-/// `[URL, kv_connector=NAME?]` → a decode worker.
-pub fn decode_from_tokens(tokens: &[String]) -> Result<WorkerArg, String> {
-    let (url, rest) = tokens.split_first().ok_or("--decode needs a URL")?;
-    let mut arg = WorkerArg { url: url.clone(), kv_connector: None };
-    for token in rest {
-        let name = token
-            .strip_prefix("kv_connector=")
-            .ok_or_else(|| format!("unexpected token {token:?} after decode {url}"))?;
-        arg.kv_connector = Some(parse_connector(name)?);
-    }
-    Ok(arg)
-}
-
-fn parse_port(token: &str) -> Result<Option<u16>, String> {
-    if token.eq_ignore_ascii_case("none") || token.eq_ignore_ascii_case("null") {
-        return Ok(None);
-    }
-    match token.parse::<u16>() {
-        Ok(0) | Err(_) => Err(format!("invalid bootstrap port {token:?} (expected 1-65535 or none)")),
-        Ok(p) => Ok(Some(p)),
-    }
+/// `[URL, kv_connector=NAME?, ...]` → a decode registration.
+pub fn decode_from_tokens(tokens: &[String]) -> Result<WorkerRegistration, String> {
+    crate::registration::from_tokens(tokens, WorkerRole::Decode)
 }
 
 fn json_token(v: &Value) -> Result<String, String> {
@@ -72,7 +38,7 @@ fn entry_tokens(v: &Value, with_port: bool) -> Result<Vec<String>, String> {
             let url = map.get("url").and_then(Value::as_str).ok_or("worker entry needs \"url\"")?;
             let mut tokens = vec![url.to_string()];
             for key in map.keys() {
-                let known = key == "url" || key == "kv_connector" || (with_port && key == "bootstrap_port");
+                let known = matches!(key.as_str(), "url" | "kv_connector" | "kv_engine_id" | "labels") || (with_port && key == "bootstrap_port");
                 if !known {
                     return Err(format!("unknown key {key:?} in a worker entry"));
                 }
@@ -82,6 +48,15 @@ fn entry_tokens(v: &Value, with_port: bool) -> Result<Vec<String>, String> {
             }
             if let Some(c) = map.get("kv_connector").filter(|c| !c.is_null()) {
                 tokens.push(format!("kv_connector={}", json_token(c)?));
+            }
+            if let Some(id) = map.get("kv_engine_id").filter(|c| !c.is_null()) {
+                tokens.push(format!("kv_engine_id={}", json_token(id)?));
+            }
+            if let Some(labels) = map.get("labels").filter(|c| !c.is_null()) {
+                let labels = labels.as_object().ok_or("worker entry \"labels\" must be an object")?;
+                for (k, v) in labels {
+                    tokens.push(format!("label={k}={}", v.as_str().ok_or("label values must be strings")?));
+                }
             }
             Ok(tokens)
         }

@@ -33,7 +33,9 @@ impl Leg {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ErrorKind {
     /// The client's request is malformed (400). `param` names the field when known.
-    InvalidRequest { param: Option<String> },
+    InvalidRequest {
+        param: Option<String>,
+    },
     PayloadTooLarge,
     NotFound,
     MethodNotAllowed,
@@ -50,7 +52,10 @@ pub enum ErrorKind {
     /// Could not connect to the worker, or it closed the connection before answering.
     WorkerUnreachable,
     /// The worker answered with a non-success status; `body` is its error body, if any.
-    WorkerStatus { status: u16, body: Option<String> },
+    WorkerStatus {
+        status: u16,
+        body: Option<String>,
+    },
     /// The worker's answer was broken (bad JSON, cut stream, missing PD fields).
     WorkerProtocol,
     /// The worker's answer is not what the request asked for: not JSON of the endpoint's shape,
@@ -73,6 +78,9 @@ pub enum ErrorKind {
     LoopDetected,
     /// The worker API is closed: no `--admin-api-key` and no `--admin-api-open` (403).
     AdminApiClosed,
+    /// The gateway is shutting down gracefully: new requests are refused (503) while those in
+    /// flight finish.
+    ShuttingDown,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -143,6 +151,10 @@ impl GatewayError {
         let message = format!("{} worker ended its stream without data: [DONE]; the answer is incomplete", leg.as_str());
         Self::new(ErrorKind::StreamTruncated, Source::Worker, message).on(leg)
     }
+    pub fn shutting_down() -> Self {
+        Self::new(ErrorKind::ShuttingDown, Source::Gateway, "the gateway is shutting down and takes no new requests; retry on another replica")
+    }
+
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Internal, Source::Gateway, message)
     }
@@ -197,6 +209,7 @@ impl GatewayError {
             ErrorKind::ClientTimeout => 408,
             ErrorKind::LoopDetected => 508,
             ErrorKind::AdminApiClosed => 403,
+            ErrorKind::ShuttingDown => 503,
         }
     }
 
@@ -227,6 +240,7 @@ impl GatewayError {
             ErrorKind::ClientTimeout => "body_read_timeout".into(),
             ErrorKind::LoopDetected => "loop_detected".into(),
             ErrorKind::AdminApiClosed => "admin_api_closed".into(),
+            ErrorKind::ShuttingDown => "shutting_down".into(),
         }
     }
 

@@ -57,11 +57,7 @@ impl PairingKey {
     pub fn of(spec: &WorkerSpec, default_connector: KvConnector) -> Self {
         let mut kv_layout = spec.kv_layout.clone();
         kv_layout.kv_dtype = kv_layout.kv_dtype.map(|d| d.to_ascii_lowercase());
-        PairingKey {
-            runtime: spec.runtime.as_ref().map(|r| r.to_ascii_lowercase()),
-            transport: spec.connector(default_connector),
-            kv_layout,
-        }
+        PairingKey { runtime: spec.runtime.as_ref().map(|r| r.to_ascii_lowercase()), transport: spec.connector(default_connector), kv_layout }
     }
 
     /// What stops prefill `self` from pairing with decode `decode` under `mode` (empty: none).
@@ -75,11 +71,8 @@ impl PairingKey {
         }
         let (p, d) = (&self.kv_layout, &decode.kv_layout);
         let page = |l: &KvLayout| l.page_size.map(|v| v.to_string());
-        let parts = [
-            ("runtime", self.runtime.clone(), decode.runtime.clone()),
-            ("KV layout page_size", page(p), page(d)),
-            ("KV layout kv_dtype", p.kv_dtype.clone(), d.kv_dtype.clone()),
-        ];
+        let parts =
+            [("runtime", self.runtime.clone(), decode.runtime.clone()), ("KV layout page_size", page(p), page(d)), ("KV layout kv_dtype", p.kv_dtype.clone(), d.kv_dtype.clone())];
         for (what, a, b) in parts {
             let refuses = match (&a, &b) {
                 (Some(a), Some(b)) => a != b,
@@ -149,11 +142,7 @@ impl PairingIndex {
         let mut prefill_class_of: HashMap<&PairingKey, u32> = HashMap::new();
         for &p in prefills {
             let class = *prefill_class_of.entry(&keys[p]).or_insert_with(|| {
-                let mut compatible: Vec<usize> = decode_classes
-                    .iter()
-                    .filter(|(dk, _)| keys[p].compatible(dk, mode))
-                    .flat_map(|(_, members)| members.iter().copied())
-                    .collect();
+                let mut compatible: Vec<usize> = decode_classes.iter().filter(|(dk, _)| keys[p].compatible(dk, mode)).flat_map(|(_, members)| members.iter().copied()).collect();
                 compatible.sort_unstable();
                 index.class_decodes.push(compatible);
                 (index.class_decodes.len() - 1) as u32
@@ -217,11 +206,7 @@ mod tests {
     use super::*;
 
     fn key(runtime: Option<&str>, transport: KvConnector, page: Option<u32>, dtype: Option<&str>) -> PairingKey {
-        PairingKey {
-            runtime: runtime.map(str::to_string),
-            transport,
-            kv_layout: KvLayout { page_size: page, kv_dtype: dtype.map(str::to_string), tp_size: None },
-        }
+        PairingKey { runtime: runtime.map(str::to_string), transport, kv_layout: KvLayout { page_size: page, kv_dtype: dtype.map(str::to_string), tp_size: None } }
     }
 
     /// The pairing modes on a table of keys: (prefill, decode, off, lenient, strict).

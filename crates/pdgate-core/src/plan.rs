@@ -21,11 +21,7 @@ use pdgate_protocol::{Endpoint, ParsedRequest};
 use crate::error::{GatewayError, Leg};
 use crate::policy::Selection;
 use crate::snapshot::PoolSnapshot;
-use crate::worker::{KvConnector, WorkerSpec};
-
-/// Port of an engine's bootstrap server when the gateway was given none (SGLang's and the
-/// Mooncake connector's default).
-pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+use crate::worker::{KvConnector, WorkerSpec, DEFAULT_BOOTSTRAP_PORT};
 
 /// How the request is served.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -193,14 +189,7 @@ pub fn regular(snap: &PoolSnapshot, chosen: &Selection, req: &ParsedRequest, req
 }
 
 /// The plan for a chosen pair. The connector is the prefill's (pairing made the decode match).
-pub fn pd(
-    snap: &PoolSnapshot,
-    prefill: &Selection,
-    decode: &Selection,
-    req: &ParsedRequest,
-    request_id: &str,
-    rng: &mut dyn RngCore,
-) -> Result<PdPlan, GatewayError> {
+pub fn pd(snap: &PoolSnapshot, prefill: &Selection, decode: &Selection, req: &ParsedRequest, request_id: &str, rng: &mut dyn RngCore) -> Result<PdPlan, GatewayError> {
     let connector = snap.connector_of(prefill.worker);
     check_compatible(Mode::Pd(connector), req.endpoint)?;
     let (p, d, stream) = (prefill.worker, decode.worker, req.stream);

@@ -106,14 +106,7 @@ fn first_char(s: &str) -> char {
 
 impl RadixTree {
     pub fn new() -> Self {
-        RadixTree {
-            nodes: vec![Node { live: true, ..Default::default() }],
-            free: Vec::new(),
-            keys: Vec::new(),
-            ids: HashMap::new(),
-            tenant_bytes: Vec::new(),
-            size: 0,
-        }
+        RadixTree { nodes: vec![Node { live: true, ..Default::default() }], free: Vec::new(), keys: Vec::new(), ids: HashMap::new(), tenant_bytes: Vec::new(), size: 0 }
     }
 
     /// Edge bytes stored (what `--max-tree-size` bounds).
@@ -139,11 +132,7 @@ impl RadixTree {
     /// Heap bytes used by the tree, estimated from capacities (for the memory report).
     pub fn memory_bytes(&self) -> usize {
         let node = std::mem::size_of::<Node>();
-        let nodes: usize = self
-            .nodes
-            .iter()
-            .map(|n| node + n.edge.capacity() + n.children.capacity() * 8 + n.tenants.capacity() * 4)
-            .sum();
+        let nodes: usize = self.nodes.iter().map(|n| node + n.edge.capacity() + n.children.capacity() * 8 + n.tenants.capacity() * 4).sum();
         let keys: usize = self.keys.iter().map(|k| k.len() + 16 + 16 + 8).sum();
         nodes + keys * 2 + self.free.capacity() * 4 + self.tenant_bytes.capacity() * 8
     }
@@ -275,13 +264,8 @@ impl RadixTree {
         }
         let target = max_size - max_size / 16;
         let before = self.size;
-        let mut heap: BinaryHeap<Reverse<(u64, u32)>> = self
-            .nodes
-            .iter()
-            .enumerate()
-            .filter(|(i, n)| *i != ROOT as usize && n.live && n.children.is_empty())
-            .map(|(i, n)| Reverse((n.last_access, i as u32)))
-            .collect();
+        let mut heap: BinaryHeap<Reverse<(u64, u32)>> =
+            self.nodes.iter().enumerate().filter(|(i, n)| *i != ROOT as usize && n.live && n.children.is_empty()).map(|(i, n)| Reverse((n.last_access, i as u32))).collect();
         while self.size > target {
             let Some(Reverse((_, leaf))) = heap.pop() else { break };
             let parent = self.remove_leaf(leaf);
@@ -315,11 +299,7 @@ impl RadixTree {
         }
         self.tenant_bytes[tenant as usize] = 0;
         // Nodes nobody owns any more: by the subset invariant their subtrees are empty too.
-        let mut stack: Vec<u32> = self.nodes[ROOT as usize]
-            .children
-            .iter()
-            .map(|&(_, c)| c)
-            .collect();
+        let mut stack: Vec<u32> = self.nodes[ROOT as usize].children.iter().map(|&(_, c)| c).collect();
         let mut orphans = Vec::new();
         while let Some(i) = stack.pop() {
             let n = &self.nodes[i as usize];

@@ -25,13 +25,7 @@ fn without<'a>(candidates: &'a [usize], exclude: &[usize], buf: &'a mut Vec<usiz
     }
 }
 
-pub fn select_regular(
-    snap: &PoolSnapshot,
-    policy: &dyn Policy,
-    input: &RouteInput<'_>,
-    exclude: &[usize],
-    rng: &mut dyn RngCore,
-) -> Result<Selection, GatewayError> {
+pub fn select_regular(snap: &PoolSnapshot, policy: &dyn Policy, input: &RouteInput<'_>, exclude: &[usize], rng: &mut dyn RngCore) -> Result<Selection, GatewayError> {
     let mut buf = Vec::new();
     let candidates = without(snap.eligible(WorkerRole::Regular), exclude, &mut buf);
     policy.select(snap, candidates, input, rng).ok_or_else(|| GatewayError::no_workers("regular"))
@@ -55,14 +49,10 @@ pub fn select_pair(
     }
     let mut buf = Vec::new();
     let prefills = without(snap.pairable_prefills(), exclude, &mut buf);
-    let prefill = prefill_policy
-        .select(snap, prefills, input, rng)
-        .ok_or_else(|| GatewayError::no_compatible_pair(snap.pairing_gap()))?;
+    let prefill = prefill_policy.select(snap, prefills, input, rng).ok_or_else(|| GatewayError::no_compatible_pair(snap.pairing_gap()))?;
     let mut buf2 = Vec::new();
     let decodes = without(snap.compatible_decodes(prefill.worker), exclude, &mut buf2);
-    let decode = decode_policy
-        .select(snap, decodes, input, rng)
-        .ok_or_else(|| GatewayError::no_compatible_pair(snap.pairing_gap()))?;
+    let decode = decode_policy.select(snap, decodes, input, rng).ok_or_else(|| GatewayError::no_compatible_pair(snap.pairing_gap()))?;
     Ok((prefill, decode))
 }
 
@@ -105,10 +95,7 @@ mod tests {
     #[test]
     fn no_pair_names_the_mismatch() {
         let snap = PoolSnapshot::build(
-            vec![
-                view("http://p1:1", WorkerRole::Prefill, Some(KvConnector::Nixl), true),
-                view("http://d1:1", WorkerRole::Decode, Some(KvConnector::Mooncake), true),
-            ],
+            vec![view("http://p1:1", WorkerRole::Prefill, Some(KvConnector::Nixl), true), view("http://d1:1", WorkerRole::Decode, Some(KvConnector::Mooncake), true)],
             KvConnector::Bootstrap,
         );
         let mut rng = StdRng::seed_from_u64(3);
@@ -120,10 +107,7 @@ mod tests {
 
     #[test]
     fn unhealthy_workers_are_not_chosen_and_missing_roles_say_which() {
-        let snap = PoolSnapshot::build(
-            vec![view("http://p1:1", WorkerRole::Prefill, None, true), view("http://d1:1", WorkerRole::Decode, None, false)],
-            KvConnector::Bootstrap,
-        );
+        let snap = PoolSnapshot::build(vec![view("http://p1:1", WorkerRole::Prefill, None, true), view("http://d1:1", WorkerRole::Decode, None, false)], KvConnector::Bootstrap);
         let mut rng = StdRng::seed_from_u64(3);
         let err = select_pair(&snap, &RandomPolicy, &RandomPolicy, &RouteInput::default(), &[], &mut rng).unwrap_err();
         assert_eq!((err.code().as_str(), err.status()), ("no_available_workers", 503));
@@ -132,10 +116,7 @@ mod tests {
 
     #[test]
     fn retries_avoid_workers_that_failed_when_others_exist() {
-        let snap = PoolSnapshot::build(
-            vec![view("http://r1:1", WorkerRole::Regular, None, true), view("http://r2:1", WorkerRole::Regular, None, true)],
-            KvConnector::Bootstrap,
-        );
+        let snap = PoolSnapshot::build(vec![view("http://r1:1", WorkerRole::Regular, None, true), view("http://r2:1", WorkerRole::Regular, None, true)], KvConnector::Bootstrap);
         let mut rng = StdRng::seed_from_u64(9);
         for n in 0..10 {
             let s = select_regular(&snap, &RoundRobinPolicy, &seq(n), &[0], &mut rng).unwrap();

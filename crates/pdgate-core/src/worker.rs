@@ -7,6 +7,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::pairing::KvLayout;
 
+/// The port of an SGLang prefill's bootstrap server when none is given (the engines' default,
+/// also the Mooncake bootstrap address's port). Declared once; docs/protocols.md §1, §3.
+pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+
 /// How KV moves from prefill to decode for a pair of workers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, ValueEnum, Default)]
 #[serde(rename_all = "snake_case")]
@@ -27,6 +31,15 @@ impl KvConnector {
             KvConnector::Nixl => "nixl",
             KvConnector::Mooncake => "mooncake",
         }
+    }
+
+    /// Our names, in the order every message lists them.
+    pub const NAMES: [&'static str; 3] = ["bootstrap", "nixl", "mooncake"];
+
+    /// [`KvConnector::from_name`] with the one error text every source of workers shows (flags,
+    /// JSON config, `/workers`, Kubernetes annotations).
+    pub fn parse(name: &str) -> Result<Self, String> {
+        Self::from_name(name).ok_or_else(|| format!("unknown kv_connector {name:?} (expected {})", Self::NAMES.join(", ")))
     }
 
     /// Accepts our names and the engines' connector class names.
@@ -78,6 +91,9 @@ pub struct WorkerSpec {
     /// The engine's KV layout, as far as known. Part of the pairing key.
     #[serde(default)]
     pub kv_layout: KvLayout,
+    /// Mooncake prefill: its engine id as registered (else learned from its bootstrap `/query`).
+    #[serde(default)]
+    pub kv_engine_id: Option<String>,
 }
 
 impl WorkerSpec {
@@ -97,16 +113,7 @@ impl WorkerSpec {
         }
         // The parsed form: scheme and host lower-cased, so one worker has one URL.
         let url = parsed.as_str().trim_end_matches('/').to_string();
-        Ok(WorkerSpec {
-            url,
-            role,
-            host,
-            bootstrap_port: None,
-            kv_connector: None,
-            labels: BTreeMap::new(),
-            runtime: None,
-            kv_layout: KvLayout::default(),
-        })
+        Ok(WorkerSpec { url, role, host, bootstrap_port: None, kv_connector: None, labels: BTreeMap::new(), runtime: None, kv_layout: KvLayout::default(), kv_engine_id: None })
     }
 
     /// Whether the gateway reaches this worker over TLS (an `https://` URL).
@@ -157,6 +164,14 @@ mod tests {
         let json = r#"{"url":"http://a:1","role":"decode","host":"a","bootstrap_port":null,"kv_connector":null,"labels":{}}"#;
         let w: WorkerSpec = serde_json::from_str(json).unwrap();
         assert_eq!((w.runtime, w.kv_layout), (None, KvLayout::default()));
+    }
+
+    #[test]
+    fn connector_names_parse_with_one_error_text() {
+        for name in KvConnector::NAMES {
+            assert_eq!(KvConnector::parse(name).unwrap().as_str(), name);
+        }
+        assert_eq!(KvConnector::parse("lmcache").unwrap_err(), "unknown kv_connector \"lmcache\" (expected bootstrap, nixl, mooncake)");
     }
 
     #[test]

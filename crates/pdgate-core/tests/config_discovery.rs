@@ -13,10 +13,20 @@ fn cli(args: &[&str]) -> Result<GatewayConfig, String> {
 #[test]
 fn smg_style_discovery_flags_parse() {
     let c = cli(&[
-        "--pd-disaggregation", "--service-discovery",
-        "--prefill-selector", "app=sglang", "role=prefill",
-        "--decode-selector", "app=sglang", "role=decode",
-        "--service-discovery-namespace", "ml", "--service-discovery-port", "30000", "--kubeconfig", "/k/config",
+        "--pd-disaggregation",
+        "--service-discovery",
+        "--prefill-selector",
+        "app=sglang",
+        "role=prefill",
+        "--decode-selector",
+        "app=sglang",
+        "role=decode",
+        "--service-discovery-namespace",
+        "ml",
+        "--service-discovery-port",
+        "30000",
+        "--kubeconfig",
+        "/k/config",
     ])
     .unwrap();
     assert_eq!(c.prefill_selector, ["app=sglang", "role=prefill"]);

@@ -12,11 +12,20 @@ fn cli(args: &[&str]) -> GatewayConfig {
 fn smg_style_prefill_flags_group_url_and_port() {
     let c = cli(&[
         "--pd-disaggregation",
-        "--prefill", "http://p1:30000", "8998",
-        "--prefill", "http://p2:30000",
-        "--prefill", "http://p3:30000", "none", "kv_connector=nixl",
-        "--decode", "http://d1:30001",
-        "--decode", "http://d2:30001", "kv_connector=nixl",
+        "--prefill",
+        "http://p1:30000",
+        "8998",
+        "--prefill",
+        "http://p2:30000",
+        "--prefill",
+        "http://p3:30000",
+        "none",
+        "kv_connector=nixl",
+        "--decode",
+        "http://d1:30001",
+        "--decode",
+        "http://d2:30001",
+        "kv_connector=nixl",
     ]);
     c.validate().unwrap();
     let p = c.prefill_args().unwrap();
@@ -110,4 +119,37 @@ fn request_bounds_default_to_the_parsers_defaults_and_are_flags() {
     let l = c.limits();
     assert_eq!((l.max_n, l.max_batch_size, l.max_tools), (4, 8, 1));
     assert!(cli(&["--max-n", "0"]).validate().is_err());
+}
+
+/// The core reads no environment: a key in PDGATE_API_KEY reaches neither the defaults, nor the
+/// schema, nor the JSON view. Only the command-line layers apply it, through `fill_from_env`.
+#[test]
+fn the_core_reads_no_environment() {
+    // Safe in edition 2021; nothing in this crate reads the variable, which is the point.
+    std::env::set_var("PDGATE_API_KEY", "leaked-from-env");
+    std::env::set_var("PDGATE_ADMIN_API_KEY", "leaked-admin");
+    assert_eq!(GatewayConfig::default().api_key, None);
+    assert_eq!(cli(&[]).admin_api_key, None);
+    assert_eq!(GatewayConfig::from_json("{}").unwrap().api_key, None);
+    let schema = GatewayConfig::schema().to_string();
+    assert!(!schema.contains("leaked"), "{schema}");
+    std::env::remove_var("PDGATE_API_KEY");
+    std::env::remove_var("PDGATE_ADMIN_API_KEY");
+}
+
+#[test]
+fn env_fallbacks_fill_only_unset_options_through_the_given_lookup() {
+    let env = |var: &str| match var {
+        "PDGATE_API_KEY" => Some("from-env".to_string()),
+        "PDGATE_ADMIN_API_KEY" => Some(String::new()),
+        _ => None,
+    };
+    let mut c = cli(&[]);
+    c.fill_from_env(env);
+    assert_eq!((c.api_key.as_deref(), c.admin_api_key.as_deref()), (Some("from-env"), None), "an empty variable is unset");
+    let mut c = cli(&["--api-key", "from-flag"]);
+    c.fill_from_env(env);
+    assert_eq!(c.api_key.as_deref(), Some("from-flag"), "the flag wins");
+    let names: Vec<&str> = pdgate_core::config::ENV_FALLBACKS.iter().map(|(_, v)| *v).collect();
+    assert_eq!(names, ["PDGATE_API_KEY", "PDGATE_ADMIN_API_KEY"]);
 }

@@ -17,9 +17,9 @@ use tokio::time::Instant;
 
 use crate::edge::scope::{self, RequestScope};
 use crate::exec::{execute, Ctx};
-use crate::{auth, request_id, workers_api};
 use crate::render::error_response;
 use crate::state::AppState;
+use crate::{auth, request_id, workers_api};
 
 pub fn router(state: Arc<AppState>) -> Router {
     let mut client = Router::new()
@@ -70,6 +70,13 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
     let headers = parts.headers;
     let started = std::time::Instant::now();
     let route = endpoint.path();
+    if state.is_draining() {
+        // Graceful shutdown: refuse at once, and close the connection so the client's next
+        // request goes to another replica.
+        let mut resp = client_error(&state, route, &GatewayError::shutting_down());
+        resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+        return resp;
+    }
     // Reading the body counts against the request's deadline.
     let deadline = Instant::now() + state.request_timeout();
     let via = match state.edge.hops.outgoing(&headers) {
@@ -91,11 +98,7 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
         Ok(Ok(b)) => b,
         Ok(Err(e)) => {
             let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
-            let err = if too_large {
-                GatewayError::payload_too_large(limit)
-            } else {
-                GatewayError::invalid(None, format!("could not read the request body: {e}"))
-            };
+            let err = if too_large { GatewayError::payload_too_large(limit) } else { GatewayError::invalid(None, format!("could not read the request body: {e}")) };
             return client_error(&state, route, &err);
         }
     };
@@ -106,11 +109,7 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
     // The client's id only after validation; the legs get a minted one (see `request_id`).
     let client_request_id = request_id::client_id(&headers);
     let request_id = request_id::mint(client_request_id.as_deref());
-    let session_key = headers
-        .get("x-session-id")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string)
-        .or_else(|| req.body.get("user").and_then(|u| u.as_str()).map(str::to_string));
+    let session_key = headers.get("x-session-id").and_then(|v| v.to_str().ok()).map(str::to_string).or_else(|| req.body.get("user").and_then(|u| u.as_str()).map(str::to_string));
     let scope = Arc::new(RequestScope { request_id: request_id.clone(), via });
     let mut resp = scope::run(scope.clone(), execute(Ctx { state, req, raw, request_id, client_request_id, session_key, deadline, started, route })).await;
     // For the body wrapper in edge/conn.rs: the relay's stream warnings name the request.
@@ -145,8 +144,18 @@ async fn readiness(State(state): State<Arc<AppState>>) -> Response {
         let r = snap.eligible(WorkerRole::Regular).len();
         (r > 0, json!({"healthy_workers": r}))
     };
+    // A draining gateway is not ready, whatever its workers: load balancers must stop sending.
+    let draining = state.is_draining();
+    let ready = ready && !draining;
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    let mut body = json!({"status": if ready { "ready" } else { "not_ready" }, "admin_api": auth::admin_api_mode(&state)});
+    let word = if draining {
+        "draining"
+    } else if ready {
+        "ready"
+    } else {
+        "not_ready"
+    };
+    let mut body = json!({"status": word, "admin_api": auth::admin_api_mode(&state)});
     if let (Some(b), Some(d)) = (body.as_object_mut(), detail.as_object()) {
         b.extend(d.clone());
     }
@@ -154,14 +163,7 @@ async fn readiness(State(state): State<Arc<AppState>>) -> Response {
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Response {
-    let data: Vec<_> = state
-        .registry
-        .routing()
-        .snapshot
-        .models()
-        .into_iter()
-        .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "pdgate"}))
-        .collect();
+    let data: Vec<_> = state.registry.routing().snapshot.models().into_iter().map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "pdgate"})).collect();
     Json(json!({"object": "list", "data": data})).into_response()
 }
 

@@ -9,6 +9,7 @@ mod exec;
 mod front;
 mod health;
 mod load;
+mod membership;
 mod metrics;
 mod record;
 mod registry;

@@ -13,6 +13,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[tokio::main]
 async fn main() -> ExitCode {
     let mut config = GatewayConfig::parse();
+    // The command line's environment fallbacks (PDGATE_API_KEY, ...); the core reads none.
+    config.fill_from_env(|var| std::env::var(var).ok());
     worker_api_key_from_env(&mut config);
     init_logging(&config.log_level);
     let gateway = match start(config).await {

@@ -17,6 +17,8 @@ pub struct Metrics {
     pub ttfb: HistogramVec,
     pub leg_duration: HistogramVec,
     pub retries: IntCounterVec,
+    /// Retries the shared retry budget did not allow (`reason`: budget).
+    pub retries_refused: IntCounterVec,
     pub leg_errors: IntCounterVec,
     pub inflight: IntGaugeVec,
     pub worker_healthy: IntGaugeVec,
@@ -46,6 +48,9 @@ pub struct EdgeMetrics {
     pub client_timeouts: IntCounterVec,
     pub connections_rejected: IntCounter,
     pub connections_open: IntGauge,
+    /// Client requests whose response has not ended yet (streams included): what a graceful
+    /// shutdown waits for.
+    pub requests_in_flight: IntGauge,
     pub panics: IntCounter,
     /// `kind`: via (came back to this gateway), hops (too many gateways), registration (a
     /// worker at this gateway's own address refused).
@@ -70,8 +75,12 @@ impl EdgeMetrics {
         };
         let open = IntGauge::new("pdgate_client_connections", "Client connections open now").unwrap_or_else(|e| panic!("metric pdgate_client_connections: {e}"));
         r.register(Box::new(open.clone())).unwrap_or_else(|e| panic!("metric pdgate_client_connections: {e}"));
+        let in_flight = IntGauge::new("pdgate_client_requests_in_flight", "Client requests whose response has not ended (streams included)")
+            .unwrap_or_else(|e| panic!("metric pdgate_client_requests_in_flight: {e}"));
+        r.register(Box::new(in_flight.clone())).unwrap_or_else(|e| panic!("metric pdgate_client_requests_in_flight: {e}"));
         EdgeMetrics {
             client_timeouts,
+            requests_in_flight: in_flight,
             connections_rejected: single("pdgate_connections_rejected_total", "Client connections closed at once because --max-connections were open"),
             connections_open: open,
             panics: single("pdgate_request_panics_total", "Request handlers that panicked (answered 500)"),
@@ -111,6 +120,7 @@ impl Metrics {
             ttfb: histogram(&r, "pdgate_time_to_first_byte_seconds", "Time until the first response byte was ready", &["route"]),
             leg_duration: histogram(&r, "pdgate_pd_leg_duration_seconds", "Duration of one PD leg", &["leg", "protocol"]),
             retries: counter(&r, "pdgate_retries_total", "Attempts retried, by reason", &["reason"]),
+            retries_refused: counter(&r, "pdgate_retries_refused_total", "Retries not made because the shared retry budget was spent", &["reason"]),
             leg_errors: counter(&r, "pdgate_worker_errors_total", "Failed worker legs by leg and error code", &["leg", "code"]),
             inflight: gauge(&r, "pdgate_worker_inflight", "Requests in flight per worker", &["worker", "role"]),
             worker_healthy: gauge(&r, "pdgate_worker_healthy", "1 when the worker passes health checks", &["worker", "role"]),
@@ -143,6 +153,7 @@ impl Metrics {
             registry: r,
         };
         // Present at 0 from the start, so an alert on them needs no prior failure.
+        m.retries_refused.with_label_values(&["budget"]);
         for leg in ["worker", "decode"] {
             m.streams_truncated.with_label_values(&[leg]);
             for reason in pdgate_protocol::answer::REASONS {

@@ -45,6 +45,9 @@ pub struct Runtime {
     /// in flight, `Some(n)` while one is, with the `n` timeouts that take its verdict. At most
     /// one probe per worker, however many requests of a burst time out (state.rs).
     pub probe: Mutex<Option<u32>>,
+    /// Mooncake prefill: the engine id in use, seeded from the registration (`kv_engine_id`)
+    /// or learned from its bootstrap `/query`; cleared when a transfer with it failed.
+    pub engine_id: Mutex<Option<String>>,
 }
 
 impl Runtime {
@@ -75,7 +78,6 @@ pub struct Entry {
     pub enabled: bool,
     pub draining: bool,
     pub info: EngineInfo,
-    pub kv_engine_id: Option<String>,
     pub runtime: Arc<Runtime>,
 }
 
@@ -91,11 +93,33 @@ pub enum RegistryError {
     NotFound(String),
 }
 
+/// Where the registry reads the time: injected, so that breakers and load ages are tested on
+/// a fake or paused clock. The gateway passes tokio's clock ([`tokio_clock`]).
+pub type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;
+
+/// Tokio's clock as a std `Instant`: real time, or the paused test clock under
+/// `tokio::time::pause`.
+pub fn tokio_clock() -> Clock {
+    Arc::new(|| tokio::time::Instant::now().into_std())
+}
+
+/// What the breaker says of a request about to be sent to a worker ([`Registry::admit`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// Closed breaker (or breakers off, or the worker is gone): send.
+    Pass,
+    /// Half-open: this request is the one probe; its outcome decides.
+    Probe,
+    /// Half-open with a probe in flight (or open): choose another worker.
+    Refused,
+}
+
 pub struct Registry {
     entries: Mutex<Vec<Entry>>,
     routing: ArcSwap<Routing>,
     options: SnapshotOptions,
     breaker_config: BreakerConfig,
+    clock: Clock,
     epoch: Instant,
 }
 
@@ -116,15 +140,20 @@ pub fn worker_id(url: &str) -> String {
 
 impl Registry {
     pub fn new(specs: Vec<WorkerSpec>, options: SnapshotOptions, breaker_config: BreakerConfig) -> Self {
+        Self::with_clock(specs, options, breaker_config, tokio_clock())
+    }
+
+    pub fn with_clock(specs: Vec<WorkerSpec>, options: SnapshotOptions, breaker_config: BreakerConfig, clock: Clock) -> Self {
         let reg = Registry {
             breaker_config,
             entries: Mutex::new(Vec::new()),
             routing: ArcSwap::from_pointee(Routing { snapshot: PoolSnapshot::default(), runtime: vec![] }),
             options,
-            epoch: Instant::now(),
+            epoch: clock(),
+            clock,
         };
         for spec in specs {
-            let _ = reg.add(spec, Source::Static, None);
+            let _ = reg.add(spec, Source::Static);
         }
         reg
     }
@@ -135,7 +164,12 @@ impl Registry {
     }
 
     pub fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
+        self.now().saturating_duration_since(self.epoch).as_millis() as u64
+    }
+
+    /// The registry's clock.
+    pub fn now(&self) -> Instant {
+        (self.clock)()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Entry>> {
@@ -144,7 +178,8 @@ impl Registry {
     }
 
     fn rebuild(&self, entries: &[Entry]) {
-        let now = Instant::now();
+        let now = self.now();
+        let cfg = &self.breaker_config;
         let views = entries
             .iter()
             .map(|e| WorkerView {
@@ -152,7 +187,15 @@ impl Registry {
                 healthy: e.health.healthy,
                 enabled: e.enabled,
                 draining: e.draining,
-                breaker: e.runtime.breaker().state(now, &self.breaker_config),
+                breaker: {
+                    // A half-open worker whose one probe is in flight takes no other request:
+                    // routing reads it as open until the probe's outcome (or its timeout).
+                    let b = e.runtime.breaker();
+                    match b.state(now, cfg) {
+                        BreakerState::HalfOpen if b.probing(now, cfg) => BreakerState::Open,
+                        s => s,
+                    }
+                },
                 models: e.info.models.clone(),
                 context_length: e.info.context_length,
             })
@@ -171,11 +214,14 @@ impl Registry {
         out
     }
 
-    pub fn add(&self, spec: WorkerSpec, source: Source, kv_engine_id: Option<String>) -> Result<Entry, RegistryError> {
+    /// Adds a worker (in the gateway, through `membership::apply`: the one entry point of
+    /// membership changes).
+    pub fn add(&self, spec: WorkerSpec, source: Source) -> Result<Entry, RegistryError> {
         self.edit(|entries| {
             if let Some(e) = entries.iter().find(|e| e.spec.url == spec.url) {
                 return Err(RegistryError::Duplicate(e.id.clone()));
             }
+            let engine_id = Mutex::new(spec.kv_engine_id.clone());
             let entry = Entry {
                 id: worker_id(&spec.url),
                 spec: Arc::new(spec),
@@ -184,8 +230,7 @@ impl Registry {
                 enabled: true,
                 draining: false,
                 info: EngineInfo::default(),
-                kv_engine_id,
-                runtime: Arc::new(Runtime { polled_load: AtomicI64::new(-1), ..Default::default() }),
+                runtime: Arc::new(Runtime { polled_load: AtomicI64::new(-1), engine_id, ..Default::default() }),
             };
             entries.push(entry.clone());
             Ok(entry)
@@ -271,18 +316,63 @@ impl Registry {
     /// Feeds one request outcome to a worker's breaker. Returns the new state when it changed
     /// (the routing view is then rebuilt), so the caller can schedule the half-open rebuild.
     pub fn record_outcome(&self, url: &str, outcome: Outcome) -> Option<BreakerState> {
-        if !self.breaker_config.enabled || outcome == Outcome::Neutral {
+        if !self.breaker_config.enabled {
+            return None;
+        }
+        if outcome == Outcome::Neutral {
+            // No verdict, but a probe that ended this way gives its slot to the next request.
+            self.end_probe(url);
             return None;
         }
         // O(1) through the routing view: this runs once per request and leg.
         let routing = self.routing();
         let runtime = &routing.runtime[routing.snapshot.index_of(url)?];
-        let changed = runtime.breaker.lock().unwrap_or_else(|p| p.into_inner()).record(outcome, Instant::now(), &self.breaker_config);
-        if changed.is_some() {
+        let mut breaker = runtime.breaker.lock().unwrap_or_else(|p| p.into_inner());
+        let was_probing = breaker.probing(self.now(), &self.breaker_config);
+        let changed = breaker.record(outcome, self.now(), &self.breaker_config);
+        drop(breaker);
+        if changed.is_some() || was_probing {
             let entries = self.lock();
             self.rebuild(&entries);
         }
         changed
+    }
+
+    /// Admits one request to the worker at `url` through its breaker ([`Breaker::try_admit`]).
+    /// A request that becomes a half-open probe takes the worker out of the routing view until
+    /// the probe's outcome is recorded (or `probe_timeout` passes: the caller schedules a
+    /// [`Registry::refresh`] then).
+    pub fn admit(&self, url: &str) -> Admission {
+        if !self.breaker_config.enabled {
+            return Admission::Pass;
+        }
+        let routing = self.routing();
+        let Some(i) = routing.snapshot.index_of(url) else { return Admission::Pass };
+        let now = self.now();
+        let mut breaker = routing.runtime[i].breaker.lock().unwrap_or_else(|p| p.into_inner());
+        if !breaker.try_admit(now, &self.breaker_config) {
+            return Admission::Refused;
+        }
+        let probe = breaker.state(now, &self.breaker_config) == BreakerState::HalfOpen;
+        drop(breaker);
+        if !probe {
+            return Admission::Pass;
+        }
+        let entries = self.lock();
+        self.rebuild(&entries);
+        Admission::Probe
+    }
+
+    /// Frees a worker's probe slot without a verdict (the probe was not sent after all, or
+    /// ended neutral); the worker is routed to again.
+    pub fn end_probe(&self, url: &str) {
+        let routing = self.routing();
+        let Some(i) = routing.snapshot.index_of(url) else { return };
+        let ended = routing.runtime[i].breaker.lock().unwrap_or_else(|p| p.into_inner()).end_probe();
+        if ended {
+            let entries = self.lock();
+            self.rebuild(&entries);
+        }
     }
 
     /// What a worker's breaker record says of `outcome` ([`Breaker::judge`]), with the worker's
@@ -309,9 +399,11 @@ impl Registry {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use pdgate_core::{KvConnector, WorkerRole};
+    use std::time::Duration;
 
     fn opts() -> SnapshotOptions {
         SnapshotOptions { default_connector: KvConnector::Bootstrap, pairing_mode: PairingMode::Lenient }
@@ -330,7 +422,7 @@ mod tests {
     #[test]
     fn duplicates_are_refused_and_drain_waits_for_inflight() {
         let reg = Registry::new(vec![spec("http://a:1", WorkerRole::Regular)], opts(), BreakerConfig::default());
-        assert!(matches!(reg.add(spec("http://a:1", WorkerRole::Regular), Source::Api, None), Err(RegistryError::Duplicate(_))));
+        assert!(matches!(reg.add(spec("http://a:1", WorkerRole::Regular), Source::Api), Err(RegistryError::Duplicate(_))));
         let e = reg.get("http://a:1").unwrap();
         reg.observe_health(&e.id, true, 1, 1);
         assert_eq!(reg.routing().snapshot.eligible(WorkerRole::Regular).len(), 1);
@@ -343,19 +435,74 @@ mod tests {
         assert!(reg.get(&e.id).is_none());
     }
 
+    /// A clock the test moves by hand.
+    fn fake_clock() -> (Clock, Arc<Mutex<Instant>>) {
+        let now = Arc::new(Mutex::new(Instant::now()));
+        let read = now.clone();
+        (Arc::new(move || *read.lock().unwrap()), now)
+    }
+
+    fn advance(now: &Mutex<Instant>, by: Duration) {
+        let mut t = now.lock().unwrap();
+        *t += by;
+    }
+
+    fn breaker_cfg() -> BreakerConfig {
+        BreakerConfig { enabled: true, failure_threshold: 2, success_threshold: 2, cooldown: Duration::from_secs(30), probe_timeout: Duration::from_secs(10) }
+    }
+
     #[test]
     fn an_open_breaker_takes_the_worker_out_until_its_cooldown() {
-        let cfg = BreakerConfig { enabled: true, failure_threshold: 2, success_threshold: 1, cooldown: std::time::Duration::from_millis(30) };
-        let reg = Registry::new(vec![spec("http://a:1", WorkerRole::Regular)], opts(), cfg);
+        let (clock, now) = fake_clock();
+        let reg = Registry::with_clock(vec![spec("http://a:1", WorkerRole::Regular)], opts(), breaker_cfg(), clock);
         let e = reg.get("http://a:1").unwrap();
         reg.observe_health(&e.id, true, 1, 1);
         assert_eq!(reg.record_outcome("http://a:1", Outcome::Failure), None);
         assert_eq!(reg.record_outcome("http://a:1", Outcome::Neutral), None, "429s count as neither");
         assert_eq!(reg.record_outcome("http://a:1", Outcome::Failure), Some(BreakerState::Open));
         assert!(reg.routing().snapshot.eligible(WorkerRole::Regular).is_empty());
-        std::thread::sleep(std::time::Duration::from_millis(40));
+        assert_eq!(reg.admit("http://a:1"), Admission::Refused);
+        advance(&now, Duration::from_secs(30));
         reg.refresh();
-        assert_eq!(reg.routing().snapshot.eligible(WorkerRole::Regular).len(), 1, "half-open lets probes through");
+        assert_eq!(reg.routing().snapshot.eligible(WorkerRole::Regular).len(), 1, "half-open lets a probe through");
+    }
+
+    #[test]
+    fn half_open_lets_one_probe_through_and_hides_the_worker_meanwhile() {
+        let (clock, now) = fake_clock();
+        let urls = ["http://a:1", "http://b:1"];
+        let reg = Registry::with_clock(urls.iter().map(|u| spec(u, WorkerRole::Regular)).collect(), opts(), breaker_cfg(), clock);
+        for e in reg.list() {
+            reg.observe_health(&e.id, true, 1, 1);
+        }
+        reg.record_outcome(urls[0], Outcome::Failure);
+        reg.record_outcome(urls[0], Outcome::Failure);
+        advance(&now, Duration::from_secs(30));
+        reg.refresh();
+        let eligible = |reg: &Registry| reg.routing().snapshot.eligible(WorkerRole::Regular).len();
+        assert_eq!(eligible(&reg), 2);
+        assert_eq!(reg.admit(urls[0]), Admission::Probe);
+        assert_eq!(eligible(&reg), 1, "the probing worker left the routing view");
+        for _ in 0..5 {
+            assert_eq!(reg.admit(urls[0]), Admission::Refused, "a decision made on the old view is refused");
+            assert_eq!(reg.admit(urls[1]), Admission::Pass);
+        }
+        // The probe succeeds: the slot is free for the next probe; a second success closes.
+        assert_eq!(reg.record_outcome(urls[0], Outcome::Success), Some(BreakerState::HalfOpen));
+        assert_eq!(eligible(&reg), 2);
+        assert_eq!(reg.admit(urls[0]), Admission::Probe);
+        // A neutral outcome (the client went away) frees the slot without a verdict.
+        assert_eq!(reg.record_outcome(urls[0], Outcome::Neutral), None);
+        assert_eq!(eligible(&reg), 2);
+        assert_eq!(reg.admit(urls[0]), Admission::Probe);
+        // A probe that never reports frees its slot after probe_timeout (at the refresh).
+        advance(&now, Duration::from_secs(10));
+        reg.refresh();
+        assert_eq!(eligible(&reg), 2);
+        assert_eq!(reg.admit(urls[0]), Admission::Probe);
+        assert_eq!(reg.record_outcome(urls[0], Outcome::Success), Some(BreakerState::Closed));
+        assert_eq!(reg.admit(urls[0]), Admission::Pass);
+        assert_eq!(reg.admit(urls[0]), Admission::Pass);
     }
 
     #[test]

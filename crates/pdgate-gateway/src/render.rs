@@ -12,15 +12,11 @@ pub fn error_response(err: &GatewayError) -> Response {
     let body = match &err.kind {
         // A worker's own OpenAI-style client error is the most precise message: pass it on.
         // 508 too: a peer gateway's loop verdict names the loop.
-        ErrorKind::WorkerStatus { status: s, body: Some(text) } if (400..500).contains(s) || *s == 508 => {
-            match serde_json::from_str::<Value>(text) {
-                Ok(v) if v.get("error").is_some() => v,
-                _ => error_body(&format!("{}: {}", err.message, truncate(text)), err.error_type(), &err.code(), None),
-            }
-        }
-        ErrorKind::WorkerStatus { body: Some(text), .. } => {
-            error_body(&format!("{}: {}", err.message, truncate(text)), err.error_type(), &err.code(), None)
-        }
+        ErrorKind::WorkerStatus { status: s, body: Some(text) } if (400..500).contains(s) || *s == 508 => match serde_json::from_str::<Value>(text) {
+            Ok(v) if v.get("error").is_some() => v,
+            _ => error_body(&format!("{}: {}", err.message, truncate(text)), err.error_type(), &err.code(), None),
+        },
+        ErrorKind::WorkerStatus { body: Some(text), .. } => error_body(&format!("{}: {}", err.message, truncate(text)), err.error_type(), &err.code(), None),
         _ => error_body(&err.message, err.error_type(), &err.code(), err.param()),
     };
     let mut resp = Response::new(Body::from(body.to_string()));

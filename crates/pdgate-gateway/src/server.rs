@@ -13,13 +13,16 @@ use tokio::task::JoinHandle;
 
 use crate::edge::conn::{self, Limits};
 use crate::edge::own_addr::OwnListener;
-use crate::registry::Registry;
+use crate::membership::{self, Change};
+use crate::registry::{Registry, Source};
 use crate::state::AppState;
 use crate::upstream::Upstream;
 use crate::{front, health, load};
 
-/// How long `shutdown` lets in-flight requests finish before cutting them.
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often a graceful shutdown looks whether the requests in flight have ended.
+const DRAIN_POLL: Duration = Duration::from_millis(20);
+/// After the grace period, how long connections get to close before they are cut.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -38,6 +41,7 @@ pub struct RunningGateway {
     addr: SocketAddr,
     shutdown: watch::Sender<bool>,
     task: JoinHandle<()>,
+    state: Arc<AppState>,
 }
 
 impl RunningGateway {
@@ -45,13 +49,33 @@ impl RunningGateway {
         self.addr
     }
 
-    /// Stops accepting, lets in-flight requests finish (bounded), stops health checks.
+    /// Graceful shutdown: readiness turns 503 and new requests are refused with 503 at once;
+    /// requests in flight (streams included) get `--shutdown-grace-period-secs` to finish; then
+    /// the listener closes, connections close after their responses, health checks stop.
+    /// Whatever is still running after the grace period is cut.
     pub async fn shutdown(self) {
+        let grace = Duration::from_secs(self.state.config.shutdown_grace_period_secs);
+        let deadline = tokio::time::Instant::now() + grace;
+        self.state.draining.store(true, std::sync::atomic::Ordering::Release);
+        let in_flight = &self.state.metrics.edge.requests_in_flight;
+        tracing::info!(in_flight = in_flight.get(), grace_secs = grace.as_secs(), "shutting down: not ready, refusing new requests, letting requests in flight finish");
+        while in_flight.get() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(DRAIN_POLL).await;
+        }
+        if in_flight.get() > 0 {
+            tracing::warn!(in_flight = in_flight.get(), "shutdown grace period over: cutting the requests still in flight");
+        }
         let _ = self.shutdown.send(true);
         let abort = self.task.abort_handle();
-        if tokio::time::timeout(DRAIN_TIMEOUT, self.task).await.is_err() {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now()).max(CLOSE_TIMEOUT);
+        if tokio::time::timeout(left, self.task).await.is_err() {
             abort.abort();
         }
+    }
+
+    /// Whether a graceful shutdown has begun.
+    pub fn is_draining(&self) -> bool {
+        self.state.is_draining()
     }
 
     /// Whether the server task has ended (it only does after `shutdown` or a fatal error).
@@ -78,19 +102,23 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     }
     announce_admin_api(&config, addr);
     let limits = Limits::from_config(&config);
-    let registry = Registry::new(workers, options, BreakerConfig::from_config(&config));
+    let registry = Registry::new(Vec::new(), options, BreakerConfig::from_config(&config));
     let mut state = AppState::new(config, registry, upstream);
     state.edge.own = own;
     let state = Arc::new(state);
+    // The static flags are the first source of membership changes (membership.rs).
+    for spec in workers {
+        let _ = membership::apply(&state, Change::Add(spec, Source::Static));
+    }
     let edge_metrics = state.metrics.edge.clone();
     let (tx, rx) = watch::channel(false);
     health::spawn_supervisor(&state, rx.clone());
     load::spawn_poller(&state, rx.clone());
     crate::discovery::spawn(&state, discovery, rx.clone());
-    let app = front::router(state);
+    let app = front::router(state.clone());
     let task = tokio::spawn(conn::serve(listener, app, limits, edge_metrics, rx));
     tracing::info!(%addr, "pdgate listening");
-    Ok(RunningGateway { addr, shutdown: tx, task })
+    Ok(RunningGateway { addr, shutdown: tx, task, state })
 }
 
 /// Says at start-up who may use the worker API: an open one is a loud warning.

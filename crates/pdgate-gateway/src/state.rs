@@ -1,6 +1,5 @@
 //! Everything a request handler shares: config, registry, client, metrics, policies.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -8,15 +7,16 @@ use std::time::Duration;
 use std::sync::Arc;
 
 use pdgate_core::breaker::{BreakerState, Judgement, Outcome};
+use pdgate_core::policy::{make_policy_with, PolicyOptions};
 use pdgate_core::radix::RadixTree;
 use pdgate_core::retry::RetryPolicy;
-use pdgate_core::policy::{make_policy_with, PolicyOptions};
+use pdgate_core::retry_budget::{RetryBudget, RetryBudgetConfig};
 use pdgate_core::{GatewayConfig, Policy};
 use pdgate_protocol::Limits;
 
-use crate::load::{stale_after_ms, GatewayLoads};
 use crate::exec::client::WorkerClient;
 use crate::exec::http_client::HttpClient;
+use crate::load::{stale_after_ms, GatewayLoads};
 use crate::metrics::Metrics;
 use crate::registry::{Registry, Runtime};
 use crate::upstream::Upstream;
@@ -32,14 +32,16 @@ pub struct AppState {
     pub prefill_policy: Box<dyn Policy>,
     pub decode_policy: Box<dyn Policy>,
     pub retry: RetryPolicy,
+    /// Retries across all requests stay within this budget (see `pdgate_core::retry_budget`).
+    retry_budget: Mutex<RetryBudget>,
+    /// Set by a graceful shutdown: readiness is 503 and new requests are refused with 503.
+    pub draining: std::sync::atomic::AtomicBool,
     /// The request bounds (`--max-n`, `--max-batch-size`, ...), as the parser takes them.
     pub limits: Limits,
     sequence: AtomicU64,
     /// Recent prompts per worker, for cache-aware policies (keys are worker URLs, so one tree
     /// serves every pool). Locked only around a decision and its insert, never across an await.
     pub tree: Mutex<RadixTree>,
-    /// Mooncake: prefill URL → engine id learned from its bootstrap server's `/query`.
-    engine_ids: Mutex<HashMap<String, String>>,
     /// The client edge: hop token, own listener, log limiter (src/edge).
     pub edge: crate::edge::Edge,
 }
@@ -61,9 +63,10 @@ impl AppState {
                 max_backoff: Duration::from_millis(config.retry_max_backoff_ms),
             },
             limits: config.limits(),
+            retry_budget: Mutex::new(RetryBudget::new(RetryBudgetConfig::from_config(&config))),
+            draining: std::sync::atomic::AtomicBool::new(false),
             sequence: AtomicU64::new(0),
             tree: Mutex::new(RadixTree::new()),
-            engine_ids: Mutex::new(HashMap::new()),
             edge: crate::edge::Edge::new(),
             registry,
             config,
@@ -107,6 +110,26 @@ impl AppState {
                 state.registry.refresh();
                 state.metrics.breaker_state.with_label_values(&[&url]).set(i64::from(BreakerState::HalfOpen.as_gauge()));
             });
+        }
+    }
+
+    /// Asks the worker's breaker to admit one request ([`Registry::admit`]); false when it
+    /// must go elsewhere. A request admitted as the half-open probe schedules the refresh that
+    /// frees the probe slot if its outcome never comes.
+    pub fn admit(self: &Arc<Self>, url: &str) -> bool {
+        match self.registry.admit(url) {
+            crate::registry::Admission::Pass => true,
+            crate::registry::Admission::Refused => false,
+            crate::registry::Admission::Probe => {
+                tracing::info!(worker = url, "circuit breaker half-open: one probe request let through");
+                let state = self.clone();
+                let timeout = self.registry.breaker_config().probe_timeout;
+                tokio::spawn(async move {
+                    tokio::time::sleep(timeout).await;
+                    state.registry.refresh();
+                });
+                true
+            }
         }
     }
 
@@ -155,6 +178,21 @@ impl AppState {
         }
     }
 
+    /// A request's first attempt: it earns its share of retries for everyone.
+    pub fn retry_budget_deposit(&self) {
+        self.retry_budget.lock().unwrap_or_else(|p| p.into_inner()).deposit(tokio::time::Instant::now().into_std());
+    }
+
+    /// Whether the shared budget allows one more retry now (and spends it if so).
+    pub fn retry_budget_withdraw(&self) -> bool {
+        self.retry_budget.lock().unwrap_or_else(|p| p.into_inner()).try_withdraw(tokio::time::Instant::now().into_std())
+    }
+
+    /// Whether a graceful shutdown has begun.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
     /// One step of the round-robin sequence.
     pub fn next_sequence(&self) -> u64 {
         self.sequence.fetch_add(1, Ordering::Relaxed)
@@ -164,16 +202,25 @@ impl AppState {
         Duration::from_secs(self.config.request_timeout_secs)
     }
 
+    /// A Mooncake prefill's engine id, stored once: in the worker's runtime record (seeded from
+    /// its registration, else learned from `/query`).
     pub fn cached_engine_id(&self, prefill_url: &str) -> Option<String> {
-        self.engine_ids.lock().unwrap_or_else(|p| p.into_inner()).get(prefill_url).cloned()
+        self.with_engine_id(prefill_url, |id| id.clone()).flatten()
     }
 
     pub fn store_engine_id(&self, prefill_url: &str, id: String) {
-        self.engine_ids.lock().unwrap_or_else(|p| p.into_inner()).insert(prefill_url.to_string(), id);
+        self.with_engine_id(prefill_url, |slot| *slot = Some(id));
     }
 
     /// Forget a prefill's engine id (it may have restarted with a new one).
     pub fn forget_engine_id(&self, prefill_url: &str) {
-        self.engine_ids.lock().unwrap_or_else(|p| p.into_inner()).remove(prefill_url);
+        self.with_engine_id(prefill_url, |slot| *slot = None);
+    }
+
+    fn with_engine_id<T>(&self, prefill_url: &str, f: impl FnOnce(&mut Option<String>) -> T) -> Option<T> {
+        let routing = self.registry.routing();
+        let runtime = &routing.runtime[routing.snapshot.index_of(prefill_url)?];
+        let mut slot = runtime.engine_id.lock().unwrap_or_else(|p| p.into_inner());
+        Some(f(&mut slot))
     }
 }

@@ -17,7 +17,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
-use pdgate_core::{GatewayError, GatewayConfig, Leg};
+use pdgate_core::{GatewayConfig, GatewayError, Leg};
 
 #[derive(Clone)]
 pub struct Upstream {
@@ -49,8 +49,8 @@ impl Upstream {
         let worker_key = match config.worker_api_key.as_deref().filter(|k| !k.is_empty()) {
             None => None,
             Some(key) => {
-                let mut value = HeaderValue::from_str(&format!("Bearer {key}"))
-                    .map_err(|_| "--worker-api-key: only visible ASCII characters can go in an Authorization header".to_string())?;
+                let mut value =
+                    HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| "--worker-api-key: only visible ASCII characters can go in an Authorization header".to_string())?;
                 value.set_sensitive(true);
                 Some(value)
             }
@@ -74,9 +74,7 @@ impl Upstream {
             Some(via) => req.header(header::VIA, via),
             None => req,
         };
-        let req = req
-            .body(Full::new(body))
-            .map_err(|e| GatewayError::internal(format!("cannot build request to {base}{path}: {e}")))?;
+        let req = req.body(Full::new(body)).map_err(|e| GatewayError::internal(format!("cannot build request to {base}{path}: {e}")))?;
         self.client.request(req).await.map_err(|e| unreachable(leg, base, &e))
     }
 
@@ -89,9 +87,7 @@ impl Upstream {
     pub async fn get_keyed(&self, url: &str, leg: Leg, send_key: bool) -> Result<Response<Incoming>, GatewayError> {
         let req = Request::builder().method(Method::GET).uri(url);
         let req = if send_key { self.with_key(req) } else { req };
-        let req = req
-            .body(Full::new(Bytes::new()))
-            .map_err(|e| GatewayError::internal(format!("cannot build request to {url}: {e}")))?;
+        let req = req.body(Full::new(Bytes::new())).map_err(|e| GatewayError::internal(format!("cannot build request to {url}: {e}")))?;
         self.client.request(req).await.map_err(|e| unreachable(leg, url, &e))
     }
 

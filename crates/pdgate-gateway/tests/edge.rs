@@ -10,8 +10,8 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::mocks::{spawn, Fault};
 use common::gateway;
+use common::mocks::{spawn, Fault};
 use pdgate_gateway::{start, GatewayConfig};
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

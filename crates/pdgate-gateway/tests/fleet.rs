@@ -46,8 +46,13 @@ async fn workers_added_through_the_api_make_the_gateway_ready() {
     // Duplicates, wrong types and bad fields are refused with a reason.
     let dup = c.post(format!("{url}/workers")).json(&json!({"url": d.url, "worker_type": "decode"})).send().await.unwrap();
     assert_eq!(dup.status(), 409);
-    for bad in [json!({"url": "http://x:1", "worker_type": "regular"}), json!({"url": "nope", "worker_type": "decode"}), json!({"url": "http://x:1"}),
-                json!({"url": "http://x:1", "worker_type": "decode", "bootstrap_port": 1}), json!({"url": "http://x:1", "worker_type": "decode", "colour": 1})] {
+    for bad in [
+        json!({"url": "http://x:1", "worker_type": "regular"}),
+        json!({"url": "nope", "worker_type": "decode"}),
+        json!({"url": "http://x:1"}),
+        json!({"url": "http://x:1", "worker_type": "decode", "bootstrap_port": 1}),
+        json!({"url": "http://x:1", "worker_type": "decode", "colour": 1}),
+    ] {
         let r = c.post(format!("{url}/workers")).json(&bad).send().await.unwrap();
         assert_eq!(r.status(), 400, "{bad}");
         let v: Value = r.json().await.unwrap();
@@ -123,7 +128,8 @@ async fn a_breaker_opens_on_failures_and_recovers_after_its_cooldown() {
     let bad = spawn("regular", Default::default(), Fault::Status(500)).await;
     let good = spawn("regular", Default::default(), Fault::None).await;
     let (_gw, url) = gateway(json!({"worker_urls": [bad.url, good.url], "policy": "round_robin",
-        "breaker_failure_threshold": 2, "breaker_success_threshold": 1, "breaker_cooldown_secs": 1, "retry_max_retries": 1})).await;
+        "breaker_failure_threshold": 2, "breaker_success_threshold": 1, "breaker_cooldown_secs": 1, "retry_max_retries": 1}))
+    .await;
     wait_ready(&url).await;
     let c = client();
     for _ in 0..10 {

@@ -69,12 +69,7 @@ async fn input_logprobs_are_merged_into_every_chunk_from_a_streaming_prefill() {
     let r = client().post(format!("{url}/generate")).json(&json!({"text": "hi", "return_logprob": true, "stream": true})).send().await.unwrap();
     assert_eq!(r.status(), 200);
     let text = r.text().await.unwrap();
-    let chunks: Vec<Value> = text
-        .split("\n\n")
-        .filter_map(|e| e.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let chunks: Vec<Value> = text.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).unwrap()).collect();
     assert_eq!(chunks.len(), 3);
     for c in chunks {
         assert_eq!(c["meta_info"]["input_token_logprobs"], json!([[-1.0, 11, null], [-2.0, 12, null]]), "{c}");

@@ -25,8 +25,7 @@ async fn streams_are_relayed_chunk_by_chunk_with_done() {
     let w = spawn("regular", Default::default(), Fault::None).await;
     let (_gw, url) = gateway(json!({"worker_urls": [w.url]})).await;
     wait_ready(&url).await;
-    let r = client().post(format!("{url}/v1/chat/completions"))
-        .json(&json!({"messages": [{"role": "user", "content": "hi"}], "stream": true})).send().await.unwrap();
+    let r = client().post(format!("{url}/v1/chat/completions")).json(&json!({"messages": [{"role": "user", "content": "hi"}], "stream": true})).send().await.unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["content-type"], "text/event-stream");
     let text = r.text().await.unwrap();

@@ -26,8 +26,18 @@ fn hostile(mut body: Value) -> Value {
     body
 }
 
-const CLIENT_ONLY: [&str; 10] = ["bootstrap_pair_key", "transfer_id", "remote_engine_id", "remote_bootstrap_addr", "data_parallel_rank",
-    "disagg_prefill_dp_rank", "rid", "request_id", "remote_host", "remote_port"];
+const CLIENT_ONLY: [&str; 10] = [
+    "bootstrap_pair_key",
+    "transfer_id",
+    "remote_engine_id",
+    "remote_bootstrap_addr",
+    "data_parallel_rank",
+    "disagg_prefill_dp_rank",
+    "rid",
+    "request_id",
+    "remote_host",
+    "remote_port",
+];
 
 fn assert_no_client_fields(body: &Value, leg: &str) {
     let obj: &Map<String, Value> = body.as_object().unwrap();

@@ -2,7 +2,7 @@
 //!
 //! Workers are not trusted: a broken one may answer an HTML error page under 200, half a JSON
 //! document, or plain JSON to a streaming request. These checks are cheap (the shape only, not
-//! every field) and follow what the engines send (PROTOCOLS.md; SGLang's and vLLM's OpenAI
+//! every field) and follow what the engines send (docs/protocols.md; SGLang's and vLLM's OpenAI
 //! servers, the reference engine's `api_openai.py` and `api_native.py`).
 
 use serde_json::Value;

@@ -1,4 +1,4 @@
-//! SGLang bootstrap rendezvous fields (PROTOCOLS.md §1).
+//! SGLang bootstrap rendezvous fields (docs/protocols.md §1).
 //!
 //! Both legs get the same body with `bootstrap_host`, `bootstrap_port` and `bootstrap_room`; for
 //! a batch (or n>1) each field is a list with one entry and a distinct room per item.
@@ -65,8 +65,11 @@ mod tests {
     fn batch_gets_lists_and_null_port_stays_null() {
         let mut body = Map::new();
         inject(&mut body, "h", None, &Rooms::Batch(vec![1, 2, 3]));
-        assert_eq!(Value::Object(body.clone()), json!({
-            "bootstrap_host": ["h", "h", "h"], "bootstrap_port": [null, null, null], "bootstrap_room": [1, 2, 3]
-        }));
+        assert_eq!(
+            Value::Object(body.clone()),
+            json!({
+                "bootstrap_host": ["h", "h", "h"], "bootstrap_port": [null, null, null], "bootstrap_room": [1, 2, 3]
+            })
+        );
     }
 }

@@ -1,5 +1,5 @@
 //! vLLM `kv_transfer_params` for the NIXL (pull) and Mooncake (push) connectors
-//! (PROTOCOLS.md §2 and §3).
+//! (docs/protocols.md §2 and §3).
 
 use serde_json::{json, Map, Value};
 
@@ -66,12 +66,7 @@ pub fn mooncake_prefill_body(original: &Map<String, Value>, transfer_id: &str) -
     prefill_common(original, json!({"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": transfer_id}))
 }
 
-pub fn mooncake_decode_body(
-    original: &Map<String, Value>,
-    transfer_id: &str,
-    engine_id: &str,
-    bootstrap_addr: &str,
-) -> Map<String, Value> {
+pub fn mooncake_decode_body(original: &Map<String, Value>, transfer_id: &str, engine_id: &str, bootstrap_addr: &str) -> Map<String, Value> {
     let mut body = original.clone();
     body.insert(
         "kv_transfer_params".into(),

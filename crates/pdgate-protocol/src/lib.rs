@@ -3,7 +3,7 @@
 //! Request validation for the OpenAI and SGLang-native endpoints, the SGLang bootstrap fields,
 //! vLLM `kv_transfer_params` for the NIXL and Mooncake connectors, SSE framing and the few
 //! response rewrites a PD gateway must do (input-logprob merge, cached-token accounting).
-//! Pure data transformations: no tokio, no hyper, no IO (see ../../shared/PROTOCOLS.md).
+//! Pure data transformations: no tokio, no hyper, no IO (wire contracts: docs/protocols.md).
 
 pub mod answer;
 pub mod bootstrap;

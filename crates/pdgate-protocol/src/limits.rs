@@ -32,15 +32,7 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits {
-            max_n: 128,
-            max_batch_size: 1024,
-            max_prompt_bytes: 8 * 1024 * 1024,
-            max_stop_sequences: 32,
-            max_stop_bytes: 1024,
-            max_logit_bias: 2048,
-            max_tools: 512,
-        }
+        Limits { max_n: 128, max_batch_size: 1024, max_prompt_bytes: 8 * 1024 * 1024, max_stop_sequences: 32, max_stop_bytes: 1024, max_logit_bias: 2048, max_tools: 512 }
     }
 }
 

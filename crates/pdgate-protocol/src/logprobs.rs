@@ -1,5 +1,5 @@
 //! Input-token logprobs in SGLang bootstrap PD: only the prefill computed them, so the gateway
-//! puts the prefill's `meta_info.input_token_logprobs` in front of the decode's (PROTOCOLS.md §1).
+//! puts the prefill's `meta_info.input_token_logprobs` in front of the decode's (docs/protocols.md §1).
 
 use serde_json::Value;
 
@@ -101,13 +101,11 @@ mod tests {
 
     #[test]
     fn merges_json_answers_item_by_item() {
-        let pre = PrefillLogprobs::from_prefill_body(
-            br#"[{"meta_info":{"input_token_logprobs":[[-1.0,5,null]]}},{"meta_info":{"input_token_logprobs":[[-2.0,6,null]]}}]"#,
-        );
+        let pre = PrefillLogprobs::from_prefill_body(br#"[{"meta_info":{"input_token_logprobs":[[-1.0,5,null]]}},{"meta_info":{"input_token_logprobs":[[-2.0,6,null]]}}]"#);
         let mut dec = json!([{"meta_info":{"input_token_logprobs":[]}}, {"meta_info":{"input_token_logprobs":[[-0.5,7,null]]}}]);
         assert!(merge_into(&mut dec, &pre));
-        assert_eq!(dec[0]["meta_info"]["input_token_logprobs"], json!([[-1.0,5,null]]));
-        assert_eq!(dec[1]["meta_info"]["input_token_logprobs"], json!([[-2.0,6,null],[-0.5,7,null]]));
+        assert_eq!(dec[0]["meta_info"]["input_token_logprobs"], json!([[-1.0, 5, null]]));
+        assert_eq!(dec[1]["meta_info"]["input_token_logprobs"], json!([[-2.0, 6, null], [-0.5, 7, null]]));
     }
 
     #[test]
@@ -117,7 +115,7 @@ mod tests {
         assert!(!pre.is_empty(), "an SSE prefill answer must not be ignored");
         let mut chunk = json!({"index":0,"meta_info":{"input_token_logprobs":[]}});
         assert!(merge_into(&mut chunk, &pre));
-        assert_eq!(chunk["meta_info"]["input_token_logprobs"], json!([[-1.5,3,null]]));
+        assert_eq!(chunk["meta_info"]["input_token_logprobs"], json!([[-1.5, 3, null]]));
     }
 
     #[test]

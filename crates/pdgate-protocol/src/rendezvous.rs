@@ -1,5 +1,5 @@
 //! Fields that steer a worker's KV rendezvous or identity belong to the gateway, never to the
-//! client (PROTOCOLS.md §1-3). A client that sends them could point a decode at a host of its
+//! client (docs/protocols.md §1-3). A client that sends them could point a decode at a host of its
 //! choosing (`kv_transfer_params.remote_host`, `bootstrap_host`), join another request's room,
 //! or collide with another request's id. They are removed from every client body before any
 //! leg is built; the gateway then adds its own values where the protocol needs them.

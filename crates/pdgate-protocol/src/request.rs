@@ -82,10 +82,7 @@ impl ParsedRequest {
 /// Parses and validates one client body against `limits`, and removes the fields that belong
 /// to the gateway (the request then says `rewritten`).
 pub fn parse_request(endpoint: Endpoint, bytes: &[u8], limits: &Limits) -> Result<ParsedRequest, InvalidRequest> {
-    let value: Value = serde_json::from_slice(bytes).map_err(|e| InvalidRequest {
-        param: None,
-        message: format!("request body is not valid JSON: {e}"),
-    })?;
+    let value: Value = serde_json::from_slice(bytes).map_err(|e| InvalidRequest { param: None, message: format!("request body is not valid JSON: {e}") })?;
     let Value::Object(mut body) = value else {
         return Err(InvalidRequest { param: None, message: "request body must be a JSON object".into() });
     };

@@ -158,9 +158,7 @@ pub fn looks_like_sse(first: &[u8]) -> bool {
     if rest.is_empty() {
         return true;
     }
-    [&b"data:"[..], b"event:", b"id:", b"retry:", b":"]
-        .iter()
-        .any(|field| rest.starts_with(field) || (rest.len() < field.len() && field.starts_with(rest)))
+    [&b"data:"[..], b"event:", b"id:", b"retry:", b":"].iter().any(|field| rest.starts_with(field) || (rest.len() < field.len() && field.starts_with(rest)))
 }
 
 /// Position of the first blank line (`\n\n` or `\r\n\r\n`) at or after `from`, and its length.

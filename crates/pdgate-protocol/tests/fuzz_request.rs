@@ -18,9 +18,32 @@ fn parse(ep: Endpoint, bytes: &[u8]) -> Result<ParsedRequest, InvalidRequest> {
 
 /// Field names the parser reads, and some it does not, so that generated bodies hit its paths.
 const KEYS: &[&str] = &[
-    "prompt", "messages", "text", "input_ids", "n", "stream", "model", "max_tokens", "max_completion_tokens",
-    "max_new_tokens", "temperature", "top_p", "stream_options", "sampling_params", "return_logprob", "role",
-    "content", "best_of", "stop", "logit_bias", "tools", "user", "x", "bootstrap_room", "kv_transfer_params", "rid",
+    "prompt",
+    "messages",
+    "text",
+    "input_ids",
+    "n",
+    "stream",
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "stream_options",
+    "sampling_params",
+    "return_logprob",
+    "role",
+    "content",
+    "best_of",
+    "stop",
+    "logit_bias",
+    "tools",
+    "user",
+    "x",
+    "bootstrap_room",
+    "kv_transfer_params",
+    "rid",
 ];
 
 fn leaf() -> impl Strategy<Value = Value> {
@@ -40,8 +63,7 @@ fn json() -> impl Strategy<Value = Value> {
     leaf().prop_recursive(4, 48, 6, |inner| {
         prop_oneof![
             prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
-            prop::collection::vec((prop::sample::select(KEYS), inner), 0..6)
-                .prop_map(|kv| Value::Object(kv.into_iter().map(|(k, v)| (k.to_string(), v)).collect())),
+            prop::collection::vec((prop::sample::select(KEYS), inner), 0..6).prop_map(|kv| Value::Object(kv.into_iter().map(|(k, v)| (k.to_string(), v)).collect())),
         ]
     })
 }

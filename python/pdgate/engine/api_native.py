@@ -8,7 +8,7 @@ import uuid
 from aiohttp import web
 
 from .http_common import SSE, error_response, first_error, read_json, wait_all, watch
-from .items import GenItem, bootstrap_fields, kv_params
+from .items import GenItem, bootstrap_fields, item_rid, kv_params
 from .outputs import native_logprobs, visible_text
 from .sampling import BadRequest, params_from_dict
 from .sequence import EngineError, Seq
@@ -60,8 +60,8 @@ def parse_generate(tok, body: dict) -> tuple[list[GenItem], bool]:
         d = dict(sp[pd] if isinstance(sp, list) else sp)
         if _is_int(d.get("seed")) and c:
             d["seed"] += c
-        rid = rids[i] if isinstance(rids, list) and i < len(rids) else (
-            rids if isinstance(rids, str) and total == 1 else f"{base}-{i}" if total > 1 else base)
+        rid = rids[i] if isinstance(rids, list) and i < len(rids) else item_rid(
+            rids if isinstance(rids, str) and rids else None, base, i, total)
         items.append(GenItem(
             rid=str(rid), input_ids=list(prompts[pd]), params=params_from_dict(d),
             return_logprob=bool(body.get("return_logprob", False)),

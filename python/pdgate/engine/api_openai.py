@@ -8,7 +8,7 @@ import uuid
 from aiohttp import web
 
 from .http_common import SSE, error_response, first_error, read_json, wait_all, watch
-from .items import GenItem, bootstrap_fields, kv_params
+from .items import GenItem, bootstrap_fields, item_rid, kv_params
 from .outputs import finish_reason_openai, usage, visible_text
 from .sampling import BadRequest, params_from_dict
 from .sequence import EngineError, Seq
@@ -56,10 +56,20 @@ def _items(body: dict, prompts: list[list[int]], sp: dict, rid_base: str, lp: tu
         d = dict(sp)
         if isinstance(d.get("seed"), int) and c:
             d["seed"] += c
-        items.append(GenItem(rid=f"{rid_base}-{i}", input_ids=list(prompts[pi]),
+        items.append(GenItem(rid=_item_rid(body, rid_base, i, total), input_ids=list(prompts[pi]),
                              params=params_from_dict(d), return_logprob=lp[0], top_logprobs_num=lp[1],
                              kv_transfer_params=kvp, **bootstrap_fields(body, i, total)))
     return items, n
+
+
+def _item_rid(body: dict, rid_base: str, i: int, n: int) -> str:
+    """SGLang's OpenAI endpoints take the request id from the body's `rid` (the gateway puts
+    the same one on both PD legs, so `/abort_request` finds them); otherwise vLLM's
+    `{cmpl|chatcmpl}-{X-Request-Id}-{i}`."""
+    rid = body.get("rid")
+    if isinstance(rid, str) and rid:
+        return item_rid(rid, rid_base, i, n)
+    return f"{rid_base}-{i}"
 
 
 def _rid_base(request: web.Request, prefix: str) -> str:
@@ -106,7 +116,9 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         body = await read_json(request)
         items, n = _parse(engine, request, body, chat)
         seqs = [engine.submit(it) for it in items]
-        ctx = {"id": items[0].rid.rsplit("-", 1)[0], "created": int(time.time()),
+        rid = body.get("rid")
+        ctx = {"id": rid if isinstance(rid, str) and rid else items[0].rid.rsplit("-", 1)[0],
+               "created": int(time.time()),
                "model": body.get("model") or engine.served_name, "chat": chat, "n": n}
         if body.get("stream"):
             return await _stream(request, engine, seqs, body, ctx)

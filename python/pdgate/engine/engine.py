@@ -76,7 +76,8 @@ class Engine:
                                            progress_thread=self.mode != "prefill")
         self.push = PushSource(self.ctx)
         self.pull = PullSource(self.ctx)
-        self.tserver = TransferServer({"register": self.push.on_register, "pull": self.pull.on_pull})
+        self.tserver = TransferServer({"register": self.push.on_register, "pull": self.pull.on_pull,
+                                       "release": self.pull.on_release})
         self.bootstrap = BootstrapServer(args.page_size) if self.mode == "prefill" else None
         self.pd = PDDriver(self)
         self.live: dict[str, tuple[Seq, asyncio.Task]] = {}
@@ -202,11 +203,23 @@ class Engine:
         self.scheduler.abort(seq, EngineError(why, 499, "aborted"))
 
     def abort_rid(self, rid: str) -> bool:
-        entry = self.live.get(rid)
-        if entry is None:
-            return False
-        self.abort(entry[0])
-        return True
+        return self.abort_matching(rid) > 0
+
+    def abort_matching(self, rid: str, abort_all: bool = False) -> int:
+        """SGLang's `/abort_request`: abort every request whose rid starts with `rid` (a batch's
+        items are `{rid}_{i}`, so its rid aborts all of them), or all with `abort_all`.
+
+        Besides live requests this frees NIXL holds: a prefill whose answer has been sent keeps
+        its pages pinned for the decode's pull, and when the gateway knows that pull will never
+        come (the decode died or gave up) this is how it says so instead of waiting for the
+        lease. Returns how many requests and holds were aborted."""
+        def hit(key: str) -> bool:
+            return abort_all or key.startswith(rid)
+
+        seqs = [seq for key, (seq, _t) in list(self.live.items()) if hit(key)]
+        for seq in seqs:
+            self.abort(seq)
+        return len(seqs) + self.pull.release(hit, "aborted by /abort_request")
 
     def is_fake_host(self, item: GenItem) -> bool:
         return item.bootstrap_host == FAKE_BOOTSTRAP_HOST

@@ -63,3 +63,12 @@ def kv_params(body: dict, n: int) -> dict | None:
     if n != 1 and (p.get("do_remote_decode") or p.get("do_remote_prefill")):
         raise BadRequest("kv_transfer_params supports a single prompt and n=1", "kv_transfer_params")
     return p
+
+
+def item_rid(rid: str | None, base: str, i: int, n: int) -> str:
+    """The i-th of n items' request id. A client's `rid` names a single item as is and a batch's
+    items `{rid}_{i}` (SGLang's rule), so `/abort_request` with the rid, a prefix of each,
+    aborts them all. Without one the engine mints `{base}-{i}`."""
+    if rid is not None:
+        return rid if n == 1 else f"{rid}_{i}"
+    return base if n == 1 else f"{base}-{i}"

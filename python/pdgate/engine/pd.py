@@ -22,7 +22,7 @@ import aiohttp
 from .items import GenItem
 from .sequence import EngineError, Seq
 from .transfer.context import with_timeout
-from .transfer.pull import REQUIRED, duplicate_request_id, pull_receive
+from .transfer.pull import REQUIRED, duplicate_request_id, pull_receive, release_remote
 from .transfer.push import push_receive
 
 if TYPE_CHECKING:
@@ -35,6 +35,13 @@ DEFAULT_BOOTSTRAP_PORT = 8998
 class PDDriver:
     def __init__(self, engine: "Engine"):
         self.e = engine
+        self._notices: set[asyncio.Task] = set()
+
+    def _spawn(self, coro) -> None:
+        """Run a notice in the background (it outlives the request it is about)."""
+        task = asyncio.ensure_future(coro)
+        self._notices.add(task)
+        task.add_done_callback(self._notices.discard)
 
     def is_prefill_leg(self, item: GenItem) -> bool:
         if self.e.mode == "prefill" and item.has_bootstrap:
@@ -121,16 +128,16 @@ class PDDriver:
 
     async def _pull(self, seq: Seq, params: dict) -> None:
         e = self.e
-        seq.pages = await e.reserve(e.pages_for_generation(seq), e.ctx.timeouts.bootstrap)
         try:
+            seq.pages = await e.reserve(e.pages_for_generation(seq), e.ctx.timeouts.bootstrap)
             nbytes = await pull_receive(e.ctx, params, seq)
-        except EngineError:
+        except BaseException as err:
             e.release(seq)
-            if e.args.kv_load_failure_policy == "recompute":
+            # This decode will not pull (again): let the prefill free its blocks now. A pull
+            # that reached the prefill has already ended its hold; the notice is then a no-op.
+            self._spawn(release_remote(e.ctx, params))
+            if isinstance(err, EngineError) and e.args.kv_load_failure_policy == "recompute":
                 return await self._recompute(seq)
-            raise
-        except BaseException:
-            e.release(seq)
             raise
         seq.meta_extra["kv_bytes_received"] = nbytes
         seq.committed = e.pool.pages_for(seq.prompt_len)

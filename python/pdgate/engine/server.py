@@ -160,16 +160,17 @@ async def metrics_handler(request: web.Request) -> web.Response:
 
 
 async def abort_request(request: web.Request) -> web.Response:
+    """SGLang's `POST /abort_request {"rid": ..., "abort_all": false}`: rid matches by prefix.
+
+    SGLang answers an empty 200; the JSON body here is extra (how many were aborted)."""
     body = await read_json(request)
     e: Engine = request.app["engine"]
-    if body.get("abort_all"):
-        for rid in list(e.live):
-            e.abort_rid(rid)
-        return web.json_response({"aborted": True})
-    rid = body.get("rid")
-    if not isinstance(rid, str):
-        raise BadRequest("rid (string) or abort_all is required", "rid")
-    return web.json_response({"aborted": e.abort_rid(rid)})
+    abort_all = bool(body.get("abort_all"))
+    rid = body.get("rid", "")
+    if not isinstance(rid, str) or not (rid or abort_all):
+        raise BadRequest("rid (a non-empty string) or abort_all is required", "rid")
+    n = e.abort_matching(rid, abort_all)
+    return web.json_response({"aborted": n > 0, "count": n})
 
 
 async def debug_transfers(request: web.Request) -> web.Response:

@@ -94,10 +94,7 @@ impl Policy for ConsistentHashPolicy {
             return Some(Selection::new(w, "consistent_hash"));
         }
         // Rendezvous: the candidate with the highest hash of (key, worker key).
-        let w = candidates
-            .iter()
-            .copied()
-            .max_by_key(|&w| hash64(&[key.as_bytes(), snap.worker(w).spec.url.as_bytes()]))?;
+        let w = candidates.iter().copied().max_by_key(|&w| hash64(&[key.as_bytes(), snap.worker(w).spec.url.as_bytes()]))?;
         Some(Selection::with_reason(w, "consistent_hash", "consistent_hash rendezvous".into()))
     }
 }

@@ -149,11 +149,7 @@ impl Default for PolicyOptions {
 
 impl PolicyOptions {
     pub fn from_config(c: &GatewayConfig) -> Self {
-        PolicyOptions {
-            cache_threshold: c.cache_threshold,
-            balance_abs_threshold: c.balance_abs_threshold,
-            balance_rel_threshold: c.balance_rel_threshold,
-        }
+        PolicyOptions { cache_threshold: c.cache_threshold, balance_abs_threshold: c.balance_abs_threshold, balance_rel_threshold: c.balance_rel_threshold }
     }
 
     /// SMG's rule: imbalanced when both `max - min > abs` and `max > rel * min`.

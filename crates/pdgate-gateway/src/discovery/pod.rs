@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::Pod;
-use pdgate_core::{KvConnector, WorkerRole, WorkerSpec};
+use pdgate_core::{WorkerRegistration, WorkerRole, WorkerSpec};
 
 /// Worker HTTP port; wins over `--service-discovery-port`.
 pub const PORT_ANNOTATION: &str = "pdgate.ai/port";
@@ -63,7 +63,6 @@ pub struct RoleSelector {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Candidate {
     pub spec: WorkerSpec,
-    pub kv_engine_id: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -133,29 +132,31 @@ fn candidate(pod: &Pod, role: WorkerRole, ip: &str, default_port: u16) -> Result
         Some("https") => "https",
         Some(other) => return Err(format!("annotation {SCHEME_ANNOTATION}={other:?}: expected http or https")),
     };
-    let mut spec = WorkerSpec::new(&format!("{scheme}://{host}:{port}"), role)?;
+    // The annotations are one more spelling of a worker registration (pdgate-core).
+    let mut reg = WorkerRegistration::new(format!("{scheme}://{host}:{port}"), role);
     if role == WorkerRole::Prefill {
-        spec.bootstrap_port = port_annotation(pod, BOOTSTRAP_PORT_ANNOTATION)?;
+        reg.bootstrap_port = port_annotation(pod, BOOTSTRAP_PORT_ANNOTATION)?;
+        reg.kv_engine_id = annotation(pod, KV_ENGINE_ID_ANNOTATION).map(str::to_string);
     }
-    spec.kv_connector = match annotation(pod, KV_CONNECTOR_ANNOTATION) {
-        None => None,
-        Some(name) => Some(
-            KvConnector::from_name(name)
-                .ok_or_else(|| format!("annotation {KV_CONNECTOR_ANNOTATION}={name:?}: expected bootstrap, nixl or mooncake"))?,
-        ),
-    };
+    reg.kv_connector = annotation(pod, KV_CONNECTOR_ANNOTATION).map(str::to_string);
+    let mut spec = reg.into_spec(role != WorkerRole::Regular).map_err(|e| match e.param {
+        "kv_connector" => format!("annotation {KV_CONNECTOR_ANNOTATION}: {}", e.message),
+        "kv_engine_id" => format!("annotation {KV_ENGINE_ID_ANNOTATION}: {}", e.message),
+        _ => e.message,
+    })?;
     let meta = &pod.metadata;
     for (key, value) in [(NAMESPACE_LABEL, &meta.namespace), (POD_LABEL, &meta.name), (UID_LABEL, &meta.uid)] {
         if let Some(v) = value {
             spec.labels.insert(key.to_string(), v.clone());
         }
     }
-    Ok(Candidate { spec, kv_engine_id: annotation(pod, KV_ENGINE_ID_ANNOTATION).map(str::to_string) })
+    Ok(Candidate { spec })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pdgate_core::KvConnector;
     use serde_json::json;
 
     fn pod(labels: serde_json::Value, annotations: serde_json::Value, status: serde_json::Value) -> Pod {
@@ -186,7 +187,7 @@ mod tests {
         assert_eq!(c.spec.url, "http://10.0.0.7:30001");
         assert_eq!(c.spec.bootstrap_port, Some(9001));
         assert_eq!(c.spec.kv_connector, Some(KvConnector::Mooncake));
-        assert_eq!(c.kv_engine_id.as_deref(), Some("e1"));
+        assert_eq!(c.spec.kv_engine_id.as_deref(), Some("e1"));
         assert_eq!(c.spec.labels.get(UID_LABEL).map(String::as_str), Some("u-1"));
         assert_eq!(c.spec.labels.get(POD_LABEL).map(String::as_str), Some("p-0"));
     }

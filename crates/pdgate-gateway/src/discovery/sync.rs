@@ -8,9 +8,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use crate::health::check_and_record;
+use crate::membership::{self, Change};
 use crate::registry::{Entry, RegistryError, Source};
 use crate::state::AppState;
-use crate::workers_api::drain_and_remove;
 
 use super::pod::Candidate;
 
@@ -24,7 +24,7 @@ pub struct Syncer {
 /// has a new uid; a changed annotation changes the spec).
 fn same_worker(e: &Entry, c: &Candidate) -> bool {
     let (a, b) = (&*e.spec, &c.spec);
-    a.role == b.role && a.bootstrap_port == b.bootstrap_port && a.kv_connector == b.kv_connector && a.labels == b.labels && e.kv_engine_id == c.kv_engine_id
+    a.role == b.role && a.bootstrap_port == b.bootstrap_port && a.kv_connector == b.kv_connector && a.labels == b.labels && a.kv_engine_id == b.kv_engine_id
 }
 
 impl Syncer {
@@ -37,7 +37,7 @@ impl Syncer {
                 continue;
             }
             let keep = desired.get(&e.spec.url).is_some_and(|c| same_worker(e, c));
-            if !keep && drain_and_remove(state, &e.id).is_ok() {
+            if !keep && membership::apply(state, Change::Drain(e.id.clone())).is_ok() {
                 state.metrics.discovery_events.with_label_values(&["worker_removed"]).inc();
                 tracing::info!(worker = %e.spec.url, role = e.spec.role.as_str(), pod = e.spec.labels.get(super::pod::POD_LABEL).map(String::as_str).unwrap_or(""), "discovered worker left; draining it");
             }
@@ -69,10 +69,7 @@ impl Syncer {
             }
             return;
         }
-        if let Some(id) = &c.kv_engine_id {
-            state.store_engine_id(&c.spec.url, id.clone());
-        }
-        match state.registry.add(c.spec.clone(), Source::Discovery, c.kv_engine_id.clone()) {
+        match membership::apply(state, Change::Add(c.spec.clone(), Source::Discovery)) {
             Ok(entry) => {
                 state.metrics.discovery_events.with_label_values(&["worker_added"]).inc();
                 tracing::info!(worker = %entry.spec.url, role = entry.spec.role.as_str(), id = %entry.id, pod = entry.spec.labels.get(super::pod::POD_LABEL).map(String::as_str).unwrap_or(""), "discovered worker added");

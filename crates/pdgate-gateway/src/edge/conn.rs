@@ -49,11 +49,7 @@ pub struct Limits {
 
 impl Limits {
     pub fn from_config(c: &GatewayConfig) -> Self {
-        Limits {
-            header_read: Duration::from_secs(c.header_read_timeout_secs),
-            idle: Duration::from_secs(c.idle_timeout_secs),
-            max_connections: c.max_connections,
-        }
+        Limits { header_read: Duration::from_secs(c.header_read_timeout_secs), idle: Duration::from_secs(c.idle_timeout_secs), max_connections: c.max_connections }
     }
 }
 
@@ -143,7 +139,7 @@ async fn serve_one(stream: TcpStream, app: Router, builder: &http1::Builder, idl
 
 /// One request: the router under `catch_unwind`, the response body tracked for the idle timer.
 async fn handle(mut app: Router, req: Request<Incoming>, activity: Arc<Activity>, metrics: Arc<EdgeMetrics>) -> Result<Response<Tracked>, Infallible> {
-    let busy = Busy::new(activity);
+    let busy = Busy::new(activity, &metrics.requests_in_flight);
     // Kept for the panic report only (cheap clones: shared bytes).
     let client_id = req.headers().get("x-request-id").cloned();
     let path = req.uri().clone();
@@ -201,18 +197,22 @@ impl Activity {
     }
 }
 
-/// A request in flight, until its response body is dropped (sent or abandoned).
-struct Busy(Arc<Activity>);
+/// A request in flight, until its response body is dropped (sent or abandoned). Counted per
+/// connection (idle timer) and gateway-wide (`requests_in_flight`, what a graceful shutdown
+/// waits for).
+struct Busy(Arc<Activity>, prometheus::IntGauge);
 
 impl Busy {
-    fn new(a: Arc<Activity>) -> Self {
+    fn new(a: Arc<Activity>, gateway_wide: &prometheus::IntGauge) -> Self {
         a.in_flight.fetch_add(1, Ordering::AcqRel);
-        Busy(a)
+        gateway_wide.inc();
+        Busy(a, gateway_wide.clone())
     }
 }
 
 impl Drop for Busy {
     fn drop(&mut self) {
+        self.1.dec();
         let ms = u64::try_from(self.0.opened.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.0.last_done_ms.store(ms, Ordering::Release);
         self.0.served.fetch_add(1, Ordering::AcqRel);
@@ -287,9 +287,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_panicking_handler_is_answered_500_and_the_server_keeps_serving() {
-        let app = Router::new()
-            .route("/panic", get(boom))
-            .route("/ok", get(|| async { "fine" }));
+        let app = Router::new().route("/panic", get(boom)).route("/ok", get(|| async { "fine" }));
         let metrics = crate::metrics::Metrics::new().edge;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();

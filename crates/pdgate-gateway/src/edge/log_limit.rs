@@ -30,7 +30,9 @@ pub fn truncate(s: &str, max: usize) -> Cow<'_, str> {
 #[derive(Debug, PartialEq, Eq)]
 pub enum Verdict {
     /// Write the line; `suppressed` identical lines were left out before it.
-    Log { suppressed: u64 },
+    Log {
+        suppressed: u64,
+    },
     Suppress,
 }
 

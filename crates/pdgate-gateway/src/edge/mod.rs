@@ -20,11 +20,7 @@ pub struct Edge {
 
 impl Edge {
     pub fn new() -> Self {
-        Edge {
-            hops: hops::Hops::new(),
-            own: own_addr::OwnListener::new(SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0))),
-            log: log_limit::LogLimiter::default(),
-        }
+        Edge { hops: hops::Hops::new(), own: own_addr::OwnListener::new(SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0))), log: log_limit::LogLimiter::default() }
     }
 }
 

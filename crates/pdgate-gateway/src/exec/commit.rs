@@ -38,8 +38,7 @@ pub struct RelayPlan {
 /// by itself), so there is nothing left there to abort. A deadline or a refused answer is the
 /// gateway giving the leg up: the engine may still be working on it.
 fn ended_at_worker(e: &GatewayError, leg: Leg) -> bool {
-    e.leg == Some(leg)
-        && matches!(e.kind, ErrorKind::WorkerUnreachable | ErrorKind::WorkerStatus { .. } | ErrorKind::WorkerProtocol | ErrorKind::StreamTruncated)
+    e.leg == Some(leg) && matches!(e.kind, ErrorKind::WorkerUnreachable | ErrorKind::WorkerStatus { .. } | ErrorKind::WorkerProtocol | ErrorKind::StreamTruncated)
 }
 
 /// The prefill leg (when one runs concurrently) and its finished answer, if it finished.
@@ -180,7 +179,11 @@ async fn commit_and_relay(
             // The decode answered its head and then waited: for its KV, if the prefill is
             // still silent too (SGLang bootstrap, Mooncake). Name the leg that hung.
             let prefill_hung = e.kind == ErrorKind::Timeout && e.leg == Some(leg) && watched.blame_silent_prefill && watched.leg.is_some();
-            if prefill_hung { deadline_error(Leg::Prefill) } else { e }
+            if prefill_hung {
+                deadline_error(Leg::Prefill)
+            } else {
+                e
+            }
         })?;
         watched.committed();
         let ct = head.content_type.as_ref().map(|v| v.to_str().unwrap_or("(not text)"));

@@ -32,18 +32,8 @@ pub fn answering_deadline_error(leg: Leg) -> GatewayError {
 
 /// Sends one leg and waits for a 2xx response head. A non-2xx answer becomes an error carrying
 /// the worker's error body (read within the deadline).
-pub async fn send(
-    upstream: &Upstream,
-    url: &str,
-    path: &str,
-    body: Bytes,
-    request_id: &str,
-    leg: Leg,
-    deadline: Instant,
-) -> Result<Response<Incoming>, GatewayError> {
-    let resp = timeout_at(deadline, upstream.post_json(url, path, body, request_id, leg))
-        .await
-        .map_err(|_| deadline_error(leg))??;
+pub async fn send(upstream: &Upstream, url: &str, path: &str, body: Bytes, request_id: &str, leg: Leg, deadline: Instant) -> Result<Response<Incoming>, GatewayError> {
+    let resp = timeout_at(deadline, upstream.post_json(url, path, body, request_id, leg)).await.map_err(|_| deadline_error(leg))??;
     let status = resp.status();
     if status.is_success() {
         return Ok(resp);

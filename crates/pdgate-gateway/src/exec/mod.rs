@@ -68,13 +68,7 @@ impl Ctx {
     /// key, the text and, when a policy reads it, the radix tree (locked for the decision only).
     pub fn decide<T>(&self, routing: &Routing, text: Option<&str>, select: impl FnOnce(&RouteInput<'_>) -> T) -> T {
         let loads = self.state.loads(&routing.runtime);
-        let input = RouteInput {
-            text,
-            key: self.session_key.as_deref(),
-            sequence: self.state.next_sequence(),
-            loads: &loads,
-            ..RouteInput::default()
-        };
+        let input = RouteInput { text, key: self.session_key.as_deref(), sequence: self.state.next_sequence(), loads: &loads, ..RouteInput::default() };
         if !self.state.uses_tree() {
             return select(&input);
         }
@@ -103,3 +97,18 @@ impl From<GatewayError> for AttemptFailure {
     }
 }
 
+/// Asks the breakers of the chosen workers to admit this request, in order; `None` when all
+/// did, else the first that refused (a half-open worker whose one probe is in flight: the
+/// choice was made on a view from before that probe began). Probe slots taken by the earlier
+/// workers are given back, since this choice is not sent.
+pub(crate) fn admit_all(ctx: &Ctx, snap: &pdgate_core::PoolSnapshot, workers: &[usize]) -> Option<usize> {
+    for (k, &w) in workers.iter().enumerate() {
+        if !ctx.state.admit(&snap.worker(w).spec.url) {
+            for &earlier in &workers[..k] {
+                ctx.state.registry.end_probe(&snap.worker(earlier).spec.url);
+            }
+            return Some(w);
+        }
+    }
+    None
+}

@@ -203,9 +203,7 @@ impl StreamRelay {
     }
 
     pub fn into_body(self) -> Body {
-        let stream = futures_util::stream::unfold(self, |mut relay| async move {
-            relay.next_chunk().await.map(|chunk| (Ok::<Bytes, Infallible>(chunk), relay))
-        });
+        let stream = futures_util::stream::unfold(self, |mut relay| async move { relay.next_chunk().await.map(|chunk| (Ok::<Bytes, Infallible>(chunk), relay)) });
         Body::from_stream(stream)
     }
 

@@ -37,7 +37,8 @@ fn run(mut r: Rewriter, chunks: &[Bytes]) -> Vec<u8> {
 /// An SGLang `/generate` stream chunk, sometimes with usage, sometimes not JSON at all.
 fn event() -> impl Strategy<Value = String> {
     prop_oneof![
-        ("[a-z ]{0,12}", 0u64..3).prop_map(|(t, i)| json!({"index": i, "text": t, "meta_info": {"prompt_tokens": 5, "cached_tokens": 5, "input_token_logprobs": [[-0.5, 13, null]]}}).to_string()),
+        ("[a-z ]{0,12}", 0u64..3)
+            .prop_map(|(t, i)| json!({"index": i, "text": t, "meta_info": {"prompt_tokens": 5, "cached_tokens": 5, "input_token_logprobs": [[-0.5, 13, null]]}}).to_string()),
         "[a-z ]{0,12}".prop_map(|t| json!({"text": t, "usage": {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}}).to_string()),
         "[ -~]{0,20}",
     ]

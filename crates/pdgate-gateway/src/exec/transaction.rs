@@ -43,6 +43,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         return finish(&ctx, error_response(&err), &record);
     }
     let mut failed: Vec<String> = Vec::new();
+    ctx.state.retry_budget_deposit();
     let response = loop {
         record.attempts += 1;
         if record.attempts > 1 {
@@ -63,7 +64,14 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         }
         let left = ctx.deadline.saturating_duration_since(Instant::now());
         tracing::debug!(request_id = %ctx.request_id, attempt = record.attempts, error = %err, route = %record.full(), "attempt failed");
-        if !ctx.state.retry.should_retry(err, record.attempts, false, left) {
+        let retry = ctx.state.retry.should_retry(err, record.attempts, false, left);
+        // The shared budget is asked last, so only a retry that would happen spends from it.
+        let refused = retry && !ctx.state.retry_budget_withdraw();
+        if refused {
+            metrics.retries_refused.with_label_values(&["budget"]).inc();
+            tracing::debug!(request_id = %ctx.request_id, "retry refused: the shared retry budget is spent");
+        }
+        if !retry || refused {
             crate::edge::log_limit::warn_request(&ctx.state, Some(&ctx.request_id), "request failed", err, Some(&record.header_value()));
             break error_response(err);
         }
@@ -139,12 +147,20 @@ struct Chosen {
 fn select(ctx: &Ctx, failed: &[String]) -> Result<Chosen, GatewayError> {
     let routing = ctx.state.registry.routing();
     let snap = &routing.snapshot;
-    let exclude: Vec<usize> = failed.iter().filter_map(|u| snap.index_of(u)).collect();
+    let mut exclude: Vec<usize> = failed.iter().filter_map(|u| snap.index_of(u)).collect();
     let text = ctx.routing_text();
     let metrics = &ctx.state.metrics;
     if !ctx.state.config.pd_disaggregation {
         let policy = ctx.state.regular_policy.as_ref();
-        let choice = ctx.decide(&routing, text.as_deref(), |input| select_regular(snap, policy, input, &exclude, &mut rand::rng()))?;
+        // A half-open worker admits one probe at a time: a pick it refuses is re-made without it.
+        let choice = loop {
+            let choice = ctx.decide(&routing, text.as_deref(), |input| select_regular(snap, policy, input, &exclude, &mut rand::rng()))?;
+            match super::admit_all(ctx, snap, &[choice.worker]) {
+                None => break choice,
+                Some(refused) if !exclude.contains(&refused) => exclude.push(refused),
+                Some(_) => return Err(GatewayError::no_workers("regular (the only candidates are half-open, their one probe in flight)")),
+            }
+        };
         if policy.uses_tree() {
             ctx.remember(text.as_deref(), &snap.worker(choice.worker).spec.url);
         }
@@ -153,7 +169,15 @@ fn select(ctx: &Ctx, failed: &[String]) -> Result<Chosen, GatewayError> {
         return Ok(Chosen { plan, prefill_runtime: None, relayed_runtime: routing.runtime[choice.worker].clone(), policy: choice.reason.to_string() });
     }
     let (pp, dp) = (ctx.state.prefill_policy.as_ref(), ctx.state.decode_policy.as_ref());
-    let chosen = ctx.decide(&routing, text.as_deref(), |input| select_pair(snap, pp, dp, input, &exclude, &mut rand::rng()));
+    let chosen = loop {
+        let chosen = ctx.decide(&routing, text.as_deref(), |input| select_pair(snap, pp, dp, input, &exclude, &mut rand::rng()));
+        let Ok((p, d)) = &chosen else { break chosen };
+        match super::admit_all(ctx, snap, &[p.worker, d.worker]) {
+            None => break chosen,
+            Some(refused) if !exclude.contains(&refused) => exclude.push(refused),
+            Some(_) => break Err(GatewayError::no_workers("prefill/decode (the only candidates are half-open, their one probe in flight)")),
+        }
+    };
     let (p, d) = chosen.inspect_err(|e| {
         if e.kind == ErrorKind::NoCompatiblePair {
             let mode = format!("{:?}", snap.pairing_mode()).to_ascii_lowercase();
@@ -250,12 +274,7 @@ async fn run(ctx: &Ctx, chosen: Chosen) -> Result<Response, GatewayError> {
         (_, None, Some(body)) => body,
         (_, _, None) => return Err(GatewayError::internal("the plan's relayed body is unknown before its legs run")),
     };
-    let relay = RelayPlan {
-        leg: plan.relayed.leg,
-        url: plan.relayed.url.clone(),
-        merge_logprobs: plan.merge_input_logprobs,
-        scan_usage: plan.scan_usage,
-    };
+    let relay = RelayPlan { leg: plan.relayed.leg, url: plan.relayed.url.clone(), merge_logprobs: plan.merge_input_logprobs, scan_usage: plan.scan_usage };
     let abort = AbortGuard::new(&client, &plan.relayed.url, &plan.relayed.abort);
     relay_leg(ctx, &client, relay, body, watched, finish, abort).await
 }

@@ -313,7 +313,8 @@ fn nixl_decode(s: &MockState, body: &Value, stream: bool, fault: Fault) -> Respo
     let fields = ["remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port"];
     let complete = fields.iter().all(|f| p.get(*f).is_some_and(|v| !v.is_null()));
     let pulled = complete
-        && p["remote_request_id"].as_str().and_then(|rid| s.rdv.blocks.lock().unwrap().remove(rid)).as_deref() == p["remote_block_ids"].as_array().map(|a| a.iter().filter_map(Value::as_u64).collect::<Vec<_>>()).as_deref();
+        && p["remote_request_id"].as_str().and_then(|rid| s.rdv.blocks.lock().unwrap().remove(rid)).as_deref()
+            == p["remote_block_ids"].as_array().map(|a| a.iter().filter_map(Value::as_u64).collect::<Vec<_>>()).as_deref();
     let cached = if pulled { 5 } else { 0 };
     answer(body, stream, fault, json!({}), Some((5, cached)))
 }

@@ -42,12 +42,7 @@ impl TestCa {
         let chain = vec![CertificateDer::from(cert.der().to_vec())];
         let key = PrivateKeyDer::from_pem_slice(key.serialize_pem().as_bytes()).unwrap();
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let config = ServerConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(chain, key)
-            .unwrap();
+        let config = ServerConfig::builder_with_provider(provider).with_safe_default_protocol_versions().unwrap().with_no_client_auth().with_single_cert(chain, key).unwrap();
         Arc::new(config)
     }
 

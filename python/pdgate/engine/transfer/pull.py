@@ -56,12 +56,39 @@ class PullSource:
                 "remote_host": ctx.host, "remote_port": ctx.port, "tp_size": 1}
 
     def _expire(self, rid: str) -> None:
+        if self._drop(rid, "lease expired"):
+            log.warning("lease expired for %s: freed the pages nobody pulled", rid)
+
+    def _drop(self, rid: str, why: str) -> bool:
+        """Free a hold that will not be pulled. A pull already under way has taken the hold
+        out of `holds` and frees the pages itself once its connection has drained."""
         h = self.holds.pop(rid, None)
-        if h is not None:
-            log.warning("lease expired for %s: freeing %d pages nobody pulled", rid, len(h.pages))
-            self.ctx.table.set((PROTOCOL, rid, "hold"), KVPoll.Failed, error="lease expired")
-            self.ctx.stats.count(PROTOCOL, "source", False)
-            self.ctx.release(h.seq)
+        if h is None:
+            return False
+        if h.expiry is not None:
+            h.expiry.cancel()
+        self.ctx.table.set((PROTOCOL, rid, "hold"), KVPoll.Failed, error=why)
+        self.ctx.stats.count(PROTOCOL, "source", False)
+        self.ctx.release(h.seq)
+        return True
+
+    def release(self, match, why: str) -> int:
+        """Free every hold whose request id satisfies `match` (the engine's abort)."""
+        return sum(self._drop(rid, why) for rid in [r for r in self.holds if match(r)])
+
+    async def on_release(self, hdr: dict, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> None:
+        """A decode that will not pull after all (aborted or rejected before its pull) says so,
+        as vLLM's NIXL decode notifies its prefill, so the pages go now and not at lease end.
+        The hold must match exactly (engine id and block ids): a stale or forged notice can
+        never free another request's pages."""
+        rid, h = hdr.get("request_id"), self.holds.get(hdr.get("request_id"))
+        ok = (h is not None and hdr.get("engine_id") == self.ctx.engine_id
+              and hdr.get("block_ids") == h.pages)
+        if ok:
+            self._drop(rid, "released by the decode")
+        await wire.send(writer, {"op": "released" if ok else "error",
+                                 "message": "" if ok else f"no matching hold for {rid!r}"})
 
     async def on_pull(self, hdr: dict, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> None:
@@ -143,3 +170,26 @@ async def pull_receive(ctx: TransferContext, params: dict, seq: Seq) -> int:
         raise
     finally:
         await wire.close(writer)
+
+
+async def release_remote(ctx: TransferContext, params: dict) -> bool:
+    """Decode side: tell the prefill named in `params` to free the blocks it holds for us,
+    because this decode will not pull them (it was aborted, rejected, or failed before its
+    pull). Best effort within a short deadline: the prefill's lease is the backstop."""
+    writer = None
+    try:
+        addr = (params["remote_host"], int(params["remote_port"]))
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(*addr), RELEASE_TIMEOUT)
+        await wire.send(writer, {"op": "release", "request_id": params["remote_request_id"],
+                                 "engine_id": params["remote_engine_id"],
+                                 "block_ids": list(params["remote_block_ids"])})
+        reply, _ = await asyncio.wait_for(wire.recv(reader, 0), RELEASE_TIMEOUT)
+        return reply.get("op") == "released"
+    except (wire.WireError, OSError, asyncio.TimeoutError, KeyError, TypeError, ValueError) as e:
+        log.info("could not release %s at the prefill: %s", params.get("remote_request_id"), e)
+        return False
+    finally:
+        await wire.close(writer)
+
+
+RELEASE_TIMEOUT = 5.0

@@ -1,0 +1,187 @@
+//! One worker registration, declared once.
+//!
+//! Every source of workers gives the same facts: the static flags (`--prefill URL [PORT]
+//! [kv_connector=NAME] [kv_engine_id=ID] [label=K=V]...`), the JSON config, the `/workers` API
+//! (and so the Python `add_worker` keywords and `quickstart`) and Kubernetes pod annotations.
+//! Each parses into a [`WorkerRegistration`], and [`WorkerRegistration::into_spec`] is the one
+//! place that checks it and builds the [`WorkerSpec`], with one error text per mistake.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::worker::{KvConnector, WorkerRole, WorkerSpec};
+
+/// What a source says about one worker: the SMG `/workers` body, field for field.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerRegistration {
+    pub url: String,
+    /// `regular`, `prefill` or `decode`; required in PD mode, `regular` otherwise.
+    #[serde(default)]
+    pub worker_type: Option<String>,
+    /// Prefill only: its bootstrap server's port (`None`: the engine's default).
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
+    /// Overrides the gateway-wide connector (our names or the engines' class names).
+    #[serde(default)]
+    pub kv_connector: Option<String>,
+    /// Mooncake prefill: its engine id, known in advance (else asked from its `/query`).
+    #[serde(default)]
+    pub kv_engine_id: Option<String>,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+/// A registration that cannot be a worker: which field, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RegistrationError {
+    pub param: &'static str,
+    pub message: String,
+}
+
+impl std::fmt::Display for RegistrationError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+fn bad(param: &'static str, message: impl Into<String>) -> RegistrationError {
+    RegistrationError { param, message: message.into() }
+}
+
+impl WorkerRegistration {
+    /// A registration with a known role (static flags and discovery know it from where the
+    /// worker was given).
+    pub fn new(url: impl Into<String>, role: WorkerRole) -> Self {
+        WorkerRegistration { url: url.into(), worker_type: Some(role.as_str().to_string()), ..Default::default() }
+    }
+
+    /// The role asked for, checked against the gateway's mode (`pd`).
+    pub fn role(&self, pd: bool) -> Result<WorkerRole, RegistrationError> {
+        let role = match self.worker_type.as_deref().unwrap_or(if pd { "" } else { "regular" }) {
+            "regular" => WorkerRole::Regular,
+            "prefill" => WorkerRole::Prefill,
+            "decode" => WorkerRole::Decode,
+            "" => return Err(bad("worker_type", "worker_type is required in PD mode: prefill or decode")),
+            other => return Err(bad("worker_type", format!("unknown worker_type {other:?}: regular, prefill or decode"))),
+        };
+        match (pd, role) {
+            (true, WorkerRole::Regular) => Err(bad("worker_type", "this gateway runs in PD mode: add prefill or decode workers")),
+            (false, WorkerRole::Prefill | WorkerRole::Decode) => Err(bad("worker_type", "this gateway runs in regular mode: add regular workers")),
+            _ => Ok(role),
+        }
+    }
+
+    /// Checks the registration and builds the worker's spec.
+    pub fn into_spec(self, pd: bool) -> Result<WorkerSpec, RegistrationError> {
+        let role = self.role(pd)?;
+        let mut spec = WorkerSpec::new(&self.url, role).map_err(|m| bad("url", m))?;
+        if self.bootstrap_port.is_some() && role != WorkerRole::Prefill {
+            return Err(bad("bootstrap_port", "bootstrap_port is for prefill workers"));
+        }
+        if self.bootstrap_port == Some(0) {
+            return Err(bad("bootstrap_port", "bootstrap_port must be 1-65535"));
+        }
+        if self.kv_engine_id.is_some() && role != WorkerRole::Prefill {
+            return Err(bad("kv_engine_id", "kv_engine_id is for prefill workers (the engine a decode pulls from)"));
+        }
+        if self.kv_engine_id.as_deref().is_some_and(str::is_empty) {
+            return Err(bad("kv_engine_id", "kv_engine_id must not be empty"));
+        }
+        if let Some(key) = self.labels.keys().find(|k| k.trim().is_empty()) {
+            return Err(bad("labels", format!("label key {key:?} is empty")));
+        }
+        spec.bootstrap_port = self.bootstrap_port;
+        spec.kv_connector = self.kv_connector.as_deref().map(KvConnector::parse).transpose().map_err(|m| bad("kv_connector", m))?;
+        spec.kv_engine_id = self.kv_engine_id;
+        spec.labels = self.labels;
+        Ok(spec)
+    }
+}
+
+/// The command-line form of one `--prefill` / `--decode`: `URL [PORT] [kv_connector=NAME]
+/// [kv_engine_id=ID] [label=K=V]...` (a port only for a prefill, right after the URL; `none`
+/// for the engine default).
+pub fn from_tokens(tokens: &[String], role: WorkerRole) -> Result<WorkerRegistration, String> {
+    let flag = role.as_str();
+    let (url, rest) = tokens.split_first().ok_or_else(|| format!("--{flag} needs a URL"))?;
+    let mut reg = WorkerRegistration::new(url.clone(), role);
+    for (i, token) in rest.iter().enumerate() {
+        if let Some(name) = token.strip_prefix("kv_connector=") {
+            reg.kv_connector = Some(KvConnector::parse(name)?.as_str().to_string());
+        } else if let Some(id) = token.strip_prefix("kv_engine_id=") {
+            reg.kv_engine_id = Some(id.to_string());
+        } else if let Some(kv) = token.strip_prefix("label=") {
+            let (k, v) = crate::config::parse_label(kv).ok_or_else(|| format!("label {kv:?} after {flag} {url}: expected label=KEY=VALUE"))?;
+            reg.labels.insert(k.to_string(), v.to_string());
+        } else if i == 0 && role == WorkerRole::Prefill {
+            reg.bootstrap_port = parse_port(token)?;
+        } else {
+            return Err(format!("unexpected token {token:?} after {flag} {url}"));
+        }
+    }
+    Ok(reg)
+}
+
+fn parse_port(token: &str) -> Result<Option<u16>, String> {
+    if token.eq_ignore_ascii_case("none") || token.eq_ignore_ascii_case("null") {
+        return Ok(None);
+    }
+    match token.parse::<u16>() {
+        Ok(0) | Err(_) => Err(format!("invalid bootstrap port {token:?} (expected 1-65535 or none)")),
+        Ok(p) => Ok(Some(p)),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn tokens(t: &[&str]) -> Vec<String> {
+        t.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn every_fact_of_a_worker_from_the_command_line() {
+        let reg = from_tokens(&tokens(&["http://p:1", "9000", "kv_connector=MooncakeConnector", "kv_engine_id=e1", "label=zone=a"]), WorkerRole::Prefill).unwrap();
+        let spec = reg.into_spec(true).unwrap();
+        assert_eq!((spec.bootstrap_port, spec.kv_connector), (Some(9000), Some(KvConnector::Mooncake)));
+        assert_eq!(spec.kv_engine_id.as_deref(), Some("e1"));
+        assert_eq!(spec.labels.get("zone").map(String::as_str), Some("a"));
+        let d = from_tokens(&tokens(&["http://d:1", "label=zone=b", "kv_connector=nixl"]), WorkerRole::Decode).unwrap().into_spec(true).unwrap();
+        assert_eq!((d.role, d.kv_connector), (WorkerRole::Decode, Some(KvConnector::Nixl)));
+        assert!(from_tokens(&tokens(&["http://d:1", "9000"]), WorkerRole::Decode).is_err(), "a decode has no bootstrap port");
+        assert!(from_tokens(&tokens(&["http://d:1", "label=novalue"]), WorkerRole::Decode).is_err());
+    }
+
+    #[test]
+    fn the_api_body_and_the_flags_agree() {
+        let json: WorkerRegistration = serde_json::from_str(
+            r#"{"url": "http://p:1", "worker_type": "prefill", "bootstrap_port": 9000, "kv_connector": "mooncake", "kv_engine_id": "e1", "labels": {"zone": "a"}}"#,
+        )
+        .unwrap();
+        let flags = from_tokens(&tokens(&["http://p:1", "9000", "kv_connector=mooncake", "kv_engine_id=e1", "label=zone=a"]), WorkerRole::Prefill).unwrap();
+        assert_eq!(json.into_spec(true).unwrap(), flags.into_spec(true).unwrap());
+    }
+
+    #[test]
+    fn mistakes_name_their_field() {
+        let reg = |json: &str| serde_json::from_str::<WorkerRegistration>(json).unwrap();
+        let cases = [
+            (r#"{"url": "http://w:1"}"#, true, "worker_type"),
+            (r#"{"url": "http://w:1", "worker_type": "regular"}"#, true, "worker_type"),
+            (r#"{"url": "http://w:1", "worker_type": "prefill"}"#, false, "worker_type"),
+            (r#"{"url": "ftp://w:1", "worker_type": "decode"}"#, true, "url"),
+            (r#"{"url": "http://w:1", "worker_type": "decode", "bootstrap_port": 9000}"#, true, "bootstrap_port"),
+            (r#"{"url": "http://w:1", "worker_type": "decode", "kv_engine_id": "e"}"#, true, "kv_engine_id"),
+            (r#"{"url": "http://w:1", "worker_type": "prefill", "kv_connector": "lmcache"}"#, true, "kv_connector"),
+        ];
+        for (json, pd, param) in cases {
+            assert_eq!(reg(json).into_spec(pd).unwrap_err().param, param, "{json}");
+        }
+        assert!(serde_json::from_str::<WorkerRegistration>(r#"{"url": "http://w:1", "zone": "a"}"#).is_err(), "unknown fields are refused");
+        assert_eq!(reg(r#"{"url": "http://w:1"}"#).into_spec(false).unwrap().role, WorkerRole::Regular);
+    }
+}
