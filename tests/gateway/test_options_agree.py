@@ -36,6 +36,9 @@ SAMPLE_VALUES = {
     "decode_selector": "role=decode",
     "log_level": "debug",
     "cache_threshold": "0.5",
+    "retry_jitter_factor": "0.5",
+    "request_id_headers": "x-my-id",
+    "control_plane_api_keys": "k1:ops:admin:secret",
 }
 
 
@@ -136,4 +139,15 @@ def test_rust_binary_takes_the_same_flags() -> None:
     out = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     flags = set(re.findall(r"--[a-z][a-z0-9-]+", out.stdout)) - {"--help", "--version"}
-    assert flags == {o["flag"] for o in SCHEMA}
+    assert flags == {o["flag"] for o in SCHEMA} | {a for o in SCHEMA for a in o["aliases"]}
+
+
+def test_smg_aliases_set_the_pdgate_option() -> None:
+    aliased = [o for o in SCHEMA if o["aliases"]]
+    assert {a for o in aliased for a in o["aliases"]} >= {"--cb-failure-threshold", "--cb-success-threshold",
+                                                          "--cb-timeout-duration-secs", "--cb-window-duration-secs"}
+    for option in aliased:
+        for alias in option["aliases"]:
+            argv = sample_argv(option)
+            by_alias = pdgate.Gateway.from_cli_args([alias if a == option["flag"] else a for a in argv]).config
+            assert by_alias == pdgate.Gateway.from_cli_args(argv).config, alias

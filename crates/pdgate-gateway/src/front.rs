@@ -22,11 +22,15 @@ use crate::render::error_response;
 use crate::state::AppState;
 
 pub fn router(state: Arc<AppState>) -> Router {
-    let mut client = Router::new()
+    let mut inference = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .route("/generate", post(generate))
-        .route("/v1/models", get(models));
+        .route("/generate", post(generate));
+    if state.admission.is_some() {
+        inference = inference.route_layer(middleware::from_fn_with_state(state.clone(), crate::admission::limit));
+    }
+    // Layers added later run first: the key check comes before admission.
+    let mut client = inference.route("/v1/models", get(models));
     // Without a key the check would pass every request: skip the middleware and its boxing.
     if state.config.api_key.as_deref().is_some_and(|k| !k.is_empty()) {
         client = client.route_layer(middleware::from_fn_with_state(state.clone(), auth::client_key));
@@ -59,6 +63,7 @@ async fn generate(State(s): State<Arc<AppState>>, req: Request) -> Response {
 fn client_error(state: &AppState, route: &'static str, err: &GatewayError) -> Response {
     let resp = error_response(err);
     state.metrics.requests.with_label_values(&[route, resp.status().as_str()]).inc();
+    crate::access_log::refused(route, resp.status().as_u16(), &err.code(), std::time::Instant::now());
     resp
 }
 
@@ -104,14 +109,17 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
         Err(e) => return client_error(&state, route, &GatewayError::invalid(e.param.as_deref(), e.message)),
     };
     // The client's id only after validation; the legs get a minted one (see `request_id`).
-    let client_request_id = request_id::client_id(&headers);
+    let client_request_id = request_id::client_id(&headers, &state.config.request_id_headers);
     let request_id = request_id::mint(client_request_id.as_deref());
     let session_key = headers
         .get("x-session-id")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string)
         .or_else(|| req.body.get("user").and_then(|u| u.as_str()).map(str::to_string));
-    let scope = Arc::new(RequestScope { request_id: request_id.clone(), via });
+    // Every log line of the request (warnings of its legs and of its stream included) carries
+    // its ids through this span.
+    let span = tracing::info_span!("request", request_id = %request_id, client_request_id = client_request_id.as_deref().unwrap_or("-"), route);
+    let scope = Arc::new(RequestScope { request_id: request_id.clone(), via, span });
     let mut resp = scope::run(scope.clone(), execute(Ctx { state, req, raw, request_id, client_request_id, session_key, deadline, started, route })).await;
     // For the body wrapper in edge/conn.rs: the relay's stream warnings name the request.
     resp.extensions_mut().insert(scope);
@@ -165,9 +173,13 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
     Json(json!({"object": "list", "data": data})).into_response()
 }
 
-async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     // Exact at scrape time, whatever changed the registry since the last periodic refresh.
     crate::discovery::refresh_worker_gauge(&state);
+    state.metrics.refresh_workers(&state.registry.list(), state.registry.breaker_config());
+    if let Some(a) = &state.admission {
+        state.metrics.admission_waiting.set(a.waiting() as i64);
+    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
 }
 

@@ -2,7 +2,6 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
 use pdgate_gateway::{init_logging, start, GatewayConfig};
 
 // glibc malloc took ~10% of the gateway's CPU per request (cross-thread frees, consolidation);
@@ -12,8 +11,11 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let config = GatewayConfig::parse();
-    init_logging(&config.log_level);
+    let config = GatewayConfig::parse_cli(std::env::args_os()).unwrap_or_else(|e| e.exit());
+    if let Err(e) = init_logging(&config) {
+        eprintln!("pdgate-gateway: {e}");
+        return ExitCode::from(2);
+    }
     let gateway = match start(config).await {
         Ok(g) => g,
         Err(e) => {

@@ -45,11 +45,23 @@ pub struct Runtime {
     /// in flight, `Some(n)` while one is, with the `n` timeouts that take its verdict. At most
     /// one probe per worker, however many requests of a burst time out (state.rs).
     pub probe: Mutex<Option<u32>>,
+    /// The last reason the worker failed a health check or a request leg, with when (Unix
+    /// seconds), for `GET /workers`.
+    pub last_error: Mutex<Option<(String, u64)>>,
 }
 
 impl Runtime {
+    pub fn note_error(&self, reason: String) {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some((reason, now));
+    }
+
+    pub fn last_error(&self) -> Option<(String, u64)> {
+        self.last_error.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     pub fn breaker(&self) -> Breaker {
-        *self.breaker.lock().unwrap_or_else(|p| p.into_inner())
+        self.breaker.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }
 
@@ -345,7 +357,7 @@ mod tests {
 
     #[test]
     fn an_open_breaker_takes_the_worker_out_until_its_cooldown() {
-        let cfg = BreakerConfig { enabled: true, failure_threshold: 2, success_threshold: 1, cooldown: std::time::Duration::from_millis(30) };
+        let cfg = BreakerConfig { failure_threshold: 2, success_threshold: 1, cooldown: std::time::Duration::from_millis(30), ..BreakerConfig::default() };
         let reg = Registry::new(vec![spec("http://a:1", WorkerRole::Regular)], opts(), cfg);
         let e = reg.get("http://a:1").unwrap();
         reg.observe_health(&e.id, true, 1, 1);

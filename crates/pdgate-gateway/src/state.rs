@@ -38,21 +38,24 @@ pub struct AppState {
     engine_ids: Mutex<HashMap<String, String>>,
     /// The client edge: hop token, own listener, log limiter (src/edge).
     pub edge: crate::edge::Edge,
+    /// `--max-concurrent-requests` and its queue; `None` without a limit.
+    pub admission: Option<crate::admission::Admission>,
 }
 
 impl AppState {
     pub fn new(config: GatewayConfig, registry: Registry) -> Self {
         AppState {
             upstream: Upstream::new(Duration::from_millis(config.worker_connect_timeout_ms)).with_limits(AnswerLimits::from_config(&config)),
-            metrics: Metrics::new(),
+            metrics: {
+                let m = Metrics::new();
+                m.prime(&config);
+                m
+            },
+            admission: crate::admission::Admission::from_config(&config),
             regular_policy: make_policy_with(config.policy, &PolicyOptions::from_config(&config)),
             prefill_policy: make_policy_with(config.effective_prefill_policy(), &PolicyOptions::from_config(&config)),
             decode_policy: make_policy_with(config.effective_decode_policy(), &PolicyOptions::from_config(&config)),
-            retry: RetryPolicy {
-                max_retries: config.retry_max_retries,
-                initial_backoff: Duration::from_millis(config.retry_initial_backoff_ms),
-                max_backoff: Duration::from_millis(config.retry_max_backoff_ms),
-            },
+            retry: RetryPolicy::from_config(&config),
             limits: config.limits(),
             sequence: AtomicU64::new(0),
             tree: Mutex::new(RadixTree::new()),
@@ -128,6 +131,14 @@ impl AppState {
                 state.record_outcome(&url, outcome);
             }
         });
+    }
+
+    /// Notes why a worker failed a request leg, for `/workers`' `last_error`.
+    pub fn note_worker_error(&self, url: &str, err: &pdgate_core::GatewayError) {
+        let routing = self.registry.routing();
+        if let Some(i) = routing.snapshot.index_of(url) {
+            routing.runtime[i].note_error(format!("request: {} ({})", err.message, err.code()));
+        }
     }
 
     /// Whether any configured policy reads the radix tree.
