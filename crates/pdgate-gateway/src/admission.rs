@@ -95,6 +95,7 @@ impl Admission {
     }
 
     /// Requests holding a permit now.
+    #[cfg(test)]
     pub fn running(&self) -> usize {
         self.limit - self.permits.available_permits()
     }

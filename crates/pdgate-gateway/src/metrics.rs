@@ -102,6 +102,12 @@ fn gauge(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
     g
 }
 
+fn single_gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
+    let g = IntGauge::new(name, help).unwrap_or_else(|e| panic!("metric {name}: {e}"));
+    r.register(Box::new(g.clone())).unwrap_or_else(|e| panic!("metric {name}: {e}"));
+    g
+}
+
 fn histogram(r: &Registry, name: &str, help: &str, labels: &[&str]) -> HistogramVec {
     let opts = HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec());
     let h = HistogramVec::new(opts, labels).unwrap_or_else(|e| panic!("metric {name}: {e}"));
@@ -148,18 +154,8 @@ impl Metrics {
             ),
             discovery_watch_restarts: counter(&r, "pdgate_discovery_watch_restarts_total", "Pod watches that failed and were resumed or re-listed", &[]),
             workers: gauge(&r, "pdgate_workers", "Registered workers by source (static, api, discovery)", &["source"]),
-            admission_running: {
-                let g = IntGauge::new("pdgate_admission_running", "Requests holding a --max-concurrent-requests slot")
-                    .unwrap_or_else(|e| panic!("metric pdgate_admission_running: {e}"));
-                r.register(Box::new(g.clone())).unwrap_or_else(|e| panic!("metric pdgate_admission_running: {e}"));
-                g
-            },
-            admission_waiting: {
-                let g = IntGauge::new("pdgate_admission_waiting", "Requests waiting in the admission queue (at scrape time)")
-                    .unwrap_or_else(|e| panic!("metric pdgate_admission_waiting: {e}"));
-                r.register(Box::new(g.clone())).unwrap_or_else(|e| panic!("metric pdgate_admission_waiting: {e}"));
-                g
-            },
+            admission_running: single_gauge(&r, "pdgate_admission_running", "Requests holding a --max-concurrent-requests slot"),
+            admission_waiting: single_gauge(&r, "pdgate_admission_waiting", "Requests waiting in the admission queue (at scrape time)"),
             admission_refused: counter(&r, "pdgate_admission_refused_total", "Requests refused by admission: queue_full (429), queue_timeout (408)", &["reason"]),
             queue_wait: {
                 let opts = HistogramOpts::new("pdgate_admission_queue_wait_seconds", "Time a request waited for a --max-concurrent-requests slot").buckets(LATENCY_BUCKETS.to_vec());
