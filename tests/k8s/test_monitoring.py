@@ -67,8 +67,10 @@ def declared_metrics() -> dict[str, set[str]]:
     source = METRICS_RS.read_text()
     found = {name: set(re.findall(r'"([a-z_]+)"', labels))
              for name, labels in re.findall(r'\(\s*&?r,\s*"(pdgate_[a-z_]+)",\s*"(?:[^"\\]|\\.)*",\s*&\[([^\]]*)\]', source)}
-    # Metrics without labels: `single("pdgate_x_total", "help")`, `IntGauge::new("pdgate_x", ...)`.
-    found.update({name: set() for name in re.findall(r'(?:\bsingle|IntGauge::new|IntCounter::new)\(\s*"(pdgate_[a-z_]+)"', source)})
+    # Metrics without labels: `single("pdgate_x_total", "help")`, `IntGauge::new("pdgate_x", ...)`,
+    # `single_gauge(&r, "pdgate_x", "help")`, `HistogramOpts::new("pdgate_x_seconds", ...)`.
+    found.update({name: set() for name in re.findall(r'(?:\bsingle|IntGauge::new|IntCounter::new|HistogramOpts::new)\(\s*"(pdgate_[a-z_]+)"', source)})
+    found.update({name: set() for name in re.findall(r'\bsingle_gauge\(\s*&?r,\s*"(pdgate_[a-z_]+)"', source)})
     assert set(re.findall(r'"(pdgate_[a-z_]+)"', source)) == set(found), "metrics.rs registers metrics in a way this parser misses"
     return found
 
