@@ -29,6 +29,8 @@ DASHBOARD_METRICS = [
     "pdgate_worker_healthy", "pdgate_pd_silent_recompute_total", "pdgate_discovery_events_total",
     "pdgate_discovery_watch_restarts_total", "pdgate_workers", "pdgate_worker_breaker_state", "pdgate_worker_load",
     "pdgate_policy_decisions_total", "pdgate_pairing_refusals_total",
+    "pdgate_admission_running", "pdgate_admission_waiting", "pdgate_admission_refused_total",
+    "pdgate_admission_queue_wait_seconds",
 ]
 # What the alert rules must watch: hangs and timeouts, silent recomputes, breakers, pools.
 ALERT_METRICS = [
