@@ -137,3 +137,25 @@ def test_control_plane_admin_key_opens_the_worker_api(mocks: MockHost, processes
     assert httpx.get(stack.url + "/workers", headers={"Authorization": "Bearer wrong"}, timeout=5).status_code == 403
     ok = httpx.get(stack.url + "/workers", headers={"Authorization": "Bearer cp-secret"}, timeout=5)
     assert ok.status_code == 200 and ok.json()["total"] == 1
+
+
+def test_disable_health_check_counts_workers_healthy_without_asking_them(processes: Processes) -> None:
+    from tests.gateway.harness import launch
+
+    dead = "http://127.0.0.1:9"
+    checked = launch(processes, ["--worker-urls", dead, "--health-check-interval-secs", "1"])
+    assert wait_status(checked.url + "/readiness", 200, timeout=3) == 503, "a dead worker is unhealthy when checked"
+    unchecked = launch(processes, ["--worker-urls", dead, "--health-check-interval-secs", "1", "--disable-health-check"])
+    assert wait_status(unchecked.url + "/readiness", 200, timeout=10) == 200
+    # The breaker still takes it out once requests fail.
+    r = httpx.post(unchecked.url + "/v1/completions", json=BODY, timeout=10)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable"
+
+
+def test_an_unusable_log_dir_stops_the_start_with_the_reason(tmp_path: pathlib.Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = subprocess.run([sys.executable, "-m", "pdgate.cli", "launch", "--port", "0", "--log-dir", str(blocker / "logs")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "--log-dir" in out.stderr and str(blocker / "logs") in out.stderr
