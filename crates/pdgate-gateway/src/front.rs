@@ -60,10 +60,10 @@ async fn generate(State(s): State<Arc<AppState>>, req: Request) -> Response {
     admit(s, Endpoint::Generate, req).await
 }
 
-fn client_error(state: &AppState, route: &'static str, err: &GatewayError) -> Response {
+fn client_error(state: &AppState, route: &'static str, err: &GatewayError, started: std::time::Instant) -> Response {
     let resp = error_response(err);
     state.metrics.requests.with_label_values(&[route, resp.status().as_str()]).inc();
-    crate::access_log::refused(route, resp.status().as_u16(), &err.code(), std::time::Instant::now());
+    crate::access_log::refused(route, resp.status().as_u16(), &err.code(), started);
     resp
 }
 
@@ -81,18 +81,18 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
         Ok(v) => v,
         Err((err, kind)) => {
             state.metrics.edge.loops.with_label_values(&[kind]).inc();
-            return client_error(&state, route, &err);
+            return client_error(&state, route, &err, started);
         }
     };
     let limit = state.config.max_payload_size;
     let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok());
     if declared.is_some_and(|n| n > limit) {
-        return client_error(&state, route, &GatewayError::payload_too_large(limit));
+        return client_error(&state, route, &GatewayError::payload_too_large(limit), started);
     }
     // One timer for the whole body, not one per frame.
     let body_timeout = Duration::from_secs(state.config.body_read_timeout_secs);
     let raw = match tokio::time::timeout_at(deadline.min(Instant::now() + body_timeout), axum::body::to_bytes(body, limit)).await {
-        Err(_) => return body_timeout_response(&state, route, body_timeout.min(state.request_timeout())),
+        Err(_) => return body_timeout_response(&state, route, body_timeout.min(state.request_timeout()), started),
         Ok(Ok(b)) => b,
         Ok(Err(e)) => {
             let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
@@ -101,12 +101,12 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
             } else {
                 GatewayError::invalid(None, format!("could not read the request body: {e}"))
             };
-            return client_error(&state, route, &err);
+            return client_error(&state, route, &err, started);
         }
     };
     let req = match parse_request(endpoint, &raw, &state.limits) {
         Ok(r) => r,
-        Err(e) => return client_error(&state, route, &GatewayError::invalid(e.param.as_deref(), e.message)),
+        Err(e) => return client_error(&state, route, &GatewayError::invalid(e.param.as_deref(), e.message), started),
     };
     // The client's id only after validation; the legs get a minted one (see `request_id`).
     let client_request_id = request_id::client_id(&headers, &state.config.request_id_headers);
@@ -128,10 +128,10 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
 
 /// 408 for a body that did not arrive in time; the connection is closed after it, since the
 /// rest of the body may still come.
-fn body_timeout_response(state: &AppState, route: &'static str, limit: Duration) -> Response {
+fn body_timeout_response(state: &AppState, route: &'static str, limit: Duration, started: std::time::Instant) -> Response {
     state.metrics.edge.client_timeouts.with_label_values(&["body"]).inc();
     let err = GatewayError::client_timeout(format!("the request body was not complete within {} s", limit.as_secs()));
-    let mut resp = client_error(state, route, &err);
+    let mut resp = client_error(state, route, &err, started);
     resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
     resp
 }
