@@ -100,7 +100,7 @@ pub struct GatewayConfig {
     pub decode_policy: Option<PolicyName>,
 
     /// cache_aware: minimum prefix match ratio (0.0-1.0) to route by cache affinity.
-    #[arg(long, default_value_t = 0.3)]
+    #[arg(long, visible_alias = "cache-match-threshold", default_value_t = 0.3)]
     pub cache_threshold: f64,
 
     /// cache_aware: load is imbalanced when max - min exceeds this (and the relative threshold).
