@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -35,11 +36,26 @@ def wait_for_shutdown_signal() -> None:
             signal.signal(sig, old)
 
 
+WORKER_API_KEY_ENV = "PDGATE_WORKER_API_KEY"
+
+
+def _with_worker_key_from_env(argv: Sequence[str]) -> list[str]:
+    """``--worker-api-key`` from PDGATE_WORKER_API_KEY when the command line has none (as the
+    ``pdgate-gateway`` binary does): a key in the environment stays out of ``ps`` output."""
+    argv = list(argv)
+    key = os.environ.get(WORKER_API_KEY_ENV)
+    given = any(a == "--worker-api-key" or a.startswith("--worker-api-key=") for a in argv)
+    if key and not given:
+        # The `=` form, so that a key starting with '-' is not taken for a flag.
+        argv = [f"--worker-api-key={key}", *argv]
+    return argv
+
+
 def _launch(argv: Sequence[str]) -> int:
     from pdgate.gateway import Gateway
 
     try:
-        gateway = Gateway.from_cli_args(argv)
+        gateway = Gateway.from_cli_args(_with_worker_key_from_env(argv))
     except CommandLineError as exc:
         # clap renders help, version and usage errors; we only print them.
         stream = sys.stdout if exc.exit_code == 0 else sys.stderr

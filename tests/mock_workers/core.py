@@ -13,6 +13,7 @@ import asyncio
 import functools
 import json
 import socket
+import ssl
 from typing import Any
 
 from aiohttp import web
@@ -53,7 +54,8 @@ class MockWorker:
 
     extra_knobs: dict[str, Any] = {}  # role-specific knobs with their defaults
 
-    def __init__(self, *, model_name: str = "mock-model", host: str = "127.0.0.1", **knobs: Any) -> None:
+    def __init__(self, *, model_name: str = "mock-model", host: str = "127.0.0.1",
+                 ssl_context: ssl.SSLContext | None = None, **knobs: Any) -> None:
         defaults = {**DEFAULT_KNOBS, **self.extra_knobs}
         unknown = set(knobs) - set(defaults)
         if unknown:
@@ -62,6 +64,11 @@ class MockWorker:
         self.host = host
         self.knobs = {**defaults, **knobs}
         self.received: list[dict[str, Any]] = []
+        # Serve the engine's HTTP surface over TLS (an https:// worker); side servers such as
+        # bootstrap stay plain, as engines serve them.
+        self.ssl_context = ssl_context
+        # (path, Authorization header or "") of every request, probes included.
+        self.authorizations: list[tuple[str, str]] = []
         self.violations: list[str] = []
         self.pending = 0
         self.completed = 0
@@ -71,7 +78,7 @@ class MockWorker:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def main_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._record_authorization])
         gen = self.generation_handler
         app.router.add_post("/v1/completions", functools.partial(gen, api="completions"))
         app.router.add_post("/v1/chat/completions", functools.partial(gen, api="chat"))
@@ -87,17 +94,23 @@ class MockWorker:
         app.router.add_post("/_mock/config", self.config_handler)
         return app
 
-    async def serve(self, app: web.Application) -> int:
-        """Serve `app` on a fresh loopback port; returns the port."""
+    @web.middleware
+    async def _record_authorization(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        self.authorizations.append((request.path, request.headers.get("Authorization", "")))
+        return await handler(request)
+
+    async def serve(self, app: web.Application, tls: bool = False) -> int:
+        """Serve `app` on a fresh loopback port (over TLS when `tls` and the worker has a
+        context); returns the port."""
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         sock = bind_socket(self.host)
-        await web.SockSite(runner, sock).start()
+        await web.SockSite(runner, sock, ssl_context=self.ssl_context if tls else None).start()
         self._runners.append(runner)
         return sock.getsockname()[1]
 
     async def start(self) -> None:
-        self.port = await self.serve(self.main_app())
+        self.port = await self.serve(self.main_app(), tls=True)
 
     async def stop(self) -> None:
         for runner in reversed(self._runners):
@@ -106,7 +119,8 @@ class MockWorker:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        scheme = "https" if self.ssl_context is not None else "http"
+        return f"{scheme}://{self.host}:{self.port}"
 
     def describe(self) -> dict[str, Any]:
         return {"kind": type(self).__name__, "url": self.url}
@@ -124,6 +138,7 @@ class MockWorker:
             "held": self.held(),
             "completed": self.completed,
             "violations": self.violations,
+            "authorizations": self.authorizations,
             "knobs": self.knobs,
         }
 

@@ -151,6 +151,19 @@ pub struct GatewayConfig {
     #[arg(long, default_value_t = 5000)]
     pub worker_connect_timeout_ms: u64,
 
+    // --- Workers behind TLS and auth (crates/pdgate-gateway/src/upstream.rs, docs/security.md) ---
+    /// Sent as `Authorization: Bearer KEY` on every call to a worker (requests, health checks,
+    /// load polls, `/server_info`, the Mooncake bootstrap query); the client's own
+    /// `Authorization` is never forwarded. `pdgate launch` and `pdgate-gateway` also read it from
+    /// PDGATE_WORKER_API_KEY.
+    #[arg(long, value_name = "KEY")]
+    pub worker_api_key: Option<String>,
+
+    /// PEM bundle of the CA certificates that sign `https://` workers' certificates (a private
+    /// CA). When given, only these are trusted for workers; without it, the system's roots.
+    #[arg(long, value_name = "PATH")]
+    pub worker_ca_cert: Option<String>,
+
     /// Most attempts per request, the first one included (SMG's meaning: 3 means one try and
     /// two retries; 0 and 1 mean no retry). Retries happen only before any byte reached the
     /// client, each on another worker or pair.

@@ -61,7 +61,7 @@ impl WorkerRole {
 /// A worker's identity and static facts. Runtime state (health, load) lives in the snapshot.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkerSpec {
-    /// Base URL without a trailing slash, e.g. `http://10.0.0.5:30000`.
+    /// Base URL without a trailing slash, e.g. `http://10.0.0.5:30000` or `https://w0:8443`.
     pub url: String,
     pub role: WorkerRole,
     /// Host part of `url`, as sent in `bootstrap_host`.
@@ -81,11 +81,11 @@ pub struct WorkerSpec {
 }
 
 impl WorkerSpec {
-    /// Validates the URL (http only, host required) and normalises it.
+    /// Validates the URL (http or https, host required) and normalises it.
     pub fn new(url: &str, role: WorkerRole) -> Result<Self, String> {
         let parsed = url::Url::parse(url).map_err(|e| format!("invalid worker URL {url:?}: {e}"))?;
-        if parsed.scheme() != "http" {
-            return Err(format!("worker URL {url:?} must use http://"));
+        if !matches!(parsed.scheme(), "http" | "https") {
+            return Err(format!("worker URL {url:?} must use http:// or https://"));
         }
         let host = match parsed.host() {
             Some(url::Host::Ipv6(addr)) => addr.to_string(),
@@ -109,6 +109,11 @@ impl WorkerSpec {
         })
     }
 
+    /// Whether the gateway reaches this worker over TLS (an `https://` URL).
+    pub fn is_tls(&self) -> bool {
+        self.url.starts_with("https://")
+    }
+
     /// The connector this worker speaks, given the gateway-wide default.
     pub fn connector(&self, default: KvConnector) -> KvConnector {
         self.kv_connector.unwrap_or(default)
@@ -130,8 +135,19 @@ mod tests {
     }
 
     #[test]
+    fn https_urls_are_accepted_and_known_as_tls() {
+        let w = WorkerSpec::new("HTTPS://Worker-0.ml.svc:8443/", WorkerRole::Decode).unwrap();
+        assert_eq!(w.url, "https://worker-0.ml.svc:8443");
+        assert_eq!(w.host, "worker-0.ml.svc");
+        assert!(w.is_tls());
+        assert!(!WorkerSpec::new("http://w:1", WorkerRole::Decode).unwrap().is_tls());
+        // The default port is implied, as for http.
+        assert_eq!(WorkerSpec::new("https://w:443", WorkerRole::Regular).unwrap().url, "https://w");
+    }
+
+    #[test]
     fn bad_urls_are_refused() {
-        for bad in ["localhost:3000", "https://x:1", "http://x:1/v1", "not a url"] {
+        for bad in ["localhost:3000", "ftp://x:1", "grpc://x:1", "https://x:1/v1", "http://x:1/v1", "not a url"] {
             assert!(WorkerSpec::new(bad, WorkerRole::Regular).is_err(), "{bad}");
         }
     }

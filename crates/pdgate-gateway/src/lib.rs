@@ -21,6 +21,7 @@ mod server;
 mod state;
 mod telemetry;
 mod upstream;
+mod worker_tls;
 mod workers_api;
 
 pub use pdgate_core::GatewayConfig;
@@ -28,3 +29,13 @@ pub use record::ROUTE_HEADER;
 pub use server::{start, RunningGateway, StartError};
 pub use telemetry::{init_logging, LOG_FILE};
 
+/// The environment variable `pdgate-gateway` (and `pdgate launch`) read the worker key from
+/// when `--worker-api-key` is not given; read by the binaries, never by the config schema.
+pub const WORKER_API_KEY_ENV: &str = "PDGATE_WORKER_API_KEY";
+
+/// Fills `--worker-api-key` from [`WORKER_API_KEY_ENV`] when the command line left it out.
+pub fn worker_api_key_from_env(config: &mut GatewayConfig) {
+    if config.worker_api_key.is_none() {
+        config.worker_api_key = std::env::var(WORKER_API_KEY_ENV).ok().filter(|k| !k.is_empty());
+    }
+}

@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use pdgate_gateway::{init_logging, start, GatewayConfig};
+use pdgate_gateway::{init_logging, start, worker_api_key_from_env, GatewayConfig};
 
 // glibc malloc took ~10% of the gateway's CPU per request (cross-thread frees, consolidation);
 // mimalloc's thread-local free lists cut that to a few percent (docs/performance.md).
@@ -11,7 +11,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let config = GatewayConfig::parse_cli(std::env::args_os()).unwrap_or_else(|e| e.exit());
+    let mut config = GatewayConfig::parse_cli(std::env::args_os()).unwrap_or_else(|e| e.exit());
+    worker_api_key_from_env(&mut config);
     if let Err(e) = init_logging(&config) {
         eprintln!("pdgate-gateway: {e}");
         return ExitCode::from(2);

@@ -15,6 +15,7 @@ use crate::edge::conn::{self, Limits};
 use crate::edge::own_addr::OwnListener;
 use crate::registry::Registry;
 use crate::state::AppState;
+use crate::upstream::Upstream;
 use crate::{front, health, load};
 
 /// How long `shutdown` lets in-flight requests finish before cutting them.
@@ -28,6 +29,9 @@ pub enum StartError {
     Bind { addr: String, source: std::io::Error },
     #[error("{0}")]
     Discovery(String),
+    /// The worker client cannot be built (`--worker-ca-cert`, `--worker-api-key`).
+    #[error("{0}")]
+    Upstream(String),
 }
 
 pub struct RunningGateway {
@@ -67,6 +71,7 @@ impl RunningGateway {
 pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> {
     config.validate()?;
     let workers = config.workers()?;
+    let upstream = Upstream::from_config(&config).map_err(StartError::Upstream)?;
     let discovery = crate::discovery::prepare(&config).await.map_err(StartError::Discovery)?;
     let bind = format!("{}:{}", config.host, config.port);
     let listener = TcpListener::bind(&bind).await.map_err(|source| StartError::Bind { addr: bind.clone(), source })?;
@@ -81,7 +86,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     announce_admin_api(&config, addr);
     let limits = Limits::from_config(&config);
     let registry = Registry::new(workers, options, BreakerConfig::from_config(&config));
-    let mut state = AppState::new(config, registry);
+    let mut state = AppState::new(config, registry, upstream);
     state.edge.own = own;
     let state = Arc::new(state);
     let edge_metrics = state.metrics.edge.clone();

@@ -17,7 +17,7 @@ use pdgate_protocol::Limits;
 use crate::load::{stale_after_ms, GatewayLoads};
 use crate::metrics::Metrics;
 use crate::registry::{Registry, Runtime};
-use crate::upstream::{AnswerLimits, Upstream};
+use crate::upstream::Upstream;
 
 pub struct AppState {
     pub config: GatewayConfig,
@@ -43,9 +43,11 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn new(config: GatewayConfig, registry: Registry) -> Self {
+    /// `upstream` is built from the same config by the caller (`Upstream::from_config`), which
+    /// can fail on a bad worker CA bundle; nothing here can.
+    pub fn new(config: GatewayConfig, registry: Registry, upstream: Upstream) -> Self {
         AppState {
-            upstream: Upstream::new(Duration::from_millis(config.worker_connect_timeout_ms)).with_limits(AnswerLimits::from_config(&config)),
+            upstream,
             metrics: {
                 let m = Metrics::new();
                 m.prime(&config);

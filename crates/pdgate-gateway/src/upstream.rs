@@ -1,22 +1,31 @@
-//! The HTTP client that talks to workers: one pooled hyper client, TCP_NODELAY, a connect timeout.
+//! The HTTP client that talks to workers: one pooled hyper client, TCP_NODELAY, a connect
+//! timeout, `http://` and `https://` (rustls, see worker_tls.rs), and the worker key.
+//!
+//! Every request to a worker is built here from scratch: nothing of the client's request but
+//! the body is forwarded, so the client's `Authorization` never reaches a worker; the worker
+//! key (`--worker-api-key`) does.
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
+use hyper::header::HeaderValue;
 use hyper::{header, Method, Request, Response};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
-use pdgate_core::{GatewayError, Leg};
+use pdgate_core::{GatewayError, GatewayConfig, Leg};
 
 #[derive(Clone)]
 pub struct Upstream {
     /// Bounds on what a worker may send back (`--max-response-bytes`, `--max-sse-event-bytes`).
     pub limits: AnswerLimits,
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
+    /// `Bearer KEY` from `--worker-api-key`, marked sensitive (kept out of debug output).
+    worker_key: Option<HeaderValue>,
 }
 
 /// Bounds on workers' answers: workers are not trusted to bound them themselves.
@@ -33,21 +42,21 @@ impl AnswerLimits {
 }
 
 impl Upstream {
-    pub fn new(connect_timeout: Duration) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(connect_timeout));
-        connector.enforce_http(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .pool_max_idle_per_host(256)
-            .build(connector);
-        Upstream { limits: AnswerLimits::from_config(&pdgate_core::GatewayConfig::default()), client }
-    }
-
-    pub fn with_limits(mut self, limits: AnswerLimits) -> Self {
-        self.limits = limits;
-        self
+    /// The client for `config`: its connect timeout, answer bounds, worker CA and worker key.
+    /// Fails on an unusable `--worker-ca-cert` or `--worker-api-key`.
+    pub fn from_config(config: &GatewayConfig) -> Result<Self, String> {
+        let tls = crate::worker_tls::client_config(config.worker_ca_cert.as_deref())?;
+        let worker_key = match config.worker_api_key.as_deref().filter(|k| !k.is_empty()) {
+            None => None,
+            Some(key) => {
+                let mut value = HeaderValue::from_str(&format!("Bearer {key}"))
+                    .map_err(|_| "--worker-api-key: only visible ASCII characters can go in an Authorization header".to_string())?;
+                value.set_sensitive(true);
+                Some(value)
+            }
+        };
+        let client = client(Duration::from_millis(config.worker_connect_timeout_ms), tls);
+        Ok(Upstream { limits: AnswerLimits::from_config(config), client, worker_key })
     }
 
     /// POSTs a JSON body to `base` + `path`; returns once the response head arrived.
@@ -59,6 +68,7 @@ impl Upstream {
             .uri(format!("{base}{path}"))
             .header(header::CONTENT_TYPE, "application/json")
             .header("x-request-id", request_id);
+        let req = self.with_key(req);
         // The hop header (edge/hops.rs): a request that comes back to this gateway is cut.
         let req = match crate::edge::scope::via() {
             Some(via) => req.header(header::VIA, via),
@@ -70,18 +80,56 @@ impl Upstream {
         self.client.request(req).await.map_err(|e| unreachable(leg, base, &e))
     }
 
+    /// GETs `url` (health, loads, model cards, `/server_info`, bootstrap query) with the worker key.
     pub async fn get(&self, url: &str, leg: Leg) -> Result<Response<Incoming>, GatewayError> {
-        let req = Request::builder()
-            .method(Method::GET)
-            .uri(url)
+        self.get_keyed(url, leg, true).await
+    }
+
+    /// GETs `url`, with the worker key only when `send_key`.
+    pub async fn get_keyed(&self, url: &str, leg: Leg, send_key: bool) -> Result<Response<Incoming>, GatewayError> {
+        let req = Request::builder().method(Method::GET).uri(url);
+        let req = if send_key { self.with_key(req) } else { req };
+        let req = req
             .body(Full::new(Bytes::new()))
             .map_err(|e| GatewayError::internal(format!("cannot build request to {url}: {e}")))?;
         self.client.request(req).await.map_err(|e| unreachable(leg, url, &e))
     }
+
+    fn with_key(&self, req: hyper::http::request::Builder) -> hyper::http::request::Builder {
+        match &self.worker_key {
+            Some(key) => req.header(header::AUTHORIZATION, key.clone()),
+            None => req,
+        }
+    }
+}
+
+fn client(connect_timeout: Duration, tls: rustls::ClientConfig) -> Client<HttpsConnector<HttpConnector>, Full<Bytes>> {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(connect_timeout));
+    // The TLS layer takes https:// URLs; plain http goes straight through.
+    connector.enforce_http(false);
+    let connector = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls).https_or_http().enable_http1().wrap_connector(connector);
+    Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(60)).pool_max_idle_per_host(256).build(connector)
 }
 
 fn unreachable(leg: Leg, target: &str, err: &hyper_util::client::legacy::Error) -> GatewayError {
-    // The legacy client's Display is terse ("client error (Connect)"); the source says why.
-    let cause = std::error::Error::source(err).map(|s| s.to_string()).unwrap_or_default();
-    GatewayError::unreachable(leg, format!("{} worker {target} unreachable: {err} {cause}", leg.as_str()))
+    let role = leg.as_str();
+    if let Some(tls) = crate::worker_tls::tls_cause(err) {
+        // Said plainly: a certificate problem is fixed by configuration, not by waiting.
+        tracing::warn!(worker = %target, error = %tls, "TLS handshake with worker failed (see --worker-ca-cert)");
+        return GatewayError::unreachable(leg, format!("{role} worker {target} unreachable: TLS handshake failed: {tls}"));
+    }
+    // The legacy client's Display is terse ("client error (Connect)"); the sources say why.
+    let mut cause = String::new();
+    let mut next = std::error::Error::source(err);
+    while let Some(e) = next {
+        let text = e.to_string();
+        if !cause.contains(&text) {
+            cause.push_str(": ");
+            cause.push_str(&text);
+        }
+        next = e.source();
+    }
+    GatewayError::unreachable(leg, format!("{role} worker {target} unreachable: {err}{cause}"))
 }

@@ -8,6 +8,10 @@ use pdgate_core::{KvConnector, WorkerRole, WorkerSpec};
 
 /// Worker HTTP port; wins over `--service-discovery-port`.
 pub const PORT_ANNOTATION: &str = "pdgate.ai/port";
+/// `http` (default) or `https`: how the gateway reaches this worker. The worker's certificate
+/// must then name the pod IP (discovery addresses pods by IP), signed by a CA the gateway
+/// trusts (`--worker-ca-cert`).
+pub const SCHEME_ANNOTATION: &str = "pdgate.ai/scheme";
 /// Prefill bootstrap port (SGLang), as SMG reads it.
 pub const BOOTSTRAP_PORT_ANNOTATION: &str = "sglang.ai/bootstrap-port";
 /// KV connector of this worker (`bootstrap`, `nixl`, `mooncake`), as SMG reads it.
@@ -124,7 +128,12 @@ pub fn verdict(pod: &Pod, role: &RoleSelector, default_port: u16) -> Verdict {
 fn candidate(pod: &Pod, role: WorkerRole, ip: &str, default_port: u16) -> Result<Candidate, String> {
     let port = port_annotation(pod, PORT_ANNOTATION)?.unwrap_or(default_port);
     let host = if ip.contains(':') { format!("[{ip}]") } else { ip.to_string() };
-    let mut spec = WorkerSpec::new(&format!("http://{host}:{port}"), role)?;
+    let scheme = match annotation(pod, SCHEME_ANNOTATION) {
+        None | Some("http") => "http",
+        Some("https") => "https",
+        Some(other) => return Err(format!("annotation {SCHEME_ANNOTATION}={other:?}: expected http or https")),
+    };
+    let mut spec = WorkerSpec::new(&format!("{scheme}://{host}:{port}"), role)?;
     if role == WorkerRole::Prefill {
         spec.bootstrap_port = port_annotation(pod, BOOTSTRAP_PORT_ANNOTATION)?;
     }
@@ -191,6 +200,16 @@ mod tests {
     }
 
     #[test]
+    fn the_scheme_annotation_makes_an_https_worker() {
+        let p = pod(json!({"app": "p"}), json!({"pdgate.ai/scheme": "https", "pdgate.ai/port": "8443"}), ready("10.0.0.7"));
+        let Verdict::Worker(c) = verdict(&p, &prefill(), 8000) else { panic!("not a worker") };
+        assert_eq!(c.spec.url, "https://10.0.0.7:8443");
+        let plain = pod(json!({"app": "p"}), json!({"pdgate.ai/scheme": "http"}), ready("10.0.0.7"));
+        let Verdict::Worker(c) = verdict(&plain, &prefill(), 8000) else { panic!("not a worker") };
+        assert_eq!(c.spec.url, "http://10.0.0.7:8000");
+    }
+
+    #[test]
     fn pods_that_do_not_serve_are_not_workers() {
         let cases = [
             json!({"phase": "Pending", "podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}),
@@ -214,7 +233,7 @@ mod tests {
     fn both_selectors_or_bad_annotations_refuse_the_pod() {
         let both = pod(json!({"app": "p", "tier": "d"}), json!({}), ready("10.0.0.1"));
         assert!(matches!(verdict(&both, &prefill(), 8000), Verdict::Refused(_)));
-        for (k, v) in [("pdgate.ai/port", "http"), ("sglang.ai/bootstrap-port", "0"), ("smg.ai/kv-connector", "lmcache")] {
+        for (k, v) in [("pdgate.ai/port", "http"), ("sglang.ai/bootstrap-port", "0"), ("smg.ai/kv-connector", "lmcache"), ("pdgate.ai/scheme", "grpc")] {
             let p = pod(json!({"app": "p"}), json!({k: v}), ready("10.0.0.1"));
             assert!(matches!(verdict(&p, &prefill(), 8000), Verdict::Refused(_)), "{k}={v}");
         }

@@ -196,7 +196,10 @@ async fn engine_id(ctx: &Ctx, p: &WorkerSpec) -> Result<String, GatewayError> {
     }
     let url = format!("{}/query", bootstrap_base(p));
     let deadline = ctx.deadline.min(Instant::now() + QUERY_TIMEOUT);
-    let resp = timeout_at(deadline, ctx.state.upstream.get(&url, Leg::Prefill)).await.map_err(|_| deadline_error(Leg::Prefill))??;
+    // The bootstrap server speaks plain HTTP (engines serve it without TLS): the worker key
+    // goes there only when the worker itself is plain HTTP, never in clear past a TLS worker.
+    let query = ctx.state.upstream.get_keyed(&url, Leg::Prefill, !p.is_tls());
+    let resp = timeout_at(deadline, query).await.map_err(|_| deadline_error(Leg::Prefill))??;
     if !resp.status().is_success() {
         return Err(GatewayError::unreachable(Leg::Prefill, format!("{url} answered HTTP {}", resp.status().as_u16())));
     }

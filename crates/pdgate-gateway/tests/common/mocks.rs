@@ -144,25 +144,28 @@ impl Mock {
 pub async fn spawn(role: &'static str, rdv: Arc<Rendezvous>, fault: Fault) -> Mock {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let state = MockState {
-        role,
-        fault: Arc::new(Mutex::new(fault)),
-        log: Arc::new(Log::default()),
-        rdv,
-        self_host: "127.0.0.1".into(),
-        bootstrap_port: 0,
-    };
-    let app = Router::new()
+    let state = mock_state(role, rdv, fault);
+    let app = app(state.clone());
+    tokio::spawn(async move {
+        axum::serve(listener, app).await.ok();
+    });
+    Mock { url: format!("http://{addr}"), addr, state }
+}
+
+/// A fresh mock's state, before it is served (over plain HTTP by `spawn`, or TLS, see tls.rs).
+pub fn mock_state(role: &'static str, rdv: Arc<Rendezvous>, fault: Fault) -> MockState {
+    MockState { role, fault: Arc::new(Mutex::new(fault)), log: Arc::new(Log::default()), rdv, self_host: "127.0.0.1".into(), bootstrap_port: 0 }
+}
+
+/// The mock engine's routes.
+pub fn app(state: MockState) -> Router {
+    Router::new()
         .route("/health", get(health))
         .route("/v1/models", get(|| async { Json(json!({"object": "list", "data": [{"id": "mock-model", "object": "model", "max_model_len": MOCK_CONTEXT}]})) }))
         .route("/v1/completions", post(handle))
         .route("/v1/chat/completions", post(handle))
         .route("/generate", post(handle))
-        .with_state(state.clone());
-    tokio::spawn(async move {
-        axum::serve(listener, app).await.ok();
-    });
-    Mock { url: format!("http://{addr}"), addr, state }
+        .with_state(state)
 }
 
 /// A Mooncake-style bootstrap server answering `GET /query`.
