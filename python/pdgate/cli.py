@@ -3,6 +3,8 @@
 ``pdgate launch ...``      the gateway; its flags come from the Rust config schema (clap parses them)
 ``pdgate quickstart ...``  reference prefill + decode workers with the gateway in front
 ``pdgate engine ...``      one reference engine worker
+``pdgate bench ...``       load generator with goodput under SLOs (vLLM ``bench serve`` dialect)
+``pdgate simulate ...``    discrete-event model of the three placements
 """
 
 from __future__ import annotations
@@ -86,6 +88,18 @@ def _engine(argv: Sequence[str]) -> int:
     return int(engine_cli.run(parser.parse_args(argv)) or 0)
 
 
+def _bench(argv: Sequence[str]) -> int:
+    from pdgate.bench import main as bench_main
+
+    return bench_main(argv)
+
+
+def _simulate(argv: Sequence[str]) -> int:
+    from pdgate.simulate import main as simulate_main
+
+    return simulate_main(argv)
+
+
 def _quickstart(argv: Sequence[str]) -> int:
     from pdgate.quickstart import build_parser, run
 
@@ -96,11 +110,13 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "launch": (_launch, "run the gateway (flags: pdgate launch --help)"),
     "quickstart": (_quickstart, "reference prefill + decode workers behind a gateway, on one machine"),
     "engine": (_engine, "run one reference engine worker (prefill, decode or colocated)"),
+    "bench": (_bench, "load an OpenAI-compatible endpoint; TTFT/TPOT/ITL and goodput (vLLM bench serve dialect)"),
+    "simulate": (_simulate, "discrete-event model of colocated, disaggregated and conditional placement"),
 }
 
 
 def _usage() -> str:
-    lines = ["usage: pdgate {launch,quickstart,engine} ...", "", "commands:"]
+    lines = ["usage: pdgate {" + ",".join(COMMANDS) + "} ...", "", "commands:"]
     lines += [f"  {name:<12} {text}" for name, (_, text) in COMMANDS.items()]
     lines += ["", "Run `pdgate COMMAND --help` for a command's options."]
     return "\n".join(lines)

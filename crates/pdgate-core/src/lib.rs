@@ -11,6 +11,7 @@ mod config_serde;
 pub mod error;
 pub mod health;
 pub mod pairing;
+pub mod plan;
 pub mod policy;
 pub mod radix;
 pub mod retry;

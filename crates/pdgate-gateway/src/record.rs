@@ -20,16 +20,7 @@ const MAX_POLICY: usize = 120;
 #[cfg(test)]
 const MAX_HEADER_LEN: usize = 4 * MAX_VALUE + MAX_POLICY + 120;
 
-/// How the legs of an attempt found each other.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Rendezvous {
-    /// SGLang bootstrap rooms.
-    Rooms(Rooms),
-    /// Mooncake `transfer_id`.
-    TransferId(String),
-    /// NIXL: the `X-Request-Id` both legs carry.
-    RequestId(String),
-}
+pub use pdgate_core::plan::Rendezvous;
 
 #[derive(Clone, Debug, Default)]
 pub struct Record {

@@ -15,6 +15,8 @@ use pdgate_core::{GatewayConfig, Policy};
 use pdgate_protocol::Limits;
 
 use crate::load::{stale_after_ms, GatewayLoads};
+use crate::exec::client::WorkerClient;
+use crate::exec::http_client::HttpClient;
 use crate::metrics::Metrics;
 use crate::registry::{Registry, Runtime};
 use crate::upstream::Upstream;
@@ -23,6 +25,8 @@ pub struct AppState {
     pub config: GatewayConfig,
     pub registry: Registry,
     pub upstream: Upstream,
+    /// The worker client the transaction runs its legs over (HTTP, over `upstream`).
+    pub client: Arc<dyn WorkerClient>,
     pub metrics: Metrics,
     pub regular_policy: Box<dyn Policy>,
     pub prefill_policy: Box<dyn Policy>,
@@ -47,6 +51,7 @@ impl AppState {
     /// can fail on a bad worker CA bundle; nothing here can.
     pub fn new(config: GatewayConfig, registry: Registry, upstream: Upstream) -> Self {
         AppState {
+            client: Arc::new(HttpClient::new(upstream.clone())),
             upstream,
             metrics: {
                 let m = Metrics::new();

@@ -90,21 +90,6 @@ async fn read_all(mut body: Incoming, limit: usize, leg: Leg) -> Result<Bytes, G
     }
 }
 
-/// Sends a leg and reads its whole answer.
-pub async fn send_and_read(
-    upstream: &Upstream,
-    url: &str,
-    path: &str,
-    body: Bytes,
-    request_id: &str,
-    leg: Leg,
-    deadline: Instant,
-) -> Result<Bytes, GatewayError> {
-    let resp = send(upstream, url, path, body, request_id, leg, deadline).await?;
-    check_head_encoding(&resp, leg)?;
-    read_limited(resp.into_body(), upstream.limits.max_response_bytes, leg, deadline).await
-}
-
 /// Refuses an answer in a content encoding the gateway did not ask for.
 pub fn check_head_encoding(resp: &Response<Incoming>, leg: Leg) -> Result<(), GatewayError> {
     let encoding = resp.headers().get(hyper::header::CONTENT_ENCODING).map(|v| v.to_str().unwrap_or("(not text)"));

@@ -1,22 +1,21 @@
 //! Relaying the decode's (or the only worker's) answer to the client.
 //!
-//! A streamed answer is relayed by a small state machine: first chunk (already read, it was the
-//! commit point) → chunks as they come → end. While it runs it also watches the prefill leg
-//! (SGLang bootstrap and Mooncake send both legs at once) and drains it to the end. Once bytes
-//! went out, failures end the stream with an SSE error event naming the leg; nothing is
-//! retried. Every chunk passes an [`SseScanner`]: an event over `--max-sse-event-bytes` ends the
-//! stream, and so does an end without `data: [DONE]` (a truncated answer is not a success).
-//! The relayed worker's breaker hears the stream's real outcome when it ends.
+//! A streamed answer is relayed by a small state machine over the relayed leg's events: first
+//! chunk (already read, it was the commit point) → chunks as they come → end. While it runs it
+//! also watches the prefill leg (SGLang bootstrap and Mooncake send both legs at once) and
+//! drains it to the end. Once bytes went out, failures end the stream with an SSE error event
+//! naming the leg; nothing is retried. Every chunk passes an [`SseScanner`]: an event over
+//! `--max-sse-event-bytes` ends the stream, and so does an end without `data: [DONE]` (a
+//! truncated answer is not a success). Each leg's worker hears its real outcome when the leg
+//! ends: the relayed one here, the prefill in [`PrefillLeg`]. A leg given up (the client went
+//! away, the deadline) is aborted at its engine ([`AbortGuard`]).
 
 use std::convert::Infallible;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 
 use axum::body::Body;
 use bytes::Bytes;
-use http_body_util::BodyExt;
-use hyper::body::Incoming;
+use futures_util::StreamExt;
 use pdgate_core::breaker::Outcome;
 use pdgate_core::{GatewayError, Leg};
 use pdgate_protocol::logprobs::{merge_into, PrefillLogprobs};
@@ -26,30 +25,50 @@ use pdgate_protocol::usage::{cache_report, CacheReport};
 use serde_json::Value;
 use tokio::time::{timeout_at, Instant};
 
+use super::client::{AbortGuard, LegEvent, LegEvents, LegFuture};
 use crate::metrics::InflightGuard;
 use crate::state::AppState;
 
-/// The prefill leg still running: resolves to its whole answer.
-pub type PrefillFuture = Pin<Box<dyn Future<Output = Result<Bytes, GatewayError>> + Send>>;
+/// The prefill leg still running: resolves to its whole answer. Its worker hears a success
+/// when the answer is complete (the leg's real end); an error is judged by whoever receives it
+/// (before commit the attempt, after it the relay), and a leg dropped unfinished is neutral.
+pub struct PrefillLeg {
+    pub url: String,
+    /// When the leg was sent (a no-answer timeout is judged against it).
+    pub sent: std::time::Instant,
+    pub answer: LegFuture<Bytes>,
+}
+
+impl PrefillLeg {
+    /// Records an error the prefill leg ended with, after the decode committed.
+    pub fn judge_late_error(state: &Arc<AppState>, url: &str, sent: std::time::Instant, err: &GatewayError) {
+        tracing::warn!(error = %err, prefill = url, "prefill leg failed after the decode answered");
+        state.metrics.leg_errors.with_label_values(&[Leg::Prefill.as_str(), &err.code()]).inc();
+        state.record_outcome(url, Outcome::of_attempt(err, sent));
+    }
+}
 
 /// Waits for the prefill if one is pending, else never resolves (for `select!`).
-pub async fn wait_prefill(p: &mut Option<PrefillFuture>) -> Result<Bytes, GatewayError> {
+pub async fn wait_prefill(p: &mut Option<PrefillLeg>) -> Result<Bytes, GatewayError> {
     match p {
-        Some(f) => f.await,
+        Some(f) => (&mut f.answer).await,
         None => std::future::pending().await,
     }
 }
 
 /// Keeps reading a prefill answer nobody needs any more, so the engine sees its response
-/// consumed (closing early can abort its KV transfer), bounded by the request deadline.
-pub fn drain_prefill(p: Option<PrefillFuture>, deadline: Instant) {
-    if let Some(f) = p {
+/// consumed (closing early can abort its KV transfer), bounded by the request deadline. Its
+/// outcome still reaches the prefill's breaker.
+pub fn drain_prefill(state: &Arc<AppState>, p: Option<PrefillLeg>, deadline: Instant) {
+    if let Some(p) = p {
+        let state = state.clone();
         tokio::spawn(async move {
-            match timeout_at(deadline, f).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => tracing::warn!(error = %e, "prefill leg failed after the decode answered"),
-                Err(_) => tracing::warn!("prefill leg still open at the request deadline; dropped"),
-            }
+            let err = match timeout_at(deadline, p.answer).await {
+                Ok(Ok(_)) => return,
+                Ok(Err(e)) => e,
+                Err(_) => super::leg::deadline_error(Leg::Prefill),
+            };
+            PrefillLeg::judge_late_error(&state, &p.url, p.sent, &err);
         });
     }
 }
@@ -157,24 +176,21 @@ pub fn recomputed(r: &CacheReport) -> bool {
     r.prompt_tokens > 1 && r.cached_tokens + 1 < r.prompt_tokens
 }
 
-/// Marks a streamed response whose worker outcome is recorded when the stream ends, not at
-/// commit (the attempt loop must not count it a success early).
-#[derive(Clone, Debug)]
-pub struct OutcomeAtEnd(pub String);
-
 /// The leg being relayed: which one, its worker, and the scanner watching its bytes.
 pub struct Relayed {
     pub leg: Leg,
     pub worker: String,
     /// Has seen the first chunk already.
     pub scanner: SseScanner,
+    /// Tells the engine when the gateway gives this leg up (the client went away).
+    pub abort: AbortGuard,
 }
 
 pub struct StreamRelay {
     first: Option<Bytes>,
-    body: Incoming,
+    events: LegEvents,
     deadline: Instant,
-    prefill: Option<PrefillFuture>,
+    prefill: Option<PrefillLeg>,
     rewriter: Option<Rewriter>,
     finish: Option<Finish>,
     relayed: Relayed,
@@ -182,8 +198,8 @@ pub struct StreamRelay {
 }
 
 impl StreamRelay {
-    pub fn new(first: Bytes, body: Incoming, deadline: Instant, prefill: Option<PrefillFuture>, rewriter: Option<Rewriter>, finish: Finish, relayed: Relayed) -> Self {
-        StreamRelay { first: Some(first), body, deadline, prefill, rewriter, finish: Some(finish), relayed, done: false }
+    pub fn new(first: Bytes, events: LegEvents, deadline: Instant, prefill: Option<PrefillLeg>, rewriter: Option<Rewriter>, finish: Finish, relayed: Relayed) -> Self {
+        StreamRelay { first: Some(first), events, deadline, prefill, rewriter, finish: Some(finish), relayed, done: false }
     }
 
     pub fn into_body(self) -> Body {
@@ -202,7 +218,9 @@ impl StreamRelay {
 
     fn end(&mut self) -> Option<Bytes> {
         self.done = true;
-        drain_prefill(self.prefill.take(), self.deadline);
+        if let Some(f) = &self.finish {
+            drain_prefill(&f.state, self.prefill.take(), self.deadline);
+        }
         let tail = self.rewriter.as_mut().and_then(Rewriter::flush);
         if let Some(f) = self.finish.take() {
             f.done(self.rewriter.as_ref().and_then(|r| r.cache));
@@ -246,6 +264,7 @@ impl StreamRelay {
 
     /// The worker's stream ended: a success only if it ended with `data: [DONE]`.
     fn ended(&mut self) -> Option<Bytes> {
+        self.relayed.abort.disarm();
         if !self.relayed.scanner.saw_done() {
             let leg = self.relayed.leg;
             if let Some(f) = &self.finish {
@@ -268,24 +287,33 @@ impl StreamRelay {
         })
     }
 
+    /// The prefill leg ended while the decode streams: the decode already has the KV (it
+    /// produced tokens), so the stream goes on; the prefill's worker hears the outcome.
+    fn prefill_ended(&mut self, result: Result<Bytes, GatewayError>) {
+        let Some(p) = self.prefill.take() else { return };
+        if let (Err(e), Some(f)) = (result, &self.finish) {
+            PrefillLeg::judge_late_error(&f.state, &p.url, p.sent, &e);
+        }
+    }
+
     async fn next_chunk(&mut self) -> Option<Bytes> {
         if let Some(first) = self.first.take() {
             return Some(self.process(first));
         }
         while !self.done {
-            let frame = tokio::select! {
-                p = wait_prefill(&mut self.prefill) => {
-                    self.prefill = None;
-                    if let Err(e) = p {
-                        // The decode already has the KV (it produced tokens); log, keep going.
-                        tracing::warn!(error = %e, "prefill leg failed after the decode started streaming");
-                    }
+            let event = tokio::select! {
+                p = wait_prefill(&mut self.prefill) => Err(p),
+                e = timeout_at(self.deadline, self.events.next()) => Ok(e),
+            };
+            let event = match event {
+                Ok(e) => e,
+                Err(p) => {
+                    self.prefill_ended(p);
                     continue;
                 }
-                f = timeout_at(self.deadline, self.body.frame()) => f,
             };
             let leg = self.relayed.leg;
-            match frame {
+            match event {
                 // Tokens were arriving (the first chunk came): the request outlived its deadline.
                 Err(_) => return self.fail(&super::leg::answering_deadline_error(leg)),
                 Ok(None) => {
@@ -294,18 +322,18 @@ impl StreamRelay {
                         return tail;
                     }
                 }
-                Ok(Some(Err(e))) => {
-                    return self.fail(&GatewayError::unreachable(leg, format!("{} stream broke off: {e}", super::leg::whose(leg))));
+                Ok(Some(LegEvent::Error(e))) => {
+                    // The worker's own failure: nothing left at the engine to abort.
+                    self.relayed.abort.disarm();
+                    return self.fail(&e);
                 }
-                Ok(Some(Ok(frame))) => {
-                    if let Ok(data) = frame.into_data() {
-                        if let Err(e) = self.check(&data) {
-                            return self.fail(&e);
-                        }
-                        let out = self.process(data);
-                        if !out.is_empty() {
-                            return Some(out);
-                        }
+                Ok(Some(LegEvent::Chunk(data))) => {
+                    if let Err(e) = self.check(&data) {
+                        return self.fail(&e);
+                    }
+                    let out = self.process(data);
+                    if !out.is_empty() {
+                        return Some(out);
                     }
                 }
             }
@@ -316,8 +344,8 @@ impl StreamRelay {
 
 impl Drop for StreamRelay {
     fn drop(&mut self) {
-        // The client went away mid-stream: dropping `body` closes the decode connection, and
-        // dropping the prefill future closes that leg too.
+        // The client went away mid-stream: dropping the events closes the decode connection,
+        // dropping the prefill closes that leg too, and the guards abort both at their engines.
         if let Some(f) = self.finish.take() {
             f.done(None);
         }

@@ -1,0 +1,323 @@
+//! The request as one transaction, for every mode and over any [`WorkerClient`]:
+//!
+//! ```text
+//!  admit ─► select ─► prepare ─► send ─► commit ─► relay ─► finish
+//!   │        │ plan     │ bodies    │ legs    │ first byte    │ record, headers, metrics
+//!   │        │ (core)   │ engine id │ P ∥ D   │ for the client│
+//!   ▼        ▼          ▼           ▼ P → D   ▼               ▼
+//!   400   error before commit ──► retry? (error, attempts, deadline) on a fresh pair
+//! ```
+//!
+//! `select` picks the worker(s) and builds the attempt's [`PdPlan`] in core (legs, order,
+//! rendezvous, bodies); `prepare` turns it into bytes (and learns a Mooncake prefill's engine
+//! id); `send` starts the prefill leg (concurrent or first, by the plan); `commit` and `relay`
+//! live in `commit.rs` and `relay.rs`. Retries happen only before commit. Every leg's worker
+//! hears its outcome when the leg really ends; a leg the gateway gives up is aborted.
+
+use std::sync::Arc;
+
+use axum::http::HeaderValue;
+use axum::response::Response;
+use bytes::Bytes;
+use pdgate_core::breaker::Outcome;
+use pdgate_core::plan::{self, LegBody, LegPlan, Mode, Order, PdPlan};
+use pdgate_core::route::{select_pair, select_regular};
+use pdgate_core::{ErrorKind, GatewayError, KvConnector, Leg, WorkerRole};
+use serde_json::{Map, Value};
+use tokio::time::Instant;
+
+use super::client::{AbortGuard, LegRequest, WorkerClient};
+use super::commit::{relay_leg, RelayPlan, Watched};
+use super::relay::{Finish, PrefillLeg};
+use super::{AttemptFailure, Ctx};
+use crate::metrics::InflightGuard;
+use crate::record::{Record, ROUTE_HEADER};
+use crate::registry::Runtime;
+use crate::render::error_response;
+
+/// Runs the request to its response: admit, then attempts until one commits or the error is
+/// final, then finish.
+pub async fn execute(mut ctx: Ctx) -> Response {
+    let mut record = Record::default();
+    if let Err(err) = admit(&ctx) {
+        return finish(&ctx, error_response(&err), &record);
+    }
+    let mut failed: Vec<String> = Vec::new();
+    let response = loop {
+        record.attempts += 1;
+        if record.attempts > 1 {
+            // A retry is a new rendezvous: the old id may still be live on the failed pair.
+            ctx.request_id = crate::request_id::mint(ctx.client_request_id.as_deref());
+            tracing::Span::current().record("request_id", ctx.request_id.as_str());
+        }
+        let failure = match attempt(&ctx, &failed, &mut record).await {
+            Ok(resp) => break resp,
+            Err(f) => f,
+        };
+        let err = &failure.error;
+        if let Some(url) = &failure.worker {
+            ctx.state.record_outcome(url, Outcome::of_attempt(err, ctx.started));
+            ctx.state.note_worker_error(url, err);
+        }
+        let metrics = &ctx.state.metrics;
+        if let Some(leg) = err.leg {
+            metrics.leg_errors.with_label_values(&[leg.as_str(), &err.code()]).inc();
+        }
+        let left = ctx.deadline.saturating_duration_since(Instant::now());
+        tracing::debug!(request_id = %ctx.request_id, attempt = record.attempts, error = %err, route = %record.full(), "attempt failed");
+        if !ctx.state.retry.should_retry(err, record.attempts, false, left) {
+            crate::edge::log_limit::warn_request(&ctx.state, Some(&ctx.request_id), "request failed", err, Some(&record.header_value()));
+            break error_response(err);
+        }
+        metrics.retries.with_label_values(&[err.reason()]).inc();
+        if let Some(w) = failure.worker {
+            failed.push(w);
+        }
+        // ThreadRng is not Send: take it only for this call, never across an await.
+        let backoff = ctx.state.retry.backoff(record.attempts, &mut rand::rng());
+        tokio::time::sleep(backoff.min(left)).await;
+    };
+    finish(&ctx, response, &record)
+}
+
+/// Admit: a request for more tokens than the model's context length can never be served:
+/// refuse it (400 naming the field) instead of letting it wait on the workers.
+fn admit(ctx: &Ctx) -> Result<(), GatewayError> {
+    if ctx.req.rewritten {
+        tracing::debug!(request_id = %ctx.request_id, "removed rendezvous fields the client sent (they are the gateway's)");
+    }
+    let Some((asked, field)) = ctx.req.max_tokens else { return Ok(()) };
+    let Some(limit) = ctx.state.registry.routing().snapshot.context_limit(ctx.req.model.as_deref()) else { return Ok(()) };
+    if asked > limit {
+        return Err(GatewayError::invalid(Some(field), format!("'{field}' is {asked}, more than the model's context length of {limit} tokens")));
+    }
+    Ok(())
+}
+
+/// One attempt: select → prepare → send → commit → relay.
+async fn attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Result<Response, AttemptFailure> {
+    let chosen = select(ctx, failed)?;
+    let plan = &chosen.plan;
+    record.protocol = plan.mode.as_str();
+    let prefill_url = plan.prefill.as_ref().map(|p| p.url.clone());
+    match plan.mode {
+        Mode::Regular => record.worker = Some(plan.relayed.url.clone()),
+        Mode::Pd(_) => {
+            record.prefill = prefill_url.clone();
+            record.decode = Some(plan.relayed.url.clone());
+        }
+    }
+    record.policy = Some(chosen.policy.clone());
+    record.rendezvous = plan.rendezvous.clone();
+    let relayed_url = plan.relayed.url.clone();
+    let mode = plan.mode;
+    run(ctx, chosen).await.map_err(|error| {
+        if mode == Mode::Pd(KvConnector::Mooncake) {
+            if let Some(p) = &prefill_url {
+                ctx.state.forget_engine_id(p);
+            }
+        }
+        let worker = match error.leg {
+            Some(Leg::Prefill) => prefill_url,
+            Some(Leg::Decode | Leg::Regular) => Some(relayed_url),
+            // A regular attempt's failures are its one worker's (as before the plan).
+            None if mode == Mode::Regular => Some(relayed_url),
+            None => None,
+        };
+        AttemptFailure { error, worker }
+    })
+}
+
+/// The attempt's decision: the plan, the live counters of its workers, the policies' reasons.
+struct Chosen {
+    plan: PdPlan,
+    prefill_runtime: Option<Arc<Runtime>>,
+    relayed_runtime: Arc<Runtime>,
+    policy: String,
+}
+
+/// Select: the policy picks from the snapshot (never a worker that failed this request), and
+/// core turns the pick into the attempt's plan.
+fn select(ctx: &Ctx, failed: &[String]) -> Result<Chosen, GatewayError> {
+    let routing = ctx.state.registry.routing();
+    let snap = &routing.snapshot;
+    let exclude: Vec<usize> = failed.iter().filter_map(|u| snap.index_of(u)).collect();
+    let text = ctx.routing_text();
+    let metrics = &ctx.state.metrics;
+    if !ctx.state.config.pd_disaggregation {
+        let policy = ctx.state.regular_policy.as_ref();
+        let choice = ctx.decide(&routing, text.as_deref(), |input| select_regular(snap, policy, input, &exclude, &mut rand::rng()))?;
+        if policy.uses_tree() {
+            ctx.remember(text.as_deref(), &snap.worker(choice.worker).spec.url);
+        }
+        metrics.decisions.with_label_values(&["regular", choice.branch]).inc();
+        let plan = plan::regular(snap, &choice, &ctx.req, &ctx.request_id);
+        return Ok(Chosen { plan, prefill_runtime: None, relayed_runtime: routing.runtime[choice.worker].clone(), policy: choice.reason.to_string() });
+    }
+    let (pp, dp) = (ctx.state.prefill_policy.as_ref(), ctx.state.decode_policy.as_ref());
+    let chosen = ctx.decide(&routing, text.as_deref(), |input| select_pair(snap, pp, dp, input, &exclude, &mut rand::rng()));
+    let (p, d) = chosen.inspect_err(|e| {
+        if e.kind == ErrorKind::NoCompatiblePair {
+            let mode = format!("{:?}", snap.pairing_mode()).to_ascii_lowercase();
+            metrics.pairing_refusals.with_label_values(&[&mode]).inc();
+        }
+    })?;
+    if pp.uses_tree() {
+        ctx.remember(text.as_deref(), &snap.worker(p.worker).spec.url);
+    }
+    if dp.uses_tree() {
+        ctx.remember(text.as_deref(), &snap.worker(d.worker).spec.url);
+    }
+    metrics.decisions.with_label_values(&["prefill", p.branch]).inc();
+    metrics.decisions.with_label_values(&["decode", d.branch]).inc();
+    let plan = plan::pd(snap, &p, &d, &ctx.req, &ctx.request_id, &mut rand::rng())?;
+    Ok(Chosen {
+        plan,
+        prefill_runtime: Some(routing.runtime[p.worker].clone()),
+        relayed_runtime: routing.runtime[d.worker].clone(),
+        policy: format!("prefill:{} decode:{}", p.reason, d.reason),
+    })
+}
+
+fn to_bytes(body: &Map<String, Value>) -> Result<Bytes, GatewayError> {
+    serde_json::to_vec(body).map(Bytes::from).map_err(|e| GatewayError::internal(format!("cannot encode request: {e}")))
+}
+
+/// Prepare: the relayed leg's body as bytes, when it is known before any leg answers (NIXL's
+/// decode body waits for the prefill's answer). A Mooncake decode needs the prefill's engine
+/// id: from the cache, or asked of its bootstrap server.
+async fn prepare_relayed(ctx: &Ctx, client: &Arc<dyn WorkerClient>, plan: &PdPlan) -> Result<Option<Bytes>, GatewayError> {
+    Ok(match &plan.relayed.body {
+        LegBody::Forward => Some(ctx.forward_body()?),
+        LegBody::Json(body) => Some(to_bytes(body)?),
+        LegBody::FromPrefillAnswer | LegBody::SameAsRelayed => None,
+        LegBody::NeedsEngineId { transfer_id, bootstrap_addr } => {
+            let prefill = plan.prefill.as_ref().map(|p| p.url.as_str()).unwrap_or_default();
+            let engine = match ctx.state.cached_engine_id(prefill) {
+                Some(id) => id,
+                None => {
+                    let id = client.engine_id(prefill, bootstrap_addr, ctx.deadline).await?;
+                    ctx.state.store_engine_id(prefill, id.clone());
+                    id
+                }
+            };
+            Some(to_bytes(&plan::mooncake_decode(&ctx.req, transfer_id, &engine, bootstrap_addr))?)
+        }
+    })
+}
+
+/// Send: starts the prefill leg. Its worker hears a success when the whole answer is in (with
+/// `judge_success`; NIXL judges after reading the params); a prefill dropped unfinished is
+/// aborted at its engine.
+fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: Bytes, protocol: &'static str, judge_success: bool) -> PrefillLeg {
+    let req = LegRequest { url: leg.url.clone(), path: ctx.req.endpoint.path(), body, request_id: ctx.request_id.clone(), leg: Leg::Prefill, deadline: ctx.deadline };
+    let call = client.call(req, ctx.state.upstream.limits.max_response_bytes);
+    let mut abort = AbortGuard::new(client, &leg.url, &leg.abort);
+    let (state, url) = (ctx.state.clone(), leg.url.clone());
+    let answer = Box::pin(async move {
+        let t = std::time::Instant::now();
+        let out = call.await;
+        // The leg ended at the worker, either way: nothing left to abort.
+        abort.disarm();
+        state.metrics.leg_duration.with_label_values(&["prefill", protocol]).observe(t.elapsed().as_secs_f64());
+        if out.is_ok() && judge_success {
+            state.record_outcome(&url, Outcome::Success);
+        }
+        out
+    });
+    PrefillLeg { url: leg.url.clone(), sent: std::time::Instant::now(), answer }
+}
+
+/// Runs a chosen plan: prepare, send the legs in the plan's order, commit and relay.
+async fn run(ctx: &Ctx, chosen: Chosen) -> Result<Response, GatewayError> {
+    let client = ctx.state.client.clone();
+    let Chosen { plan, prefill_runtime, relayed_runtime, .. } = chosen;
+    let protocol = plan.mode.as_str();
+    let relayed_body = prepare_relayed(ctx, &client, &plan).await?;
+    let mut finish = accounting(ctx, &plan, prefill_runtime, relayed_runtime);
+    let mut watched = Watched { leg: None, answer: None, blame_silent_prefill: plan.order == Order::Concurrent, release: None };
+    let body = match (plan.order, &plan.prefill, relayed_body) {
+        (Order::PrefillFirst, Some(p), _) => {
+            let sent = send_prefill(ctx, &client, p, prefill_body(p, None)?, protocol, false);
+            let answer = sent.answer.await?;
+            let body = nixl_decode_body(ctx, &p.url, &answer, &mut finish)?;
+            ctx.state.record_outcome(&p.url, Outcome::Success);
+            watched.release = plan.release_prefill.as_ref().map(|how| AbortGuard::new(&client, &p.url, how));
+            body
+        }
+        (_, Some(p), Some(body)) => {
+            watched.leg = Some(send_prefill(ctx, &client, p, prefill_body(p, Some(&body))?, protocol, true));
+            body
+        }
+        (_, None, Some(body)) => body,
+        (_, _, None) => return Err(GatewayError::internal("the plan's relayed body is unknown before its legs run")),
+    };
+    let relay = RelayPlan {
+        leg: plan.relayed.leg,
+        url: plan.relayed.url.clone(),
+        merge_logprobs: plan.merge_input_logprobs,
+        scan_usage: plan.scan_usage,
+    };
+    let abort = AbortGuard::new(&client, &plan.relayed.url, &plan.relayed.abort);
+    relay_leg(ctx, &client, relay, body, watched, finish, abort).await
+}
+
+/// The prefill leg's bytes: its own body, or the relayed leg's (SGLang bootstrap).
+fn prefill_body(p: &LegPlan, relayed: Option<&Bytes>) -> Result<Bytes, GatewayError> {
+    match (&p.body, relayed) {
+        (LegBody::SameAsRelayed, Some(b)) => Ok(b.clone()),
+        (LegBody::Json(body), _) => to_bytes(body),
+        (other, _) => Err(GatewayError::internal(format!("the plan gives the prefill an unsendable body: {other:?}"))),
+    }
+}
+
+/// NIXL: the decode's body from the prefill's answer; a prefill that gave no (complete)
+/// params means a decode that recomputes the prompt, counted here once.
+fn nixl_decode_body(ctx: &Ctx, prefill: &str, answer: &Bytes, finish: &mut Finish) -> Result<Bytes, GatewayError> {
+    let answer: Value = serde_json::from_slice(answer).map_err(|e| GatewayError::protocol(Leg::Prefill, format!("prefill answer is not JSON: {e}")))?;
+    let decided = plan::nixl_decode(&ctx.req, &answer);
+    if let Some(reason) = decided.recompute {
+        tracing::warn!(missing = ?decided.missing, prefill, reason, "prefill returned no complete kv_transfer_params; decode will recompute the prompt");
+        ctx.state.metrics.silent_recompute.with_label_values(&["nixl", reason]).inc();
+        finish.recompute_counted = true;
+    }
+    to_bytes(&decided.body)
+}
+
+/// In-flight accounting for the attempt's workers. A prefill counts as in flight until the
+/// decode is done, not just until its own answer: with NIXL the decode pulls the KV from it
+/// afterwards, with Mooncake it pushes after answering.
+fn accounting(ctx: &Ctx, plan: &PdPlan, prefill: Option<Arc<Runtime>>, relayed: Arc<Runtime>) -> Finish {
+    let m = &ctx.state.metrics;
+    let role = if plan.mode == Mode::Regular { WorkerRole::Regular } else { WorkerRole::Decode };
+    let mut guards = vec![InflightGuard::new(m, &relayed, &plan.relayed.url, role.as_str())];
+    if let (Some(rt), Some(p)) = (prefill, &plan.prefill) {
+        guards.push(InflightGuard::new(m, &rt, &p.url, WorkerRole::Prefill.as_str()));
+    }
+    Finish { state: ctx.state.clone(), route: ctx.route, protocol: plan.mode.as_str(), started: ctx.started, recompute_counted: false, guards }
+}
+
+/// Finish: the decision record (bounded header, full log line), the ids, the request metrics.
+fn finish(ctx: &Ctx, mut response: Response, record: &Record) -> Response {
+    // The full record (every room of a batch) goes to the debug log only, formatted only when
+    // that level is on; the header is bounded (see `record`).
+    tracing::debug!(request_id = %ctx.request_id, client_request_id = ctx.client_request_id.as_deref().unwrap_or("-"), route = %record.full(), status = response.status().as_u16(), "routed");
+    let headers = response.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&record.header_value()) {
+        headers.insert(ROUTE_HEADER, v);
+    }
+    // Both ids are of the safe charset (validated or minted), so they are valid header values.
+    if let Ok(v) = HeaderValue::from_str(&ctx.request_id) {
+        headers.insert("x-request-id", v);
+    }
+    if let Some(v) = ctx.client_request_id.as_deref().and_then(|c| HeaderValue::from_str(c).ok()) {
+        headers.insert(crate::request_id::CLIENT_ID_HEADER, v);
+    }
+    let status = response.status();
+    crate::access_log::served(&ctx.request_id, ctx.client_request_id.as_deref(), ctx.route, record, status.as_u16(), ctx.started);
+    ctx.state.metrics.requests.with_label_values(&[ctx.route, status.as_str()]).inc();
+    if !status.is_success() {
+        ctx.state.metrics.duration.with_label_values(&[ctx.route]).observe(ctx.started.elapsed().as_secs_f64());
+    }
+    response
+}

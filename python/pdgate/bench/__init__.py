@@ -1,0 +1,11 @@
+"""`pdgate bench`: a load generator for OpenAI-compatible endpoints, in vLLM `bench serve`'s
+dialect, that reports goodput under SLOs (see docs/placement.md).
+
+Modules, one job each: `arrivals` (when), `dataset` and `trace` (what), `client` (one timed
+request), `runner` (one load level), `metrics` (the numbers), `report` (the printout), `plots`,
+`cli` (the command).
+"""
+
+from .cli import build_parser, main
+
+__all__ = ["build_parser", "main"]

@@ -1,0 +1,71 @@
+"""Prompts and lengths: the random dataset (fixed, uniform, lognormal, shared prefixes) and
+JSONL traces, including a line in the request-log format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pdgate.bench.dataset import draw_lengths, random_requests, trace_requests
+from pdgate.bench.trace import TraceError, parse_trace_line
+
+
+def test_random_prompts_have_their_token_counts_and_shared_prefixes() -> None:
+    reqs = random_requests(40, 50, 8, range_ratio=0.5, prefix_len=16, num_prefixes=2, rng=np.random.default_rng(0))
+    for r in reqs:
+        assert len(r.prompt.encode()) == r.prompt_len  # byte tokenizer: one character, one token
+        assert 16 + 25 <= r.prompt_len <= 16 + 75 and 4 <= r.output_len <= 12
+    assert {r.prompt[:16] for r in reqs[0::2]} == {reqs[0].prompt[:16]}
+    assert reqs[0].prompt[:16] != reqs[1].prompt[:16]
+    again = random_requests(40, 50, 8, range_ratio=0.5, prefix_len=16, num_prefixes=2, rng=np.random.default_rng(0))
+    assert again == reqs
+
+
+def test_length_distributions() -> None:
+    rng = np.random.default_rng(3)
+    assert set(draw_lengths(100, 50, "fixed", 0.9, 0.5, rng)) == {100}
+    uniform = draw_lengths(100, 20000, "uniform", 0.2, 0.5, rng)
+    assert uniform.min() == 80 and uniform.max() == 120
+    logn = draw_lengths(1000, 20000, "lognormal", 0.0, 0.5, rng)
+    assert np.median(logn) == pytest.approx(1000, rel=0.03)
+    assert np.std(np.log(logn)) == pytest.approx(0.5, rel=0.03)
+    with pytest.raises(ValueError):
+        draw_lengths(100, 5, "uniform", 1.5, 0.5, rng)
+
+
+def test_trace_lines_in_each_accepted_shape(tmp_path: Path) -> None:
+    # A request-log line (issue 13's fields: absolute arrival, route, placement, token counts).
+    log_line = {"arrival_unix_ms": 1_700_000_000_500, "route": "/v1/completions", "placement": "disaggregated",
+                "workers": ["http://p", "http://d"], "prompt_tokens": 120, "output_tokens": 30,
+                "cached_tokens": 0, "ttft_ms": 80.0, "tpot_ms": 9.0, "e2e_ms": 350.0, "status": 200, "attempts": 1}
+    lines = [log_line, {**log_line, "arrival_unix_ms": 1_700_000_002_000, "prompt_tokens": 7},
+             {"prompt": "hello there", "output_len": 3, "timestamp": 0.25}]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    reqs = trace_requests(str(path), None, 256, np.random.default_rng(0))
+    assert [r.prompt_len for r in reqs] == [120, 7, 11]
+    assert [r.output_len for r in reqs] == [30, 30, 3]
+    assert len(reqs[0].prompt) == 120
+    assert reqs[0].arrival_s == pytest.approx(1_700_000_000.5)
+    assert reqs[2].arrival_s == 0.25
+    assert parse_trace_line('{"messages": [{"role": "user", "content": "hi"}]}').prompt == "hi"
+    for bad in ('[1]', '{"output_tokens": 3}', '{"prompt_tokens": -1}', '{"prompt": 5}'):
+        with pytest.raises(TraceError):
+            parse_trace_line(bad)
+
+
+def test_sharegpt_first_human_turn_and_reply_length(tmp_path: Path) -> None:
+    from pdgate.bench.dataset import sharegpt_requests
+
+    data = [{"conversations": [{"from": "human", "value": "abc"}, {"from": "gpt", "value": "12345"}]},
+            {"conversations": [{"from": "human", "value": "only one turn"}]},
+            {"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi"}]}]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    reqs = sharegpt_requests(str(path), 10, None, np.random.default_rng(0))
+    assert sorted((r.prompt, r.prompt_len, r.output_len) for r in reqs) == [("abc", 3, 5), ("hello", 5, 2)]
+    fixed = sharegpt_requests(str(path), 1, 7, np.random.default_rng(0))
+    assert len(fixed) == 1 and fixed[0].output_len == 7
