@@ -115,6 +115,12 @@ class Gateway:
         """The bound port (the real one when configured with ``port=0``), or ``None``."""
         return self._handle.port if self._handle is not None else None
 
+    @property
+    def metrics_url(self) -> str | None:
+        """``http://host:port/metrics`` of the ``prometheus_port`` listener, or ``None``
+        (without that option, or when not running; ``url + "/metrics"`` always works)."""
+        return self._handle.metrics_url if self._handle is not None else None
+
     # ---- the fleet: thin wrappers over this gateway's own /workers API (docs/fleet.md) ----------
 
     def _workers(self) -> WorkersApi:

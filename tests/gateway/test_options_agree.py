@@ -36,6 +36,9 @@ SAMPLE_VALUES = {
     "decode_selector": "role=decode",
     "log_level": "debug",
     "cache_threshold": "0.5",
+    "retry_jitter_factor": "0.5",
+    "request_id_headers": "x-my-id",
+    "control_plane_api_keys": "k1:ops:admin:secret",
 }
 
 
@@ -136,7 +139,7 @@ def test_rust_binary_takes_the_same_flags() -> None:
     out = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     flags = set(re.findall(r"--[a-z][a-z0-9-]+", out.stdout)) - {"--help", "--version"}
-    assert flags == {o["flag"] for o in SCHEMA}
+    assert flags == {o["flag"] for o in SCHEMA} | {a for o in SCHEMA for a in o["aliases"]}
 
 
 def test_the_schema_and_the_python_api_read_no_environment() -> None:
@@ -153,3 +156,14 @@ def test_the_schema_and_the_python_api_read_no_environment() -> None:
     env = {**os.environ, "PDGATE_API_KEY": "from-env", "PDGATE_ADMIN_API_KEY": "admin-env"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip().splitlines()[-1] == '[null, null, null, "from-env", "admin-env"]', out.stdout + out.stderr
+
+
+def test_smg_aliases_set_the_pdgate_option() -> None:
+    aliased = [o for o in SCHEMA if o["aliases"]]
+    assert {a for o in aliased for a in o["aliases"]} >= {"--cb-failure-threshold", "--cb-success-threshold",
+                                                          "--cb-timeout-duration-secs", "--cb-window-duration-secs"}
+    for option in aliased:
+        for alias in option["aliases"]:
+            argv = sample_argv(option)
+            by_alias = pdgate.Gateway.from_cli_args([alias if a == option["flag"] else a for a in argv]).config
+            assert by_alias == pdgate.Gateway.from_cli_args(argv).config, alias

@@ -29,6 +29,8 @@ DASHBOARD_METRICS = [
     "pdgate_worker_healthy", "pdgate_pd_silent_recompute_total", "pdgate_discovery_events_total",
     "pdgate_discovery_watch_restarts_total", "pdgate_workers", "pdgate_worker_breaker_state", "pdgate_worker_load",
     "pdgate_policy_decisions_total", "pdgate_pairing_refusals_total",
+    "pdgate_admission_running", "pdgate_admission_waiting", "pdgate_admission_refused_total",
+    "pdgate_admission_queue_wait_seconds",
 ]
 # What the alert rules must watch: hangs and timeouts, silent recomputes, breakers, pools.
 ALERT_METRICS = [
@@ -67,8 +69,10 @@ def declared_metrics() -> dict[str, set[str]]:
     source = METRICS_RS.read_text()
     found = {name: set(re.findall(r'"([a-z_]+)"', labels))
              for name, labels in re.findall(r'\(\s*&?r,\s*"(pdgate_[a-z_]+)",\s*"(?:[^"\\]|\\.)*",\s*&\[([^\]]*)\]', source)}
-    # Metrics without labels: `single("pdgate_x_total", "help")`, `IntGauge::new("pdgate_x", ...)`.
-    found.update({name: set() for name in re.findall(r'(?:\bsingle|IntGauge::new|IntCounter::new)\(\s*"(pdgate_[a-z_]+)"', source)})
+    # Metrics without labels: `single("pdgate_x_total", "help")`, `IntGauge::new("pdgate_x", ...)`,
+    # `single_gauge(&r, "pdgate_x", "help")`, `HistogramOpts::new("pdgate_x_seconds", ...)`.
+    found.update({name: set() for name in re.findall(r'(?:\bsingle|IntGauge::new|IntCounter::new|HistogramOpts::new)\(\s*"(pdgate_[a-z_]+)"', source)})
+    found.update({name: set() for name in re.findall(r'\bsingle_gauge\(\s*&?r,\s*"(pdgate_[a-z_]+)"', source)})
     assert set(re.findall(r'"(pdgate_[a-z_]+)"', source)) == set(found), "metrics.rs registers metrics in a way this parser misses"
     return found
 

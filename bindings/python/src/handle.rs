@@ -71,7 +71,9 @@ fn start_blocking(config: GatewayConfig, state: &Mutex<Option<Running>>) -> Star
         Ok(rt) => rt,
         Err(e) => return StartOutcome::Failed(format!("cannot create the tokio runtime: {e}")),
     };
-    pdgate_gateway::init_logging(&config.log_level);
+    if let Err(e) = pdgate_gateway::init_logging(&config) {
+        return StartOutcome::Failed(e);
+    }
     match runtime.block_on(pdgate_gateway::start(config)) {
         Ok(gateway) => {
             let addr = gateway.local_addr();
@@ -127,6 +129,16 @@ impl GatewayHandle {
     #[getter]
     fn url(&self, py: Python<'_>) -> Option<String> {
         py.detach(|| lock(&self.state).as_ref().map(|r| format!("http://{}", reachable(r.addr))))
+    }
+
+    /// `http://host:port/metrics` of the `--prometheus-port` listener; `None` without one.
+    #[getter]
+    fn metrics_url(&self, py: Python<'_>) -> Option<String> {
+        py.detach(|| {
+            let slot = lock(&self.state);
+            let addr = slot.as_ref()?.gateway.metrics_addr()?;
+            Some(format!("http://{}/metrics", reachable(addr)))
+        })
     }
 
     /// The complete configuration as JSON (defaults filled in).

@@ -1,6 +1,7 @@
 //! A per-worker circuit breaker fed by request outcomes.
 //!
-//! Closed → Open after `failure_threshold` consecutive failures; Open → HalfOpen once
+//! Closed → Open after `failure_threshold` consecutive failures within the sliding `window`
+//! (SMG's `--cb-window-duration-secs`: an older failure no longer counts); Open → HalfOpen once
 //! `cooldown` has passed; HalfOpen → Closed after `success_threshold` consecutive successes, or
 //! back to Open on any failure. A 429 (or any client error) counts as neither: an overloaded or
 //! strict worker is not a broken one. Time is an argument (`now`), so the machine is tested on
@@ -14,6 +15,7 @@
 //! changes state, when a probe starts or ends, and at [`Breaker::half_open_at`] (an open
 //! breaker becomes half-open by the clock alone).
 
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use crate::config::GatewayConfig;
@@ -29,11 +31,20 @@ pub struct BreakerConfig {
     /// How long a half-open probe holds the slot at most (the request deadline, at most one
     /// cool-down).
     pub probe_timeout: Duration,
+    /// Failures older than this (at the time of the next failure) no longer count.
+    pub window: Duration,
 }
 
 impl Default for BreakerConfig {
     fn default() -> Self {
-        BreakerConfig { enabled: true, failure_threshold: 5, success_threshold: 2, cooldown: Duration::from_secs(30), probe_timeout: Duration::from_secs(600) }
+        BreakerConfig {
+            enabled: true,
+            failure_threshold: 5,
+            success_threshold: 2,
+            cooldown: Duration::from_secs(30),
+            probe_timeout: Duration::from_secs(600),
+            window: Duration::from_secs(120),
+        }
     }
 }
 
@@ -48,6 +59,7 @@ impl BreakerConfig {
             // holds the slot for the request deadline at most, and never longer than one
             // cool-down: at most one probe per cool-down is the worst case.
             probe_timeout: Duration::from_secs(c.request_timeout_secs.min(c.breaker_cooldown_secs).max(1)),
+            window: Duration::from_secs(c.breaker_window_secs.max(1)),
         }
     }
 }
@@ -155,10 +167,12 @@ pub enum Judgement {
 }
 
 /// One worker's breaker. Plain data; the gateway keeps one per worker under its registry lock.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Breaker {
     state: BreakerState,
-    consecutive_failures: u32,
+    /// When each failure of the current run of consecutive failures happened, oldest first;
+    /// only those within the window are kept, and never more than the threshold.
+    failures: VecDeque<Instant>,
     consecutive_successes: u32,
     opened_at: Option<Instant>,
     /// When the worker last answered a request (judges [`Outcome::NoAnswerSince`]).
@@ -254,14 +268,14 @@ impl Breaker {
         let current = self.state(now, cfg);
         if current != self.state {
             self.state = current;
-            self.consecutive_failures = 0;
+            self.failures.clear();
             self.consecutive_successes = 0;
         }
         match outcome {
             Outcome::Neutral => {}
             Outcome::Success => {
                 self.last_success = Some(now);
-                self.consecutive_failures = 0;
+                self.failures.clear();
                 self.consecutive_successes = self.consecutive_successes.saturating_add(1);
                 if self.state == BreakerState::HalfOpen && self.consecutive_successes >= cfg.success_threshold {
                     self.close();
@@ -269,9 +283,8 @@ impl Breaker {
             }
             Outcome::Failure | Outcome::NoAnswerSince(_) => {
                 self.consecutive_successes = 0;
-                self.consecutive_failures = self.consecutive_failures.saturating_add(1);
                 let trips = match self.state {
-                    BreakerState::Closed => self.consecutive_failures >= cfg.failure_threshold,
+                    BreakerState::Closed => self.count_failure(now, cfg) >= cfg.failure_threshold,
                     BreakerState::HalfOpen => true,
                     // A late failure from a request that started before opening: keep the
                     // cool-down running from the first opening.
@@ -288,6 +301,24 @@ impl Breaker {
         (before != self.state).then_some(self.state)
     }
 
+    /// Adds a failure at `now` to the run, forgets those outside the window, and returns how
+    /// many count.
+    fn count_failure(&mut self, now: Instant, cfg: &BreakerConfig) -> u32 {
+        self.failures.push_back(now);
+        while self.failures.front().is_some_and(|t| now.saturating_duration_since(*t) > cfg.window) {
+            self.failures.pop_front();
+        }
+        while self.failures.len() > cfg.failure_threshold.max(1) as usize {
+            self.failures.pop_front();
+        }
+        u32::try_from(self.failures.len()).unwrap_or(u32::MAX)
+    }
+
+    /// Failures that count now towards opening (for metrics and `/workers`).
+    pub fn failures_in_window(&self, now: Instant, cfg: &BreakerConfig) -> usize {
+        self.failures.iter().filter(|t| now.saturating_duration_since(**t) <= cfg.window).count()
+    }
+
     fn close(&mut self) {
         *self = Breaker { last_success: self.last_success, ..Breaker::default() };
     }
@@ -298,7 +329,40 @@ mod tests {
     use super::*;
 
     fn cfg() -> BreakerConfig {
-        BreakerConfig { enabled: true, failure_threshold: 3, success_threshold: 2, cooldown: Duration::from_secs(30), probe_timeout: Duration::from_secs(60) }
+        BreakerConfig {
+            enabled: true,
+            failure_threshold: 3,
+            success_threshold: 2,
+            cooldown: Duration::from_secs(30),
+            probe_timeout: Duration::from_secs(60),
+            window: Duration::from_secs(120),
+        }
+    }
+
+    #[test]
+    fn only_failures_within_the_window_count() {
+        let (c, t0) = (BreakerConfig { window: Duration::from_secs(10), ..cfg() }, Instant::now());
+        let s = Duration::from_secs(1);
+        let mut b = Breaker::default();
+        // Three failures, but spread over more than the window: never three within it.
+        assert_eq!(b.record(Outcome::Failure, t0, &c), None);
+        assert_eq!(b.record(Outcome::Failure, t0 + 6 * s, &c), None);
+        assert_eq!(b.record(Outcome::Failure, t0 + 12 * s, &c), None, "the first failure is 12 s old: outside the window");
+        assert_eq!(b.failures_in_window(t0 + 12 * s, &c), 2);
+        // The third within 10 s of the second opens it.
+        assert_eq!(b.record(Outcome::Failure, t0 + 15 * s, &c), Some(BreakerState::Open));
+        // At the window's edge (exactly 10 s) a failure still counts.
+        let mut b = Breaker::default();
+        b.record(Outcome::Failure, t0, &c);
+        b.record(Outcome::Failure, t0 + 5 * s, &c);
+        assert_eq!(b.record(Outcome::Failure, t0 + 10 * s, &c), Some(BreakerState::Open));
+        // A success still resets the run, window or not.
+        let mut b = Breaker::default();
+        b.record(Outcome::Failure, t0, &c);
+        b.record(Outcome::Failure, t0 + s, &c);
+        b.record(Outcome::Success, t0 + 2 * s, &c);
+        assert_eq!(b.record(Outcome::Failure, t0 + 3 * s, &c), None);
+        assert_eq!(b.failures_in_window(t0 + 3 * s, &c), 1);
     }
 
     #[test]
@@ -364,7 +428,7 @@ mod tests {
             assert_eq!(b.record(Outcome::NoAnswerSince(t0 + s), t0 + 3 * s, &c), None);
         }
         assert!(b.allows(t0 + 3 * s, &c));
-        assert_eq!(b.consecutive_failures, 0);
+        assert!(b.failures.is_empty());
     }
 
     #[test]

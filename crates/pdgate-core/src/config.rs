@@ -22,7 +22,9 @@ pub enum PolicyName {
     PowerOfTwo,
     /// Prefix affinity over an approximate radix tree, with load balancing.
     CacheAware,
-    /// Session affinity by a routing key (header or `user`).
+    /// Session affinity by a routing key (header or `user`). SMG spells it `consistent_hashing`.
+    #[serde(alias = "consistent_hashing")]
+    #[value(alias = "consistent_hashing")]
     ConsistentHash,
 }
 
@@ -77,7 +79,7 @@ pub struct GatewayConfig {
     pub decode_policy: Option<PolicyName>,
 
     /// cache_aware: minimum prefix match ratio (0.0-1.0) to route by cache affinity.
-    #[arg(long, default_value_t = 0.3)]
+    #[arg(long, visible_alias = "cache-match-threshold", default_value_t = 0.3)]
     pub cache_threshold: f64,
 
     /// cache_aware: load is imbalanced when max - min exceeds this (and the relative threshold).
@@ -98,17 +100,23 @@ pub struct GatewayConfig {
     #[arg(long, value_enum, default_value_t = PairingMode::Lenient)]
     pub pd_pairing_mode: PairingMode,
 
-    /// Consecutive failed requests that open a worker's circuit breaker.
-    #[arg(long, default_value_t = 5)]
+    /// Consecutive failed requests, all within --breaker-window-secs, that open a worker's
+    /// circuit breaker.
+    #[arg(long, visible_alias = "cb-failure-threshold", default_value_t = 5)]
     pub breaker_failure_threshold: u32,
 
     /// Consecutive successful requests in half-open state that close the breaker again.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, visible_alias = "cb-success-threshold", default_value_t = 2)]
     pub breaker_success_threshold: u32,
 
     /// Seconds an open breaker waits before letting probe requests through (half-open).
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, visible_alias = "cb-timeout-duration-secs", default_value_t = 30)]
     pub breaker_cooldown_secs: u64,
+
+    /// Sliding window for counting failures: a failure older than this many seconds no longer
+    /// counts towards --breaker-failure-threshold.
+    #[arg(long, visible_alias = "cb-window-duration-secs", default_value_t = 120)]
+    pub breaker_window_secs: u64,
 
     /// Never open circuit breakers (request failures then only count through health checks).
     #[arg(long)]
@@ -135,11 +143,13 @@ pub struct GatewayConfig {
     #[arg(long, value_name = "PATH")]
     pub worker_ca_cert: Option<String>,
 
-    /// Extra attempts after the first one, only before any byte reached the client.
-    #[arg(long, default_value_t = 2)]
+    /// Most attempts per request, the first one included (SMG's meaning: 3 means one try and
+    /// two retries; 0 and 1 mean no retry). Retries happen only before any byte reached the
+    /// client, each on another worker or pair.
+    #[arg(long, default_value_t = 3)]
     pub retry_max_retries: u32,
 
-    /// First retry backoff; doubles per attempt, with full jitter.
+    /// First retry backoff; grows by --retry-backoff-multiplier per attempt, with jitter.
     #[arg(long, default_value_t = 50)]
     pub retry_initial_backoff_ms: u64,
 
@@ -235,7 +245,8 @@ pub struct GatewayConfig {
     pub health_check_endpoint: String,
 
     /// Log level: debug, info, warn (or warning), error, trace or off; or per-target
-    /// directives such as `pdgate_gateway=debug,info`. Anything else is refused.
+    /// directives such as `pdgate_gateway=debug,info`. Anything else is refused. The access
+    /// log (one line per request) is the target `pdgate::access` at info.
     #[arg(long, default_value = "info")]
     pub log_level: String,
 
@@ -303,13 +314,105 @@ pub struct GatewayConfig {
     #[arg(long, value_name = "NAMESPACE")]
     pub service_discovery_namespace: Option<String>,
 
-    /// Worker port on each pod, unless the pod's `pdgate.ai/port` annotation says otherwise.
-    #[arg(long, default_value_t = 8000)]
+    /// Worker port on each pod, unless the pod's `pdgate.ai/port` annotation says otherwise
+    /// (80 by default, as SMG).
+    #[arg(long, default_value_t = 80)]
     pub service_discovery_port: u16,
 
     /// Kubeconfig file for running outside the cluster (default: in-cluster service account).
     #[arg(long, value_name = "PATH")]
     pub kubeconfig: Option<String>,
+
+    // --- Options in SMG's spelling and meaning (docs/migrating-from-smg.md): retries,
+    // health, metrics listener, request ids, logs, admission, control-plane keys ---
+    /// Factor by which the retry backoff grows per attempt (at least 1.0).
+    #[arg(long, default_value_t = 2.0)]
+    pub retry_backoff_multiplier: f64,
+
+    /// Random spread of each retry backoff, 0.0-1.0: the delay is multiplied by a uniform
+    /// factor in [1 - f, 1 + f], then capped by --retry-max-backoff-ms.
+    #[arg(long, default_value_t = 0.2)]
+    pub retry_jitter_factor: f64,
+
+    /// One attempt per request, never a retry (same as --retry-max-retries 1).
+    #[arg(long)]
+    pub disable_retries: bool,
+
+    /// No active health checks: every worker counts as healthy from registration (the circuit
+    /// breaker still takes failing ones out).
+    #[arg(long)]
+    pub disable_health_check: bool,
+
+    /// Also serve `/metrics` on a listener of its own at this port (0 picks a free port).
+    /// Without it, metrics are only on the main port, which always keeps `/metrics`.
+    #[arg(long, value_name = "PORT")]
+    pub prometheus_port: Option<u16>,
+
+    /// Address of the --prometheus-port listener.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub prometheus_host: String,
+
+    /// Headers a client request id is read from, the first present one wins (its value must be
+    /// 1-128 characters of `[A-Za-z0-9._:-]`, else it is ignored).
+    #[arg(long, num_args = 1.., value_name = "HEADER", default_values_t = ["x-request-id".to_string(), "x-correlation-id".to_string(), "x-trace-id".to_string(), "request-id".to_string()])]
+    pub request_id_headers: Vec<String>,
+
+    /// Write logs as JSON objects, one per line.
+    #[arg(long)]
+    pub log_json: bool,
+
+    /// Also write logs to `pdgate.log` in this directory (created when missing).
+    #[arg(long, value_name = "DIR")]
+    pub log_dir: Option<String>,
+
+    /// Most inference requests served at once; more wait in a FIFO queue. 0 or -1: no limit
+    /// (SMG's -1 derives one from the host; pdgate has none by default, and
+    /// --max-connections bounds connections).
+    #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
+    pub max_concurrent_requests: i64,
+
+    /// Requests that may wait for a --max-concurrent-requests slot; one more gets 429 at once
+    /// (0: no queue).
+    #[arg(long, default_value_t = 100)]
+    pub queue_size: usize,
+
+    /// Seconds a request may wait in the queue before it is answered 408.
+    #[arg(long, default_value_t = 60)]
+    pub queue_timeout_secs: u64,
+
+    /// vLLM router's spelling of --pd-disaggregation: PD mode, with `nixl` as the KV connector
+    /// unless --kv-connector says otherwise.
+    #[arg(long)]
+    pub vllm_pd_disaggregation: bool,
+
+    /// Admin keys in SMG's spelling, `ID:NAME:admin:KEY` (repeatable): each KEY opens the
+    /// worker API like --admin-api-key. The `user` role (read-only) is not supported yet.
+    #[arg(long, num_args = 1.., value_name = "ID:NAME:ROLE:KEY")]
+    pub control_plane_api_keys: Vec<String>,
+}
+
+/// One `--control-plane-api-keys` entry: `ID:NAME:ROLE:KEY`; the key itself may contain `:`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ControlPlaneKey {
+    pub id: String,
+    pub name: String,
+    pub key: String,
+}
+
+/// Parses one `--control-plane-api-keys` entry. Only the `admin` role exists in pdgate.
+pub fn parse_control_plane_key(entry: &str) -> Result<ControlPlaneKey, String> {
+    let parts: Vec<&str> = entry.splitn(4, ':').collect();
+    let [id, name, role, key] = parts.as_slice() else {
+        return Err("--control-plane-api-keys: expected ID:NAME:ROLE:KEY".into());
+    };
+    if id.trim().is_empty() || key.is_empty() {
+        return Err(format!("--control-plane-api-keys entry {:?}: the id and the key must not be empty", id));
+    }
+    match role.trim().to_ascii_lowercase().as_str() {
+        "admin" => Ok(ControlPlaneKey { id: id.to_string(), name: name.to_string(), key: key.to_string() }),
+        "user" => Err(format!("--control-plane-api-keys entry {id:?}: the read-only `user` role is not supported yet; use `admin`")),
+        other => Err(format!("--control-plane-api-keys entry {id:?}: unknown role {other:?} (expected admin)")),
+    }
 }
 
 /// One `KEY=VALUE` label of a selector; `None` when malformed (no `=` or an empty key).
@@ -395,14 +498,33 @@ impl GatewayConfig {
         if let Some(name) = args.first() {
             command = command.display_name(name.to_string_lossy().into_owned());
         }
-        Self::from_arg_matches(&command.try_get_matches_from(args)?)
+        let matches = command.try_get_matches_from(args)?;
+        let mut config = Self::from_arg_matches(&matches)?;
+        let connector_given = matches.value_source("kv_connector") == Some(clap::parser::ValueSource::CommandLine);
+        config.resolve_spellings(connector_given);
+        Ok(config)
     }
 
     /// Parse the JSON form used by the Python API; missing keys take the CLI defaults.
     pub fn from_json(text: &str) -> Result<Self, ConfigError> {
-        let config = crate::config_json::parse(text)?;
+        // Parsed for one fact only: whether the connector was given (vllm-router's
+        // `--vllm-pd-disaggregation` implies NIXL unless told otherwise).
+        let connector_given = serde_json::from_str::<serde_json::Value>(text).ok().and_then(|v| v.get("kv_connector").map(|c| !c.is_null())).unwrap_or(false);
+        let mut config = crate::config_json::parse(text)?;
+        config.resolve_spellings(connector_given);
         config.validate()?;
         Ok(config)
+    }
+
+    /// Applies what another router's spelling implies: `--vllm-pd-disaggregation` is PD mode
+    /// with NIXL unless the connector was given.
+    fn resolve_spellings(&mut self, connector_given: bool) {
+        if self.vllm_pd_disaggregation {
+            self.pd_disaggregation = true;
+            if !connector_given {
+                self.kv_connector = KvConnector::Nixl;
+            }
+        }
     }
 
     pub fn to_json(&self) -> String {
@@ -448,7 +570,62 @@ impl GatewayConfig {
             return bad(format!("--max-connections must be between 1 and 1000000, not {}", self.max_connections));
         }
         self.validate_discovery()?;
+        self.validate_smg_options()?;
         self.workers().map(|_| ())
+    }
+
+    /// The options in SMG's spelling: ranges SMG also enforces, and the key entries' syntax.
+    fn validate_smg_options(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if !self.retry_backoff_multiplier.is_finite() || self.retry_backoff_multiplier < 1.0 {
+            return bad(format!("--retry-backoff-multiplier must be finite and at least 1.0, not {}", self.retry_backoff_multiplier));
+        }
+        if !(0.0..=1.0).contains(&self.retry_jitter_factor) {
+            return bad(format!("--retry-jitter-factor must be between 0 and 1, not {}", self.retry_jitter_factor));
+        }
+        if self.breaker_window_secs == 0 {
+            return bad("--breaker-window-secs (--cb-window-duration-secs) must be at least 1".into());
+        }
+        if self.max_concurrent_requests < -1 {
+            return bad(format!("--max-concurrent-requests must be -1, 0 or positive, not {}", self.max_concurrent_requests));
+        }
+        if self.concurrency_limit().is_some() && self.queue_size > 0 && self.queue_timeout_secs == 0 {
+            return bad("--queue-timeout-secs must be at least 1 when requests may queue".into());
+        }
+        for h in &self.request_id_headers {
+            if h.is_empty() || !h.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+                return bad(format!("--request-id-headers: {h:?} is not a header name"));
+            }
+        }
+        if self.log_dir.as_deref().is_some_and(|d| d.trim().is_empty()) {
+            return bad("--log-dir must not be empty".into());
+        }
+        for entry in &self.control_plane_api_keys {
+            parse_control_plane_key(entry).map_err(ConfigError::Invalid)?;
+        }
+        Ok(())
+    }
+
+    /// Attempts per request, the first included: `--retry-max-retries` in SMG's meaning, one
+    /// with `--disable-retries`.
+    pub fn max_attempts(&self) -> u32 {
+        if self.disable_retries {
+            1
+        } else {
+            self.retry_max_retries.max(1)
+        }
+    }
+
+    /// `--max-concurrent-requests` as a limit; `None` for no limit (0 or -1).
+    pub fn concurrency_limit(&self) -> Option<usize> {
+        usize::try_from(self.max_concurrent_requests).ok().filter(|n| *n > 0)
+    }
+
+    /// Every key that opens the worker API: `--admin-api-key` and the `admin` entries of
+    /// `--control-plane-api-keys`. Empty keys are left out.
+    pub fn admin_keys(&self) -> Vec<String> {
+        let control_plane = self.control_plane_api_keys.iter().filter_map(|e| parse_control_plane_key(e).ok()).map(|k| k.key);
+        self.admin_api_key.iter().cloned().chain(control_plane).filter(|k| !k.is_empty()).collect()
     }
 
     /// `--service-discovery` and its selectors: each selector is `k=v`, and each is given only
@@ -551,6 +728,7 @@ impl GatewayConfig {
                 serde_json::json!({
                     "name": id,
                     "flag": format!("--{}", a.get_long().unwrap_or_default()),
+                    "aliases": a.get_visible_aliases().unwrap_or_default().iter().map(|x| format!("--{x}")).collect::<Vec<_>>(),
                     "help": a.get_help().map(|h| h.to_string()).unwrap_or_default(),
                     "default": defaults.get(&id).cloned().unwrap_or(serde_json::Value::Null),
                     "choices": a.get_possible_values().iter().map(|v| v.get_name().to_string()).collect::<Vec<_>>(),

@@ -81,6 +81,20 @@ pub enum ErrorKind {
     /// The gateway is shutting down gracefully: new requests are refused (503) while those in
     /// flight finish.
     ShuttingDown,
+    /// `--max-concurrent-requests` are running and the queue is full (429).
+    Overloaded,
+    /// The request waited `--queue-timeout-secs` in the admission queue (408).
+    QueueTimeout,
+}
+
+/// Every `reason()` a retry may have: `pdgate_retries_total{reason}` exists for each from the
+/// start, so alerts need no first retry.
+pub const RETRY_REASONS: [&str; 8] = ["unreachable", "status", "protocol", "bad_response", "truncated", "timeout", "no_workers", "other"];
+
+/// Every `code()` a failed worker leg can have (`pdgate_worker_errors_total{leg, code}`).
+pub fn worker_error_codes(leg: Leg) -> [String; 6] {
+    let l = leg.as_str();
+    [format!("{l}_unavailable"), format!("{l}_error"), format!("{l}_bad_response"), "bad_worker_response".into(), format!("{l}_stream_truncated"), format!("{l}_timeout")]
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -167,6 +181,12 @@ impl GatewayError {
     pub fn admin_api_closed(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::AdminApiClosed, Source::Client, message)
     }
+    pub fn overloaded(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Overloaded, Source::Gateway, message)
+    }
+    pub fn queue_timeout(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::QueueTimeout, Source::Gateway, message)
+    }
 
     /// Attach the leg the error happened on.
     pub fn on(mut self, leg: Leg) -> Self {
@@ -210,6 +230,8 @@ impl GatewayError {
             ErrorKind::LoopDetected => 508,
             ErrorKind::AdminApiClosed => 403,
             ErrorKind::ShuttingDown => 503,
+            ErrorKind::Overloaded => 429,
+            ErrorKind::QueueTimeout => 408,
         }
     }
 
@@ -241,6 +263,8 @@ impl GatewayError {
             ErrorKind::LoopDetected => "loop_detected".into(),
             ErrorKind::AdminApiClosed => "admin_api_closed".into(),
             ErrorKind::ShuttingDown => "shutting_down".into(),
+            ErrorKind::Overloaded => "too_many_requests".into(),
+            ErrorKind::QueueTimeout => "queue_timeout".into(),
         }
     }
 
@@ -253,7 +277,8 @@ impl GatewayError {
             },
             Source::Worker => "upstream_error",
             Source::Gateway => match self.kind {
-                ErrorKind::Timeout | ErrorKind::TimeoutWhileAnswering => "timeout_error",
+                ErrorKind::Timeout | ErrorKind::TimeoutWhileAnswering | ErrorKind::QueueTimeout => "timeout_error",
+                ErrorKind::Overloaded => "rate_limit_error",
                 ErrorKind::Internal => "internal_error",
                 ErrorKind::LoopDetected => "loop_detected_error",
                 _ => "service_unavailable_error",
@@ -341,5 +366,32 @@ mod tests {
         assert_eq!(GatewayError::admin_api_closed("closed").status(), 403);
         let looped = GatewayError::worker_status(Leg::Regular, 508, None);
         assert_eq!((looped.status(), looped.code().as_str(), looped.retryable()), (508, "loop_detected", false));
+    }
+
+    #[test]
+    fn admission_errors_are_429_and_408_and_final() {
+        let full = GatewayError::overloaded("queue full");
+        assert_eq!((full.status(), full.code().as_str(), full.error_type(), full.retryable()), (429, "too_many_requests", "rate_limit_error", false));
+        let waited = GatewayError::queue_timeout("waited");
+        assert_eq!((waited.status(), waited.code().as_str(), waited.error_type()), (408, "queue_timeout", "timeout_error"));
+    }
+
+    #[test]
+    fn the_label_lists_cover_what_errors_say() {
+        let errors = [
+            GatewayError::unreachable(Leg::Decode, "x"),
+            GatewayError::worker_status(Leg::Decode, 500, None),
+            GatewayError::protocol(Leg::Decode, "x"),
+            GatewayError::bad_worker_response(Leg::Decode, "x"),
+            GatewayError::stream_truncated(Leg::Decode),
+            GatewayError::timeout("x").on(Leg::Decode),
+            GatewayError::no_workers("decode"),
+        ];
+        for e in &errors {
+            assert!(RETRY_REASONS.contains(&e.reason()), "{}", e.reason());
+            if e.leg.is_some() {
+                assert!(worker_error_codes(Leg::Decode).contains(&e.code()), "{}", e.code());
+            }
+        }
     }
 }

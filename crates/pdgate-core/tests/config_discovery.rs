@@ -36,7 +36,7 @@ fn smg_style_discovery_flags_parse() {
     assert_eq!(GatewayConfig::from_json(&c.to_json()).unwrap(), c, "JSON and CLI views agree");
     let regular = cli(&["--service-discovery", "--selector", "app=worker", "--selector", "tier=gpu"]).unwrap();
     assert_eq!(regular.selector, ["app=worker", "tier=gpu"], "repeated flags accumulate");
-    assert_eq!(GatewayConfig::default().service_discovery_port, 8000);
+    assert_eq!(GatewayConfig::default().service_discovery_port, 80, "SMG's default");
     assert_eq!(GatewayConfig::default().service_discovery_namespace, None, "all namespaces by default");
 }
 

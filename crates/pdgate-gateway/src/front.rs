@@ -22,11 +22,12 @@ use crate::state::AppState;
 use crate::{auth, request_id, workers_api};
 
 pub fn router(state: Arc<AppState>) -> Router {
-    let mut client = Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/generate", post(generate))
-        .route("/v1/models", get(models));
+    let mut inference = Router::new().route("/v1/completions", post(completions)).route("/v1/chat/completions", post(chat_completions)).route("/generate", post(generate));
+    if state.admission.is_some() {
+        inference = inference.route_layer(middleware::from_fn_with_state(state.clone(), crate::admission::limit));
+    }
+    // Layers added later run first: the key check comes before admission.
+    let mut client = inference.route("/v1/models", get(models));
     // Without a key the check would pass every request: skip the middleware and its boxing.
     if state.config.api_key.as_deref().is_some_and(|k| !k.is_empty()) {
         client = client.route_layer(middleware::from_fn_with_state(state.clone(), auth::client_key));
@@ -56,9 +57,10 @@ async fn generate(State(s): State<Arc<AppState>>, req: Request) -> Response {
     admit(s, Endpoint::Generate, req).await
 }
 
-fn client_error(state: &AppState, route: &'static str, err: &GatewayError) -> Response {
+fn client_error(state: &AppState, route: &'static str, err: &GatewayError, started: std::time::Instant) -> Response {
     let resp = error_response(err);
     state.metrics.requests.with_label_values(&[route, resp.status().as_str()]).inc();
+    crate::access_log::refused(route, resp.status().as_u16(), &err.code(), started);
     resp
 }
 
@@ -73,7 +75,7 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
     if state.is_draining() {
         // Graceful shutdown: refuse at once, and close the connection so the client's next
         // request goes to another replica.
-        let mut resp = client_error(&state, route, &GatewayError::shutting_down());
+        let mut resp = client_error(&state, route, &GatewayError::shutting_down(), started);
         resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
         return resp;
     }
@@ -83,34 +85,37 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
         Ok(v) => v,
         Err((err, kind)) => {
             state.metrics.edge.loops.with_label_values(&[kind]).inc();
-            return client_error(&state, route, &err);
+            return client_error(&state, route, &err, started);
         }
     };
     let limit = state.config.max_payload_size;
     let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok());
     if declared.is_some_and(|n| n > limit) {
-        return client_error(&state, route, &GatewayError::payload_too_large(limit));
+        return client_error(&state, route, &GatewayError::payload_too_large(limit), started);
     }
     // One timer for the whole body, not one per frame.
     let body_timeout = Duration::from_secs(state.config.body_read_timeout_secs);
     let raw = match tokio::time::timeout_at(deadline.min(Instant::now() + body_timeout), axum::body::to_bytes(body, limit)).await {
-        Err(_) => return body_timeout_response(&state, route, body_timeout.min(state.request_timeout())),
+        Err(_) => return body_timeout_response(&state, route, body_timeout.min(state.request_timeout()), started),
         Ok(Ok(b)) => b,
         Ok(Err(e)) => {
             let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
             let err = if too_large { GatewayError::payload_too_large(limit) } else { GatewayError::invalid(None, format!("could not read the request body: {e}")) };
-            return client_error(&state, route, &err);
+            return client_error(&state, route, &err, started);
         }
     };
     let req = match parse_request(endpoint, &raw, &state.limits) {
         Ok(r) => r,
-        Err(e) => return client_error(&state, route, &GatewayError::invalid(e.param.as_deref(), e.message)),
+        Err(e) => return client_error(&state, route, &GatewayError::invalid(e.param.as_deref(), e.message), started),
     };
     // The client's id only after validation; the legs get a minted one (see `request_id`).
-    let client_request_id = request_id::client_id(&headers);
+    let client_request_id = request_id::client_id(&headers, &state.config.request_id_headers);
     let request_id = request_id::mint(client_request_id.as_deref());
     let session_key = headers.get("x-session-id").and_then(|v| v.to_str().ok()).map(str::to_string).or_else(|| req.body.get("user").and_then(|u| u.as_str()).map(str::to_string));
-    let scope = Arc::new(RequestScope { request_id: request_id.clone(), via });
+    // Every log line of the request (warnings of its legs and of its stream included) carries
+    // its ids through this span.
+    let span = tracing::info_span!("request", request_id = %request_id, client_request_id = client_request_id.as_deref().unwrap_or("-"), route);
+    let scope = Arc::new(RequestScope { request_id: request_id.clone(), via, span });
     let mut resp = scope::run(scope.clone(), execute(Ctx { state, req, raw, request_id, client_request_id, session_key, deadline, started, route })).await;
     // For the body wrapper in edge/conn.rs: the relay's stream warnings name the request.
     resp.extensions_mut().insert(scope);
@@ -119,10 +124,10 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
 
 /// 408 for a body that did not arrive in time; the connection is closed after it, since the
 /// rest of the body may still come.
-fn body_timeout_response(state: &AppState, route: &'static str, limit: Duration) -> Response {
+fn body_timeout_response(state: &AppState, route: &'static str, limit: Duration, started: std::time::Instant) -> Response {
     state.metrics.edge.client_timeouts.with_label_values(&["body"]).inc();
     let err = GatewayError::client_timeout(format!("the request body was not complete within {} s", limit.as_secs()));
-    let mut resp = client_error(state, route, &err);
+    let mut resp = client_error(state, route, &err, started);
     resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
     resp
 }
@@ -167,9 +172,13 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
     Json(json!({"object": "list", "data": data})).into_response()
 }
 
-async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     // Exact at scrape time, whatever changed the registry since the last periodic refresh.
     crate::discovery::refresh_worker_gauge(&state);
+    state.metrics.refresh_workers(&state.registry.list(), state.registry.breaker_config());
+    if let Some(a) = &state.admission {
+        state.metrics.admission_waiting.set(a.waiting() as i64);
+    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
 }
 

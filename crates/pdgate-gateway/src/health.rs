@@ -34,12 +34,23 @@ pub fn spawn_supervisor(state: &Arc<AppState>, mut shutdown: watch::Receiver<boo
     });
 }
 
-/// One check of one worker, recorded. Also used right after a worker is added.
+/// One check of one worker, recorded. Also used right after a worker is added. With
+/// `--disable-health-check` the worker is not asked and counts as healthy.
 pub async fn check_and_record(state: &AppState, entry: Entry) {
     let cfg = &state.config;
-    let ok = probe(state, &entry.spec.url).await;
-    if let Some(healthy) = state.registry.observe_health(&entry.id, ok, cfg.health_failure_threshold, cfg.health_success_threshold) {
-        tracing::info!(worker = %entry.spec.url, role = entry.spec.role.as_str(), healthy, "worker health changed");
+    let result = if cfg.disable_health_check { Ok(()) } else { check_reason(state, &entry.spec.url).await };
+    if let Err(reason) = &result {
+        tracing::debug!(worker = %entry.spec.url, reason = %reason, "health check failed");
+        entry.runtime.note_error(format!("health check: {reason}"));
+    }
+    if let Some(healthy) = state.registry.observe_health(&entry.id, result.is_ok(), cfg.health_failure_threshold, cfg.health_success_threshold) {
+        match &result {
+            Err(reason) => tracing::warn!(worker = %entry.spec.url, role = entry.spec.role.as_str(), reason = %reason, "worker unhealthy"),
+            Ok(()) => tracing::info!(worker = %entry.spec.url, role = entry.spec.role.as_str(), healthy, "worker health changed"),
+        }
+    } else if let (Err(reason), false) = (&result, entry.health.checked) {
+        // A new worker that never answered stays unhealthy without a change: say why once.
+        tracing::warn!(worker = %entry.spec.url, role = entry.spec.role.as_str(), reason = %reason, "worker unreachable at its first health check");
     }
     let healthy = state.registry.get(&entry.id).is_some_and(|e| e.health.healthy);
     state.metrics.worker_healthy.with_label_values(&[&entry.spec.url, entry.spec.role.as_str()]).set(i64::from(healthy));
@@ -52,20 +63,27 @@ pub async fn check_and_record(state: &AppState, entry: Entry) {
 /// makes it: healthy only on a 2xx read in full within `--health-check-timeout-secs`. Also
 /// asked when a request got no answer by its deadline (state.rs `ask_worker`).
 pub async fn probe(state: &AppState, base: &str) -> bool {
-    check(state, &format!("{base}{}", state.config.health_check_endpoint)).await
+    check_reason(state, base).await.is_ok()
 }
 
-async fn check(state: &AppState, url: &str) -> bool {
-    let limit = Duration::from_secs(state.config.health_check_timeout_secs.max(1));
-    let result = timeout(limit, async {
-        let resp = state.upstream.get(url, Leg::Regular).await.ok()?;
-        let ok = resp.status().is_success();
+/// One health check of the worker at `base`, with the reason when it fails: unreachable,
+/// a non-2xx status, a broken body or no answer within the timeout.
+pub async fn check_reason(state: &AppState, base: &str) -> Result<(), String> {
+    let url = format!("{base}{}", state.config.health_check_endpoint);
+    let secs = state.config.health_check_timeout_secs.max(1);
+    let result = timeout(Duration::from_secs(secs), async {
+        let resp = state.upstream.get(&url, Leg::Regular).await.map_err(|e| format!("GET {url}: {}", e.message))?;
+        let status = resp.status();
         // Read the body so the connection can be reused.
-        resp.into_body().collect().await.ok()?;
-        Some(ok)
+        resp.into_body().collect().await.map_err(|e| format!("GET {url}: body: {e}"))?;
+        if status.is_success() {
+            Ok(())
+        } else {
+            Err(format!("GET {url}: HTTP {}", status.as_u16()))
+        }
     })
     .await;
-    matches!(result, Ok(Some(true)))
+    result.unwrap_or_else(|_| Err(format!("GET {url}: no answer within {secs} s")))
 }
 
 /// GETs a worker's JSON endpoint within the health-check timeout.

@@ -2,7 +2,6 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
 use pdgate_gateway::{init_logging, start, worker_api_key_from_env, GatewayConfig};
 
 // glibc malloc took ~10% of the gateway's CPU per request (cross-thread frees, consolidation);
@@ -12,11 +11,14 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let mut config = GatewayConfig::parse();
+    let mut config = GatewayConfig::parse_cli(std::env::args_os()).unwrap_or_else(|e| e.exit());
     // The command line's environment fallbacks (PDGATE_API_KEY, ...); the core reads none.
     config.fill_from_env(|var| std::env::var(var).ok());
     worker_api_key_from_env(&mut config);
-    init_logging(&config.log_level);
+    if let Err(e) = init_logging(&config) {
+        eprintln!("pdgate-gateway: {e}");
+        return ExitCode::from(2);
+    }
     let gateway = match start(config).await {
         Ok(g) => g,
         Err(e) => {

@@ -6,6 +6,9 @@ use std::sync::Arc;
 
 use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
+use pdgate_core::error::{worker_error_codes, RETRY_REASONS};
+use pdgate_core::{GatewayConfig, KvConnector, Leg};
+
 use crate::registry::Runtime;
 
 const LATENCY_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0];
@@ -37,6 +40,12 @@ pub struct Metrics {
     #[cfg_attr(not(feature = "kubernetes"), allow(dead_code))]
     pub discovery_watch_restarts: IntCounterVec,
     pub workers: IntGaugeVec,
+    /// Admission (`--max-concurrent-requests`): requests holding a slot, refusals by reason
+    /// (queue_full, queue_timeout), and the time spent waiting for a slot.
+    pub admission_running: IntGauge,
+    pub admission_waiting: IntGauge,
+    pub admission_refused: IntCounterVec,
+    pub queue_wait: prometheus::Histogram,
     /// The client edge (conn.rs, front.rs, hops.rs, log_limit.rs): every limit that fires.
     pub edge: Arc<EdgeMetrics>,
 }
@@ -102,6 +111,12 @@ fn gauge(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
     g
 }
 
+fn single_gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
+    let g = IntGauge::new(name, help).unwrap_or_else(|e| panic!("metric {name}: {e}"));
+    r.register(Box::new(g.clone())).unwrap_or_else(|e| panic!("metric {name}: {e}"));
+    g
+}
+
 fn histogram(r: &Registry, name: &str, help: &str, labels: &[&str]) -> HistogramVec {
     let opts = HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec());
     let h = HistogramVec::new(opts, labels).unwrap_or_else(|e| panic!("metric {name}: {e}"));
@@ -149,6 +164,16 @@ impl Metrics {
             ),
             discovery_watch_restarts: counter(&r, "pdgate_discovery_watch_restarts_total", "Pod watches that failed and were resumed or re-listed", &[]),
             workers: gauge(&r, "pdgate_workers", "Registered workers by source (static, api, discovery)", &["source"]),
+            admission_running: single_gauge(&r, "pdgate_admission_running", "Requests holding a --max-concurrent-requests slot"),
+            admission_waiting: single_gauge(&r, "pdgate_admission_waiting", "Requests waiting in the admission queue (at scrape time)"),
+            admission_refused: counter(&r, "pdgate_admission_refused_total", "Requests refused by admission: queue_full (429), queue_timeout (408)", &["reason"]),
+            queue_wait: {
+                let opts =
+                    HistogramOpts::new("pdgate_admission_queue_wait_seconds", "Time a request waited for a --max-concurrent-requests slot").buckets(LATENCY_BUCKETS.to_vec());
+                let h = prometheus::Histogram::with_opts(opts).unwrap_or_else(|e| panic!("metric pdgate_admission_queue_wait_seconds: {e}"));
+                r.register(Box::new(h.clone())).unwrap_or_else(|e| panic!("metric pdgate_admission_queue_wait_seconds: {e}"));
+                h
+            },
             edge: Arc::new(EdgeMetrics::new(&r)),
             registry: r,
         };
@@ -160,7 +185,52 @@ impl Metrics {
                 m.bad_worker_responses.with_label_values(&[leg, reason]);
             }
         }
+        for reason in ["queue_full", "queue_timeout"] {
+            m.admission_refused.with_label_values(&[reason]);
+        }
         m
+    }
+
+    /// Creates at 0 every labelled series a dashboard or an alert reads, for this gateway's
+    /// mode, so that `rate()` and ratios work before the first event (retries, worker errors,
+    /// silent recomputes, pairing refusals, request outcomes by route).
+    pub fn prime(&self, config: &GatewayConfig) {
+        for reason in RETRY_REASONS {
+            self.retries.with_label_values(&[reason]);
+        }
+        let legs: &[Leg] = if config.pd_disaggregation { &[Leg::Prefill, Leg::Decode] } else { &[Leg::Regular] };
+        for leg in legs {
+            for code in worker_error_codes(*leg) {
+                self.leg_errors.with_label_values(&[leg.as_str(), &code]);
+            }
+        }
+        for route in ["/v1/completions", "/v1/chat/completions", "/generate"] {
+            for status in ["200", "503", "504"] {
+                self.requests.with_label_values(&[route, status]);
+            }
+        }
+        if config.pd_disaggregation {
+            let mode = format!("{:?}", config.pd_pairing_mode).to_ascii_lowercase();
+            self.pairing_refusals.with_label_values(&[&mode]);
+            for protocol in [KvConnector::Bootstrap, KvConnector::Nixl, KvConnector::Mooncake] {
+                self.silent_recompute.with_label_values(&[protocol.as_str(), "decode_reported"]);
+            }
+            for cause in ["incomplete_params", "no_params"] {
+                self.silent_recompute.with_label_values(&[KvConnector::Nixl.as_str(), cause]);
+            }
+        }
+    }
+
+    /// Per-worker series at their current values, so a worker has its breaker, health and
+    /// in-flight series from registration on, not from its first event. Called at each scrape.
+    pub fn refresh_workers(&self, entries: &[crate::registry::Entry], breaker: &pdgate_core::BreakerConfig) {
+        let now = std::time::Instant::now();
+        for e in entries {
+            let (url, role) = (e.spec.url.as_str(), e.spec.role.as_str());
+            self.breaker_state.with_label_values(&[url]).set(i64::from(e.runtime.breaker().state(now, breaker).as_gauge()));
+            self.worker_healthy.with_label_values(&[url, role]).set(i64::from(e.health.healthy));
+            self.inflight.with_label_values(&[url, role]);
+        }
     }
 
     pub fn render(&self) -> String {

@@ -48,11 +48,23 @@ pub struct Runtime {
     /// Mooncake prefill: the engine id in use, seeded from the registration (`kv_engine_id`)
     /// or learned from its bootstrap `/query`; cleared when a transfer with it failed.
     pub engine_id: Mutex<Option<String>>,
+    /// The last reason the worker failed a health check or a request leg, with when (Unix
+    /// seconds), for `GET /workers`.
+    pub last_error: Mutex<Option<(String, u64)>>,
 }
 
 impl Runtime {
+    pub fn note_error(&self, reason: String) {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some((reason, now));
+    }
+
+    pub fn last_error(&self) -> Option<(String, u64)> {
+        self.last_error.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     pub fn breaker(&self) -> Breaker {
-        *self.breaker.lock().unwrap_or_else(|p| p.into_inner())
+        self.breaker.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }
 
@@ -448,7 +460,14 @@ mod tests {
     }
 
     fn breaker_cfg() -> BreakerConfig {
-        BreakerConfig { enabled: true, failure_threshold: 2, success_threshold: 2, cooldown: Duration::from_secs(30), probe_timeout: Duration::from_secs(10) }
+        BreakerConfig {
+            enabled: true,
+            failure_threshold: 2,
+            success_threshold: 2,
+            cooldown: Duration::from_secs(30),
+            probe_timeout: Duration::from_secs(10),
+            window: Duration::from_secs(120),
+        }
     }
 
     #[test]

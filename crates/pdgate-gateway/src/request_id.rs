@@ -11,9 +11,10 @@ pub const MAX_CLIENT_ID_LEN: usize = 128;
 /// The response header that echoes the (validated) client id.
 pub const CLIENT_ID_HEADER: &str = "x-client-request-id";
 
-/// The client's `X-Request-Id` when it is 1..=128 bytes of `[A-Za-z0-9._:-]`, else `None`.
-pub fn client_id(headers: &HeaderMap) -> Option<String> {
-    let v = headers.get("x-request-id")?.as_bytes();
+/// The client's id from the first of `names` (`--request-id-headers`) that the request has,
+/// when it is 1..=128 bytes of `[A-Za-z0-9._:-]`, else `None`.
+pub fn client_id(headers: &HeaderMap, names: &[String]) -> Option<String> {
+    let v = names.iter().find_map(|n| headers.get(n.as_str()))?.as_bytes();
     valid(v).then(|| String::from_utf8_lossy(v).into_owned())
 }
 
@@ -38,6 +39,21 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert("x-request-id", axum::http::HeaderValue::from_bytes(v).unwrap());
         h
+    }
+
+    fn client_id(h: &HeaderMap) -> Option<String> {
+        super::client_id(h, &["x-request-id".to_string()])
+    }
+
+    #[test]
+    fn the_first_configured_header_present_wins() {
+        let mut h = HeaderMap::new();
+        h.insert("x-trace-id", "trace-1".parse().unwrap());
+        h.insert("x-correlation-id", "corr-1".parse().unwrap());
+        let names = |l: &[&str]| l.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(super::client_id(&h, &names(&["x-request-id", "x-correlation-id", "x-trace-id"])).as_deref(), Some("corr-1"));
+        assert_eq!(super::client_id(&h, &names(&["x-trace-id"])).as_deref(), Some("trace-1"));
+        assert_eq!(super::client_id(&h, &names(&["x-request-id"])), None);
     }
 
     #[test]

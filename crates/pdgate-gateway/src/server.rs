@@ -39,6 +39,8 @@ pub enum StartError {
 
 pub struct RunningGateway {
     addr: SocketAddr,
+    /// The `--prometheus-port` listener's address, when there is one.
+    metrics_addr: Option<SocketAddr>,
     shutdown: watch::Sender<bool>,
     task: JoinHandle<()>,
     state: Arc<AppState>,
@@ -47,6 +49,11 @@ pub struct RunningGateway {
 impl RunningGateway {
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Where `--prometheus-port` serves `/metrics`, when it is set.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
     }
 
     /// Graceful shutdown: readiness turns 503 and new requests are refused with 503 at once;
@@ -115,15 +122,23 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     health::spawn_supervisor(&state, rx.clone());
     load::spawn_poller(&state, rx.clone());
     crate::discovery::spawn(&state, discovery, rx.clone());
+    let metrics_addr = match crate::metrics_listener::spawn(&state, rx.clone()).await {
+        Ok(a) => a,
+        Err(e) => {
+            // Stop what was spawned above before reporting.
+            let _ = tx.send(true);
+            return Err(e);
+        }
+    };
     let app = front::router(state.clone());
     let task = tokio::spawn(conn::serve(listener, app, limits, edge_metrics, rx));
     tracing::info!(%addr, "pdgate listening");
-    Ok(RunningGateway { addr, shutdown: tx, task, state })
+    Ok(RunningGateway { addr, metrics_addr, shutdown: tx, task, state })
 }
 
 /// Says at start-up who may use the worker API: an open one is a loud warning.
 fn announce_admin_api(config: &GatewayConfig, addr: SocketAddr) {
-    let keyed = config.admin_api_key.as_deref().is_some_and(|k| !k.is_empty());
+    let keyed = !config.admin_keys().is_empty();
     if keyed {
         if config.admin_api_open {
             tracing::warn!("--admin-api-open is ignored: --admin-api-key is set, so the worker API (/workers) needs that key");

@@ -44,6 +44,8 @@ pub struct AppState {
     pub tree: Mutex<RadixTree>,
     /// The client edge: hop token, own listener, log limiter (src/edge).
     pub edge: crate::edge::Edge,
+    /// `--max-concurrent-requests` and its queue; `None` without a limit.
+    pub admission: Option<crate::admission::Admission>,
 }
 
 impl AppState {
@@ -53,15 +55,16 @@ impl AppState {
         AppState {
             client: Arc::new(HttpClient::new(upstream.clone())),
             upstream,
-            metrics: Metrics::new(),
+            metrics: {
+                let m = Metrics::new();
+                m.prime(&config);
+                m
+            },
+            admission: crate::admission::Admission::from_config(&config),
             regular_policy: make_policy_with(config.policy, &PolicyOptions::from_config(&config)),
             prefill_policy: make_policy_with(config.effective_prefill_policy(), &PolicyOptions::from_config(&config)),
             decode_policy: make_policy_with(config.effective_decode_policy(), &PolicyOptions::from_config(&config)),
-            retry: RetryPolicy {
-                max_retries: config.retry_max_retries,
-                initial_backoff: Duration::from_millis(config.retry_initial_backoff_ms),
-                max_backoff: Duration::from_millis(config.retry_max_backoff_ms),
-            },
+            retry: RetryPolicy::from_config(&config),
             limits: config.limits(),
             retry_budget: Mutex::new(RetryBudget::new(RetryBudgetConfig::from_config(&config))),
             draining: std::sync::atomic::AtomicBool::new(false),
@@ -158,6 +161,14 @@ impl AppState {
                 state.record_outcome(&url, outcome);
             }
         });
+    }
+
+    /// Notes why a worker failed a request leg, for `/workers`' `last_error`.
+    pub fn note_worker_error(&self, url: &str, err: &pdgate_core::GatewayError) {
+        let routing = self.registry.routing();
+        if let Some(i) = routing.snapshot.index_of(url) {
+            routing.runtime[i].note_error(format!("request: {} ({})", err.message, err.code()));
+        }
     }
 
     /// Whether any configured policy reads the radix tree.

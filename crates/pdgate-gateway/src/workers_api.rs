@@ -58,6 +58,7 @@ pub fn worker_json(state: &AppState, e: &Entry) -> Value {
         "pd_pairing": state.registry.pairing_key(e),
         "pd_pairing_mode": state.registry.pairing_mode(),
         "breaker": e.runtime.breaker().state(std::time::Instant::now(), state.registry.breaker_config()).as_str(),
+        "last_error": e.runtime.last_error().map(|(reason, at)| json!({"reason": reason, "at": at})),
     })
 }
 

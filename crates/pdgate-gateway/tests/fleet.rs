@@ -128,7 +128,7 @@ async fn a_breaker_opens_on_failures_and_recovers_after_its_cooldown() {
     let bad = spawn("regular", Default::default(), Fault::Status(500)).await;
     let good = spawn("regular", Default::default(), Fault::None).await;
     let (_gw, url) = gateway(json!({"worker_urls": [bad.url, good.url], "policy": "round_robin",
-        "breaker_failure_threshold": 2, "breaker_success_threshold": 1, "breaker_cooldown_secs": 1, "retry_max_retries": 1}))
+        "breaker_failure_threshold": 2, "breaker_success_threshold": 1, "breaker_cooldown_secs": 1, "retry_max_retries": 2}))
     .await;
     wait_ready(&url).await;
     let c = client();

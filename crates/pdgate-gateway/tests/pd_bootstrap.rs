@@ -82,7 +82,7 @@ async fn prefill_failure_cancels_the_waiting_decode_at_once() {
     let rdv = Arc::new(Rendezvous::default());
     let p = spawn("prefill", rdv.clone(), Fault::Status(500)).await;
     let d = spawn("decode", rdv, Fault::None).await;
-    let (_gw, url) = gateway(json!({"pd_disaggregation": true, "prefill": [p.url], "decode": [d.url], "retry_max_retries": 1})).await;
+    let (_gw, url) = gateway(json!({"pd_disaggregation": true, "prefill": [p.url], "decode": [d.url], "retry_max_retries": 2})).await;
     wait_ready(&url).await;
     let r = client().post(format!("{url}/v1/completions")).json(&json!({"prompt": "x"})).send().await.unwrap();
     assert_eq!(r.status(), 502);

@@ -12,6 +12,8 @@ pub struct RequestScope {
     pub request_id: String,
     /// The `via` value for upstream requests: the incoming one plus this gateway's entry.
     pub via: HeaderValue,
+    /// The request's log span (its ids), entered wherever the scope is.
+    pub span: tracing::Span,
 }
 
 tokio::task_local! {
@@ -20,11 +22,14 @@ tokio::task_local! {
 
 /// Runs `fut` with `scope` as the current request scope.
 pub async fn run<F: Future>(scope: Arc<RequestScope>, fut: F) -> F::Output {
-    CURRENT.scope(scope, fut).await
+    use tracing::Instrument;
+    let span = scope.span.clone();
+    CURRENT.scope(scope, fut.instrument(span)).await
 }
 
 /// Runs `f` (one poll) with `scope` as the current request scope.
 pub fn sync<R>(scope: &Arc<RequestScope>, f: impl FnOnce() -> R) -> R {
+    let _entered = scope.span.enter();
     CURRENT.sync_scope(scope.clone(), f)
 }
 

@@ -49,6 +49,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         if record.attempts > 1 {
             // A retry is a new rendezvous: the old id may still be live on the failed pair.
             ctx.request_id = crate::request_id::mint(ctx.client_request_id.as_deref());
+            tracing::Span::current().record("request_id", ctx.request_id.as_str());
         }
         let failure = match attempt(&ctx, &failed, &mut record).await {
             Ok(resp) => break resp,
@@ -57,6 +58,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         let err = &failure.error;
         if let Some(url) = &failure.worker {
             ctx.state.record_outcome(url, Outcome::of_attempt(err, ctx.started));
+            ctx.state.note_worker_error(url, err);
         }
         let metrics = &ctx.state.metrics;
         if let Some(leg) = err.leg {
@@ -331,6 +333,7 @@ fn finish(ctx: &Ctx, mut response: Response, record: &Record) -> Response {
         headers.insert(crate::request_id::CLIENT_ID_HEADER, v);
     }
     let status = response.status();
+    crate::access_log::served(&ctx.request_id, ctx.client_request_id.as_deref(), ctx.route, record, status.as_u16(), ctx.started);
     ctx.state.metrics.requests.with_label_values(&[ctx.route, status.as_str()]).inc();
     if !status.is_success() {
         ctx.state.metrics.duration.with_label_values(&[ctx.route]).observe(ctx.started.elapsed().as_secs_f64());

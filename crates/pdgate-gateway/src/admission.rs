@@ -1,0 +1,234 @@
+//! Admission: a plain concurrency limit with a bounded FIFO queue, as SMG's
+//! `--max-concurrent-requests`, `--queue-size` and `--queue-timeout-secs`.
+//!
+//! A request takes one of `limit` permits and holds it until its response body ends (a stream
+//! holds it for the whole stream). Without a free permit it waits in line, first come first
+//! served (tokio's semaphore is fair); when `queue_size` requests already wait it is answered
+//! 429 at once, and one that waited `queue_timeout` is answered 408, as SMG answers both.
+//! This is tower's `ConcurrencyLimit` (the same semaphore) plus the queue bound and the
+//! timeout, which tower's layer does not have. Smarter admission (predicted TTFT, priorities)
+//! belongs to the placement work and is not here.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::middleware::Next;
+use axum::response::Response;
+use hyper::body::{Frame, SizeHint};
+use pdgate_core::{GatewayConfig, GatewayError};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::render::error_response;
+use crate::state::AppState;
+
+/// The limit, its queue and their counters. `None` in `AppState` when there is no limit.
+pub struct Admission {
+    permits: Arc<Semaphore>,
+    limit: usize,
+    queue_size: usize,
+    queue_timeout: Duration,
+    waiting: AtomicUsize,
+}
+
+/// Why a request was not admitted.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Refusal {
+    QueueFull,
+    QueueTimeout,
+}
+
+impl Refusal {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Refusal::QueueFull => "queue_full",
+            Refusal::QueueTimeout => "queue_timeout",
+        }
+    }
+}
+
+/// Undoes the waiting count however the wait ends (admitted, timed out, or the client left).
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Admission {
+    pub fn from_config(c: &GatewayConfig) -> Option<Self> {
+        let limit = c.concurrency_limit()?;
+        Some(Self::new(limit, c.queue_size, Duration::from_secs(c.queue_timeout_secs)))
+    }
+
+    pub fn new(limit: usize, queue_size: usize, queue_timeout: Duration) -> Self {
+        Admission { permits: Arc::new(Semaphore::new(limit)), limit, queue_size, queue_timeout, waiting: AtomicUsize::new(0) }
+    }
+
+    /// A permit now, after a wait in line, or the reason there is none.
+    pub async fn admit(&self) -> Result<OwnedSemaphorePermit, Refusal> {
+        if let Ok(p) = self.permits.clone().try_acquire_owned() {
+            return Ok(p);
+        }
+        // Count ourselves in line first, then check: two racing requests cannot both take
+        // the last place.
+        if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.queue_size {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(Refusal::QueueFull);
+        }
+        let _in_line = Waiting(&self.waiting);
+        match tokio::time::timeout(self.queue_timeout, self.permits.clone().acquire_owned()).await {
+            Ok(Ok(p)) => Ok(p),
+            // The semaphore is never closed; treat it as a timeout all the same.
+            Ok(Err(_)) | Err(_) => Err(Refusal::QueueTimeout),
+        }
+    }
+
+    /// Requests waiting for a permit now.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::SeqCst)
+    }
+
+    /// Requests holding a permit now.
+    #[cfg(test)]
+    pub fn running(&self) -> usize {
+        self.limit - self.permits.available_permits()
+    }
+}
+
+/// The middleware on the inference routes (inside the API-key check, so an unauthenticated
+/// request never takes a place).
+pub async fn limit(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let Some(admission) = state.admission.as_ref() else { return next.run(req).await };
+    let started = Instant::now();
+    let admitted = admission.admit().await;
+    let m = &state.metrics;
+    m.queue_wait.observe(started.elapsed().as_secs_f64());
+    match admitted {
+        Ok(permit) => {
+            m.admission_running.inc();
+            let resp = next.run(req).await;
+            let admission_running = m.admission_running.clone();
+            resp.map(|inner| Body::new(Permitted { inner, permit: Some(permit), on_release: Some(Box::new(move || admission_running.dec())) }))
+        }
+        Err(why) => {
+            m.admission_refused.with_label_values(&[why.as_str()]).inc();
+            let err = match why {
+                Refusal::QueueFull => GatewayError::overloaded(format!(
+                    "too many requests: {} running and {} waiting (--max-concurrent-requests, --queue-size)",
+                    admission.limit, admission.queue_size
+                )),
+                Refusal::QueueTimeout => {
+                    GatewayError::queue_timeout(format!("the request waited {} s in the admission queue (--queue-timeout-secs)", admission.queue_timeout.as_secs()))
+                }
+            };
+            let route = req.uri().path().to_string();
+            let resp = error_response(&err);
+            crate::access_log::refused(&route, resp.status().as_u16(), err.code().as_str(), started);
+            m.requests.with_label_values(&[crate::access_log::route_label(&route), resp.status().as_str()]).inc();
+            resp
+        }
+    }
+}
+
+/// A response body that holds its request's permit until it ends or is dropped.
+struct Permitted {
+    inner: Body,
+    permit: Option<OwnedSemaphorePermit>,
+    on_release: Option<Box<dyn FnOnce() + Send>>,
+}
+
+impl Permitted {
+    fn release(&mut self) {
+        if self.permit.take().is_some() {
+            if let Some(f) = self.on_release.take() {
+                f();
+            }
+        }
+    }
+}
+
+impl Drop for Permitted {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+impl hyper::body::Body for Permitted {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None)) {
+            this.release();
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_queue_refuses_at_once_and_a_long_wait_times_out() {
+        let a = Arc::new(Admission::new(1, 1, Duration::from_secs(5)));
+        let held = a.admit().await.unwrap();
+        assert_eq!(a.running(), 1);
+        let waiter = tokio::spawn({
+            let a = a.clone();
+            async move { a.admit().await.map(|_| ()) }
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(a.waiting(), 1);
+        assert_eq!(a.admit().await.unwrap_err(), Refusal::QueueFull, "one place in line, taken");
+        tokio::time::advance(Duration::from_secs(6)).await;
+        assert_eq!(waiter.await.unwrap(), Err(Refusal::QueueTimeout));
+        assert_eq!(a.waiting(), 0);
+        drop(held);
+        assert!(a.admit().await.is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiters_are_admitted_in_arrival_order_when_permits_free_up() {
+        let a = Arc::new(Admission::new(1, 10, Duration::from_secs(60)));
+        let held = a.admit().await.unwrap();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for i in 0..3 {
+            let (a, tx) = (a.clone(), tx.clone());
+            tokio::spawn(async move {
+                let p = a.admit().await.unwrap();
+                tx.send(i).unwrap();
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                drop(p);
+            });
+            tokio::task::yield_now().await;
+        }
+        drop(held);
+        let order: Vec<i32> = [rx.recv().await, rx.recv().await, rx.recv().await].into_iter().flatten().collect();
+        assert_eq!(order, [0, 1, 2]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_queue_means_429_as_soon_as_the_limit_is_reached() {
+        let a = Admission::new(2, 0, Duration::from_secs(60));
+        let _p1 = a.admit().await.unwrap();
+        let _p2 = a.admit().await.unwrap();
+        assert_eq!(a.admit().await.unwrap_err(), Refusal::QueueFull);
+    }
+}

@@ -1,0 +1,60 @@
+//! Logs: text or JSON (`--log-json`) on stderr, and also in `DIR/pdgate.log` with `--log-dir`.
+//!
+//! Installed once per process: a second gateway embedded in the same Python process logs
+//! through the first one's subscriber (its `--log-*` options are then not applied).
+
+use std::fs::{File, OpenOptions};
+use std::path::Path;
+use std::sync::Mutex;
+
+use pdgate_core::GatewayConfig;
+use tracing_subscriber::fmt::MakeWriter;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer, Registry};
+
+/// The file `--log-dir` writes to.
+pub const LOG_FILE: &str = "pdgate.log";
+
+type Boxed = Box<dyn Layer<Registry> + Send + Sync>;
+
+/// One formatting layer: JSON objects (with the target and the request span) or text.
+fn format_layer<W>(json: bool, ansi: bool, writer: W) -> Boxed
+where
+    W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
+{
+    let layer = tracing_subscriber::fmt::layer().with_writer(writer);
+    if json {
+        layer.json().with_target(true).with_current_span(true).with_span_list(false).boxed()
+    } else {
+        layer.with_target(false).with_ansi(ansi).boxed()
+    }
+}
+
+/// The filter: `RUST_LOG` wins over `--log-level`.
+fn filter(level: &str) -> EnvFilter {
+    // `warning` is the Python name; tracing calls it `warn` (validate_log_level accepts both).
+    let level = level.to_ascii_lowercase().replace("warning", "warn");
+    EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(&level)).unwrap_or_else(|_| EnvFilter::new("info"))
+}
+
+/// Opens (creating the directory when missing) the log file of `--log-dir`.
+pub fn open_log_file(dir: &str) -> Result<File, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("--log-dir {dir}: cannot create it: {e}"))?;
+    let path = Path::new(dir).join(LOG_FILE);
+    OpenOptions::new().create(true).append(true).open(&path).map_err(|e| format!("--log-dir: cannot write {}: {e}", path.display()))
+}
+
+/// Installs the subscriber for `config`'s `--log-level`, `--log-json` and `--log-dir`. Later
+/// calls in the same process do nothing (but a bad `--log-dir` is still an error).
+pub fn init_logging(config: &GatewayConfig) -> Result<(), String> {
+    let file = config.log_dir.as_deref().map(open_log_file).transpose()?;
+    // Colour only for a terminal (not in files or CI logs).
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let mut layers: Vec<Boxed> = vec![format_layer(config.log_json, ansi, std::io::stderr)];
+    if let Some(f) = file {
+        layers.push(format_layer(config.log_json, false, Mutex::new(f)));
+    }
+    let _ = tracing_subscriber::registry().with(layers).with(filter(&config.log_level)).try_init();
+    Ok(())
+}
