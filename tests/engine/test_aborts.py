@@ -143,6 +143,20 @@ def test_abort_nixl_hold_frees_pinned_pages_at_once(workers):
     assert_clean(p, d, timeout=FREED_WITHIN_S)
 
 
+def test_abort_nixl_hold_by_the_x_request_id_the_gateway_sent(workers):
+    """vLLM's API has no body rid: the gateway's NIXL prefill leg carries only `X-Request-Id`,
+    and the engine names the request `cmpl-{X-Request-Id}-0`. The gateway releases a hold
+    nobody will pull with `/abort_request {"rid": X-Request-Id}`, so that must match it."""
+    p, _d = workers["nixl"]
+    xid = f"gw-{uuid.uuid4().hex}"
+    rp = httpx.post(p.url + "/v1/completions", timeout=30, headers={"X-Request-Id": xid}, json=completion(
+        max_tokens=1, kv_transfer_params=dict(router.NIXL_PREFILL_PARAMS)))
+    assert rp.json()["kv_transfer_params"]["remote_request_id"] == f"cmpl-{xid}-0"
+    assert loads(p)["disaggregation"]["held_for_pull"] == 1
+    assert abort(p, rid=xid) == {"aborted": True, "count": 1}
+    assert_clean(p, timeout=FREED_WITHIN_S)
+
+
 def test_nixl_decode_that_rejects_the_request_releases_the_prefill_hold():
     """vLLM's NIXL decode notifies its prefill when it will not pull (aborted or rejected before
     admission). Here the decode's pool cannot hold the generation: it answers 400 at once, and

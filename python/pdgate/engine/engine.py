@@ -41,6 +41,10 @@ def load_model(name: str, seed: int):
     raise SystemExit(f"--model {name!r}: not a preset ({', '.join(PRESETS)}) nor a directory")
 
 
+# The prefixes the vLLM-style endpoints put before the X-Request-Id in a request id.
+VLLM_ID_PREFIXES = ("cmpl", "chatcmpl")
+
+
 class Engine:
     def __init__(self, args):
         self.args = args
@@ -212,9 +216,17 @@ class Engine:
         Besides live requests this frees NIXL holds: a prefill whose answer has been sent keeps
         its pages pinned for the decode's pull, and when the gateway knows that pull will never
         come (the decode died or gave up) this is how it says so instead of waiting for the
-        lease. Returns how many requests and holds were aborted."""
+        lease. Returns how many requests and holds were aborted.
+
+        The vLLM-style surfaces name a request `{cmpl|chatcmpl}-{X-Request-Id}-{i}` (there is no
+        body rid in vLLM's API), so a rid also matches after that prefix: the gateway aborts a
+        NIXL prefill's hold by the X-Request-Id it sent."""
+        if not rid and not abort_all:
+            return 0
+
         def hit(key: str) -> bool:
-            return abort_all or key.startswith(rid)
+            prefix, _, rest = key.partition("-")
+            return abort_all or key.startswith(rid) or (prefix in VLLM_ID_PREFIXES and rest.startswith(rid))
 
         seqs = [seq for key, (seq, _t) in list(self.live.items()) if hit(key)]
         for seq in seqs:
