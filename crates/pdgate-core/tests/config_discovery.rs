@@ -1,4 +1,5 @@
 //! The Kubernetes discovery options (`--service-discovery` and its selectors) and their checks.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 use pdgate_core::GatewayConfig;
 

@@ -1,4 +1,5 @@
 //! SMG's (and vLLM router's) spellings resolve to pdgate's options with SMG's meaning.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 use pdgate_core::breaker::BreakerConfig;
 use pdgate_core::config::parse_control_plane_key;

@@ -1,4 +1,5 @@
 //! The CLI and JSON views of `GatewayConfig` are one schema.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 use pdgate_core::{GatewayConfig, KvConnector, WorkerRole};
 

@@ -1,4 +1,5 @@
 //! The routing, pairing and breaker options in both views of the config.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 use pdgate_core::{BreakerConfig, GatewayConfig, PairingMode, PolicyName, PolicyOptions};
 

@@ -1,6 +1,7 @@
 //! Policies' distributions with a seeded rng: power of two never takes the worse of its two
 //! samples, consistent hashing moves ~1/N of the keys when a worker joins and only the keys of a
 //! worker that leaves.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 use std::collections::HashMap;
 use std::sync::Arc;

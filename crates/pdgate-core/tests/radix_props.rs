@@ -1,4 +1,5 @@
 //! The radix tree against a naive oracle: a list of every (text, worker) inserted.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 use pdgate_core::RadixTree;
 use proptest::prelude::*;

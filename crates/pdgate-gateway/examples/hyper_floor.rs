@@ -6,6 +6,7 @@
 //!
 //!   cargo build --release -p pdgate-gateway --example hyper_floor
 //!   target/release/examples/hyper_floor PORT http://127.0.0.1:UPSTREAM_PORT
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 use std::convert::Infallible;
 

@@ -1,4 +1,5 @@
 //! Client mistakes get a 4xx with an OpenAI-style error body, never a 5xx or a hang.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 mod common;
 

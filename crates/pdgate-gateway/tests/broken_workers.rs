@@ -3,6 +3,7 @@
 //! broken and one good worker (the decode pool in PD): before commit the client gets 502
 //! `bad_worker_response`; after commit the stream ends with an error event naming the leg. The
 //! broken worker's breaker (threshold 1) opens, and the gateway keeps serving from the good one.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 mod common;
 

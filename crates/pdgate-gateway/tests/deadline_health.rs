@@ -4,6 +4,7 @@
 //! the worker: a worker that answers it keeps its breaker closed, one that does not (a hung
 //! engine) opens it. On tokio's paused clock: the one-second deadlines, the trickling mocks and
 //! the probe's timeout run in virtual time.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 mod common;
 

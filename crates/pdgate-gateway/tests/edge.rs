@@ -3,6 +3,7 @@
 //! cut by the header, body and idle timeouts, connections beyond --max-connections are closed,
 //! the worker API is closed by default, loops are refused or cut with 508, and a burst of
 //! failing requests logs a bounded amount. After each, the gateway still serves.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 mod common;
 

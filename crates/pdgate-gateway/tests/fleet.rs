@@ -1,5 +1,6 @@
 //! Fleet management on loopback: the worker API, draining, API keys, circuit breakers, and
 //! load-aware routing around a slow worker.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 mod common;
 

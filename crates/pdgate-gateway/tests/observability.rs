@@ -1,6 +1,7 @@
 //! Component tests, real sockets on loopback: the `--prometheus-port` listener, and the breaker
 //! configured through its window option (the window itself, failures ageing out of it, is
 //! unit-tested in pdgate-core's breaker.rs on an injected clock).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 mod common;
 

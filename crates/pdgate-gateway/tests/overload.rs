@@ -1,5 +1,6 @@
 //! Protection against overload, with real sockets on loopback and tokio's paused clock: the
 //! shared retry budget, one probe at a time through a half-open breaker, and graceful shutdown.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 mod common;
 
@@ -113,6 +114,8 @@ async fn shutdown_refuses_new_requests_and_lets_streams_in_flight_finish() {
     let body = json!({"prompt": "x", "stream": true, "max_tokens": 8});
     let streams = join_all((0..5).map(|_| post(&url, &body)));
     let (worker, url) = (&workers[0], url.as_str());
+    // It hands back the shutdown task, awaited after the streams are checked.
+    #[allow(clippy::async_yields_async)]
     let during = async move {
         // Until the five streams reached the worker (a mock's stream outlives its handler, so
         // `active` does not count it; `count` does once the request arrived).
@@ -124,7 +127,7 @@ async fn shutdown_refuses_new_requests_and_lets_streams_in_flight_finish() {
         let ready = client().get(format!("{url}/readiness")).send().await.unwrap();
         assert_eq!(ready.status(), 503);
         assert_eq!(ready.json::<Value>().await.unwrap()["status"], "draining");
-        let (status, text) = post(&url, &json!({"prompt": "x"})).await;
+        let (status, text) = post(url, &json!({"prompt": "x"})).await;
         assert_eq!(status, 503, "{text}");
         assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["error"]["code"], "shutting_down");
         stop

@@ -1,5 +1,6 @@
 //! SGLang bootstrap PD against mocks that really rendezvous: a gateway that sent the legs one
 //! after the other would fail every test here.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! vLLM-style PD: NIXL params relayed verbatim (the mock decode pulls with them), Mooncake
 //! transfer ids and engine-id discovery, and silent-recompute accounting.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 mod common;
 

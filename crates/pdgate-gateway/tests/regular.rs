@@ -1,4 +1,5 @@
 //! Regular mode through real sockets: pass-through, streaming, decision record, models, metrics.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 mod common;
 

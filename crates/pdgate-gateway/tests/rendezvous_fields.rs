@@ -2,6 +2,7 @@
 //! own `bootstrap_*`, `kv_transfer_params`, `transfer_id`, engine ids or `rid` never has them
 //! reach a worker, on any leg, in any mode; the recording mocks see the gateway's values only.
 //! The id the legs rendezvous on is minted per attempt from the client's `X-Request-Id`.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 mod common;
 

@@ -3,6 +3,7 @@
 //! it by hundreds of MB (n = 10^6), make a response header no client accepts (n = 10,000, a
 //! 20,000-item batch), or wait out the deadline (max_tokens = 2^64-1). Now each is a 400 naming
 //! the field, nothing reaches a worker, and the gateway serves the next request.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 mod common;
 

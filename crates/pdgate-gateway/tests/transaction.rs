@@ -2,6 +2,7 @@
 //! really ends, a leg the gateway gives up is aborted at its engine (SGLang
 //! `POST /abort_request {"rid"}`), both legs carry one request id, and a timeout names the leg
 //! that hung. Recording mocks on loopback (below) and the protocol mocks of `common`.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 mod common;
 

@@ -1,6 +1,7 @@
 //! Workers behind TLS and a worker key, through real sockets: `https://` workers whose
 //! certificate a private CA made in the test signs, `--worker-ca-cert`, and
 //! `--worker-api-key` on every call to a worker, never the client's key.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 mod common;
 #[path = "common/tls.rs"]

@@ -315,7 +315,7 @@ mod tests {
             (Endpoint::Generate, big_text, "text"),
             (Endpoint::Generate, many_ids, "input_ids"),
             (Endpoint::Completions, many_prompts, "prompt"),
-            (Endpoint::Completions, format!(r#"{{"prompt":[{}],"n":128}}"#, vec![r#""a""#; 9].join(",")), "n"),
+            (Endpoint::Completions, format!(r#"{{"prompt":[{}],"n":128}}"#, [r#""a""#; 9].join(",")), "n"),
             (Endpoint::Completions, long_prompt, "prompt"),
             (Endpoint::Completions, many_stops, "stop"),
             (Endpoint::Completions, long_stop, "stop"),

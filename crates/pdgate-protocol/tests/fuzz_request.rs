@@ -3,6 +3,7 @@
 //! gateway relies on. A stand-in for a cargo-fuzz target that runs in every `cargo test`:
 //! 256 cases by default (a few seconds); `PROPTEST_CASES=100000 cargo test -p pdgate-protocol
 //! --test fuzz_request` searches longer.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 use pdgate_protocol::rendezvous::{has_gateway_fields, strip_gateway_fields};
 use pdgate_protocol::{parse_request, Endpoint, InvalidRequest, Limits, ParsedRequest};
@@ -133,7 +134,7 @@ proptest! {
                     // Nothing downstream may allocate per item beyond the bound.
                     prop_assert!(items as u64 <= Limits::default().max_batch_size, "{items} items accepted");
                     if let Some(n) = n_of(ep, &b) {
-                        prop_assert!(n >= 1 && items as u64 % n == 0, "{items} items for n = {n}");
+                        prop_assert!(n >= 1 && (items as u64).is_multiple_of(n), "{items} items for n = {n}");
                     }
                 }
                 let single = match ep {
