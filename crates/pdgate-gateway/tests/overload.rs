@@ -43,7 +43,8 @@ fn attempts(workers: &[Mock]) -> u32 {
 /// retries between them, and each request's retry beyond that is refused and counted.
 #[tokio::test(start_paused = true)]
 async fn the_shared_retry_budget_bounds_retries_across_requests() {
-    let budget = json!({"retry_max_retries": 2, "retry_budget_ratio": 0.5, "retry_budget_min_per_sec": 0, "disable_circuit_breaker": true});
+    // `retry_max_retries` counts attempts in all, as SMG does: 3 = the first and two retries.
+    let budget = json!({"retry_max_retries": 3, "retry_budget_ratio": 0.5, "retry_budget_min_per_sec": 0, "disable_circuit_breaker": true});
     let (_gw, url, workers) = regular_pool(2, budget).await;
     for w in &workers {
         w.set_fault(Fault::Status(503));
@@ -61,7 +62,8 @@ async fn the_shared_retry_budget_bounds_retries_across_requests() {
 /// a 10 s window.
 #[tokio::test(start_paused = true)]
 async fn the_retry_budget_floor_lets_a_quiet_gateway_retry() {
-    let budget = json!({"retry_max_retries": 1, "retry_budget_ratio": 0.0, "retry_budget_min_per_sec": 1, "disable_circuit_breaker": true});
+    // Two attempts in all: the first and one retry.
+    let budget = json!({"retry_max_retries": 2, "retry_budget_ratio": 0.0, "retry_budget_min_per_sec": 1, "disable_circuit_breaker": true});
     let (_gw, url, workers) = regular_pool(1, budget).await;
     workers[0].set_fault(Fault::Status(503));
     for _ in 0..12 {
