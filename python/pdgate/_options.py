@@ -46,9 +46,9 @@ class GatewayOptions(TypedDict, total=False):
     pd_disaggregation: bool
     """--pd-disaggregation: Run in prefill/decode disaggregated mode."""
     prefill: list[str | list[str | int | None] | tuple[str | int | None, ...] | PrefillWorker] | tuple[str | list[str | int | None] | tuple[str | int | None, ...] | PrefillWorker, ...]
-    """--prefill: A prefill worker, optionally its bootstrap port (`none` for the engine default) and `kv_connector=NAME` to override the global connector. Repeat for more workers."""
+    """--prefill: A prefill worker, optionally its bootstrap port (`none` for the engine default), then any of `kv_connector=NAME` (overrides the global connector), `kv_engine_id=ID` (a Mooncake prefill's engine id) and `label=KEY=VALUE` (repeatable). Repeat for more workers."""
     decode: list[str | list[str] | tuple[str, ...] | DecodeWorker] | tuple[str | list[str] | tuple[str, ...] | DecodeWorker, ...]
-    """--decode: A decode worker, optionally followed by `kv_connector=NAME`. Repeat for more workers."""
+    """--decode: A decode worker, optionally followed by `kv_connector=NAME` and `label=KEY=VALUE` (repeatable). Repeat for more workers."""
     kv_connector: Literal["bootstrap", "nixl", "mooncake"]
     """--kv-connector: How KV moves between prefill and decode: SGLang bootstrap rendezvous, vLLM NIXL (pull) or vLLM Mooncake (push). Workers registered with their own connector override this. Default: "bootstrap"."""
     policy: Literal["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash"]
@@ -68,11 +68,13 @@ class GatewayOptions(TypedDict, total=False):
     pd_pairing_mode: Literal["off", "lenient", "strict"]
     """--pd-pairing-mode: Which prefill/decode pairs may work together: off (KV transport only), lenient (a known runtime or KV layout mismatch refuses) or strict (an unknown one refuses too). Default: "lenient"."""
     breaker_failure_threshold: int
-    """--breaker-failure-threshold: Consecutive failed requests that open a worker's circuit breaker. Default: 5. Range: 0 to 4294967295."""
+    """--breaker-failure-threshold: Consecutive failed requests, all within --breaker-window-secs, that open a worker's circuit breaker. Default: 5. Range: 0 to 4294967295."""
     breaker_success_threshold: int
     """--breaker-success-threshold: Consecutive successful requests in half-open state that close the breaker again. Default: 2. Range: 0 to 4294967295."""
     breaker_cooldown_secs: int
     """--breaker-cooldown-secs: Seconds an open breaker waits before letting probe requests through (half-open). Default: 30. Range: 0 to 18446744073709551615."""
+    breaker_window_secs: int
+    """--breaker-window-secs: Sliding window for counting failures: a failure older than this many seconds no longer counts towards --breaker-failure-threshold. Default: 120. Range: 0 to 18446744073709551615."""
     disable_circuit_breaker: bool
     """--disable-circuit-breaker: Never open circuit breakers (request failures then only count through health checks)."""
     request_timeout_secs: int
@@ -84,11 +86,19 @@ class GatewayOptions(TypedDict, total=False):
     worker_ca_cert: str | None
     """--worker-ca-cert: PEM bundle of the CA certificates that sign `https://` workers' certificates (a private CA). When given, only these are trusted for workers; without it, the system's roots."""
     retry_max_retries: int
-    """--retry-max-retries: Extra attempts after the first one, only before any byte reached the client. Default: 2. Range: 0 to 4294967295."""
+    """--retry-max-retries: Most attempts per request, the first one included (SMG's meaning: 3 means one try and two retries; 0 and 1 mean no retry). Retries happen only before any byte reached the client, each on another worker or pair. Default: 3. Range: 0 to 4294967295."""
     retry_initial_backoff_ms: int
-    """--retry-initial-backoff-ms: First retry backoff; doubles per attempt, with full jitter. Default: 50. Range: 0 to 18446744073709551615."""
+    """--retry-initial-backoff-ms: First retry backoff; grows by --retry-backoff-multiplier per attempt, with jitter. Default: 50. Range: 0 to 18446744073709551615."""
     retry_max_backoff_ms: int
     """--retry-max-backoff-ms: Upper bound of one retry backoff. Default: 1000. Range: 0 to 18446744073709551615."""
+    retry_budget_ratio: float
+    """--retry-budget-ratio: Retry budget shared by all requests: retries in the window may be at most this fraction of the requests that started in it (plus --retry-budget-min-per-sec), so retries cannot multiply an overload. A retry over budget is not made (`pdgate_retries_refused_total`). Default: 0.2."""
+    retry_budget_min_per_sec: int
+    """--retry-budget-min-per-sec: Retries per second the budget allows whatever the traffic (a quiet gateway still retries). Default: 10. Range: 0 to 4294967295."""
+    retry_budget_window_secs: int
+    """--retry-budget-window-secs: Seconds over which the retry budget counts requests and retries. Default: 10. Range: 0 to 18446744073709551615."""
+    shutdown_grace_period_secs: int
+    """--shutdown-grace-period-secs: On SIGTERM (or `stop()`): readiness turns 503 and new requests are refused with 503 at once, while requests in flight (streams included) get this many seconds to finish; then the gateway stops and exits 0. Default: 30. Range: 0 to 18446744073709551615."""
     max_response_bytes: int
     """--max-response-bytes: Largest non-streamed worker answer the gateway reads, in bytes. A larger one fails the leg with 502 `bad_worker_response` (workers are not trusted to bound their answers). Default: 67108864. Range: 0 to 18446744073709551615."""
     max_sse_event_bytes: int
@@ -120,13 +130,13 @@ class GatewayOptions(TypedDict, total=False):
     health_check_endpoint: str
     """--health-check-endpoint: Health check path on each worker. Default: "/health"."""
     log_level: str
-    """--log-level: Log level: debug, info, warn (or warning), error, trace or off; or per-target directives such as `pdgate_gateway=debug,info`. Anything else is refused. Default: "info"."""
+    """--log-level: Log level: debug, info, warn (or warning), error, trace or off; or per-target directives such as `pdgate_gateway=debug,info`. Anything else is refused. The access log (one line per request) is the target `pdgate::access` at info. Default: "info"."""
     load_poll_interval_secs: int
     """--load-poll-interval-secs: Seconds between polls of each worker's own load report (`/v1/loads`, else vLLM `/metrics`), used by load-aware policies; 0 turns polling off. Default: 2. Range: 0 to 18446744073709551615."""
     api_key: str | None
-    """--api-key: Require `Authorization: Bearer KEY` on the client endpoints."""
+    """--api-key: Require `Authorization: Bearer KEY` on the client endpoints. On the command line, the environment variable PDGATE_API_KEY stands in when the flag is not given."""
     admin_api_key: str | None
-    """--admin-api-key: Require `Authorization: Bearer KEY` on the worker API (`/workers`)."""
+    """--admin-api-key: Require `Authorization: Bearer KEY` on the worker API (`/workers`). On the command line, the environment variable PDGATE_ADMIN_API_KEY stands in when the flag is not given."""
     admin_api_open: bool
     """--admin-api-open: Open the worker API (`/workers`) without a key, for development only: anyone who can reach the gateway may then list, add and remove workers. Without it and without --admin-api-key the worker API is closed."""
     header_read_timeout_secs: int
@@ -148,6 +158,34 @@ class GatewayOptions(TypedDict, total=False):
     service_discovery_namespace: str | None
     """--service-discovery-namespace: Namespace to watch for worker pods (default: all namespaces)."""
     service_discovery_port: int
-    """--service-discovery-port: Worker port on each pod, unless the pod's `pdgate.ai/port` annotation says otherwise. Default: 8000. Range: 0 to 65535."""
+    """--service-discovery-port: Worker port on each pod, unless the pod's `pdgate.ai/port` annotation says otherwise (80 by default, as SMG). Default: 80. Range: 0 to 65535."""
     kubeconfig: str | None
     """--kubeconfig: Kubeconfig file for running outside the cluster (default: in-cluster service account)."""
+    retry_backoff_multiplier: float
+    """--retry-backoff-multiplier: Factor by which the retry backoff grows per attempt (at least 1.0). Default: 2.0."""
+    retry_jitter_factor: float
+    """--retry-jitter-factor: Random spread of each retry backoff, 0.0-1.0: the delay is multiplied by a uniform factor in [1 - f, 1 + f], then capped by --retry-max-backoff-ms. Default: 0.2."""
+    disable_retries: bool
+    """--disable-retries: One attempt per request, never a retry (same as --retry-max-retries 1)."""
+    disable_health_check: bool
+    """--disable-health-check: No active health checks: every worker counts as healthy from registration (the circuit breaker still takes failing ones out)."""
+    prometheus_port: int | None
+    """--prometheus-port: Also serve `/metrics` on a listener of its own at this port (0 picks a free port). Without it, metrics are only on the main port, which always keeps `/metrics`. Range: 0 to 65535."""
+    prometheus_host: str
+    """--prometheus-host: Address of the --prometheus-port listener. Default: "127.0.0.1"."""
+    request_id_headers: list[str] | tuple[str, ...]
+    """--request-id-headers: Headers a client request id is read from, the first present one wins (its value must be 1-128 characters of `[A-Za-z0-9._:-]`, else it is ignored). Default: ["x-request-id", "x-correlation-id", "x-trace-id", "request-id"]."""
+    log_json: bool
+    """--log-json: Write logs as JSON objects, one per line."""
+    log_dir: str | None
+    """--log-dir: Also write logs to `pdgate.log` in this directory (created when missing)."""
+    max_concurrent_requests: int
+    """--max-concurrent-requests: Most inference requests served at once; more wait in a FIFO queue. 0 or -1: no limit (SMG's -1 derives one from the host; pdgate has none by default, and --max-connections bounds connections). Default: -1. Range: -9223372036854775808 to 9223372036854775807."""
+    queue_size: int
+    """--queue-size: Requests that may wait for a --max-concurrent-requests slot; one more gets 429 at once (0: no queue). Default: 100. Range: 0 to 18446744073709551615."""
+    queue_timeout_secs: int
+    """--queue-timeout-secs: Seconds a request may wait in the queue before it is answered 408. Default: 60. Range: 0 to 18446744073709551615."""
+    vllm_pd_disaggregation: bool
+    """--vllm-pd-disaggregation: vLLM router's spelling of --pd-disaggregation: PD mode, with `nixl` as the KV connector unless --kv-connector says otherwise."""
+    control_plane_api_keys: list[str] | tuple[str, ...]
+    """--control-plane-api-keys: Admin keys in SMG's spelling, `ID:NAME:admin:KEY` (repeatable): each KEY opens the worker API like --admin-api-key. The `user` role (read-only) is not supported yet."""

@@ -57,6 +57,8 @@ app.kubernetes.io/component: gateway
 - 0.0.0.0
 - --port
 - {{ $g.port | quote }}
+- --shutdown-grace-period-secs
+- {{ $g.drainSeconds | quote }}
 {{- if $g.pdDisaggregation }}
 - --pd-disaggregation
 - --kv-connector
