@@ -66,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a NIXL-style prefill holds pages nobody pulled "
                         "(env VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--export-tokenizer", metavar="DIR", default=None,
+                   help="write the model's Hugging Face tokenizer files (tokenizer.json, "
+                        "tokenizer_config.json with the chat template, config.json, "
+                        "generation_config.json) into DIR and exit: a gateway's --model-path")
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -93,6 +97,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.export_tokenizer:
+        from .hf_export import export
+
+        for path in export(args.model, args.export_tokenizer):
+            print(path)
+        return 0
     from .parent_watch import install_from_env
     from .server import serve  # numpy and aiohttp load only when a worker really runs
 
