@@ -66,6 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a NIXL-style prefill holds pages nobody pulled "
                         "(env VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--grpc-service", choices=["sglang", "vllm"], default=None,
+                   help="serve gRPC on --port (SGLang's scheduler service or vLLM's engine service, "
+                        "the smg-grpc-proto contract) with the HTTP surface on --port + 1")
+    p.add_argument("--smg-grpc-mode", dest="grpc_service", action="store_const", const="sglang",
+                   help="SGLang's flag: the same as --grpc-service sglang")
     p.add_argument("--export-tokenizer", metavar="DIR", default=None,
                    help="write the model's Hugging Face tokenizer files (tokenizer.json, "
                         "tokenizer_config.json with the chat template, config.json, "
