@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as spb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as sgrpc
@@ -36,3 +38,18 @@ def collect(responses) -> dict:
         else:
             completes[r.complete.index] = r.complete
     return {"ids": ids, "complete": completes, "chunks": chunks}
+
+
+def vllm_stub(worker):
+    from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vgrpc
+
+    return vgrpc.VllmEngineStub(grpc.insecure_channel(target(worker)))
+
+
+def vllm_request(rid: str, ids: list[int], max_tokens: int = 8, stream: bool = False, kv: dict | None = None, **sp):
+    from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+    sp.setdefault("temperature", 0.0)
+    extra = {"kv_transfer_params_json": json.dumps(kv)} if kv is not None else {}
+    return vpb.GenerateRequest(request_id=rid, tokenized=vpb.TokenizedInput(input_ids=ids), stream=stream,
+                               sampling_params=vpb.SamplingParams(max_tokens=max_tokens, **sp), **extra)

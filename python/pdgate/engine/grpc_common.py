@@ -12,13 +12,15 @@ import hashlib
 import io
 import os
 import tempfile
+import time
 import zipfile
 from typing import AsyncIterator
 
 import grpc
 
 from .hf_export import export
-from .sampling import BadRequest
+from .items import GenItem
+from .sampling import BadRequest, params_from_dict
 from .sequence import EngineError, Seq
 
 CHUNK_SIZE = 64 * 1024  # GetTokenizer chunk size (what SMG's servicers send)
@@ -115,3 +117,27 @@ class TokenizerBundle:
         for off in range(0, len(data), CHUNK_SIZE):
             end = min(off + CHUNK_SIZE, len(data))
             yield chunk_type(data=data[off:end], sha256=digest if end == len(data) else "")
+
+
+HEALTH_TIMEOUT_S = 20.0
+
+
+async def health_probe(e) -> tuple[bool, str]:
+    """Healthy when ready and, on a colocated worker, a one-token generation succeeds within
+    HEALTH_TIMEOUT_S (a PD worker cannot generate alone; SGLang skips the probe there too)."""
+    if not e.ready:
+        return False, "starting"
+    if e.mode != "null":
+        return True, "ready"
+    item = GenItem(rid=f"health-{time.monotonic_ns()}", input_ids=e.tokenizer.encode("hi"),
+                   params=params_from_dict({"max_new_tokens": 1, "temperature": 0}))
+    seq = e.submit(item)
+    try:
+        await asyncio.wait_for(asyncio.shield(seq.done), HEALTH_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return False, "generation timed out"
+    finally:
+        e.abort(seq)
+    if seq.error is not None:
+        return False, str(seq.error)
+    return True, "ready"

@@ -11,7 +11,6 @@ keeps no prefix cache, so there are no KV events to publish).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -25,14 +24,13 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from .grpc_common import TokenizerBundle, deltas, finish_reason, pairing_keys, status_of
+from .grpc_common import TokenizerBundle, deltas, finish_reason, health_probe, pairing_keys, status_of
 from .items import GenItem
 from .sampling import BadRequest, params_from_dict
 from .sequence import EngineError, Seq
 
 log = logging.getLogger("pdgate.engine.grpc")
 DEFAULT_MAX_NEW_TOKENS = 128
-HEALTH_TIMEOUT_S = 20.0
 
 
 def _struct(d: dict) -> Struct:
@@ -154,23 +152,8 @@ class SglangScheduler(pb_grpc.SglangSchedulerServicer):
                 self.e.abort(s, "the gRPC call ended")
 
     async def HealthCheck(self, request, context):
-        e = self.e
-        if not e.ready:
-            return pb.HealthCheckResponse(healthy=False, message="starting")
-        if e.mode != "null":  # a PD worker cannot generate alone (SGLang skips the probe too)
-            return pb.HealthCheckResponse(healthy=True, message="ready")
-        item = GenItem(rid=f"health-{time.monotonic_ns()}", input_ids=e.tokenizer.encode("hi"),
-                       params=params_from_dict({"max_new_tokens": 1, "temperature": 0}))
-        seq = e.submit(item)
-        try:
-            await asyncio.wait_for(asyncio.shield(seq.done), HEALTH_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            return pb.HealthCheckResponse(healthy=False, message="generation timed out")
-        finally:
-            e.abort(seq)
-        if seq.error is not None:
-            return pb.HealthCheckResponse(healthy=False, message=str(seq.error))
-        return pb.HealthCheckResponse(healthy=True, message="ready")
+        healthy, message = await health_probe(self.e)
+        return pb.HealthCheckResponse(healthy=healthy, message=message)
 
     async def Abort(self, request, context):
         if not request.request_id:
