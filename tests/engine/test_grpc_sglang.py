@@ -8,19 +8,21 @@ import io
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import httpx
 import pytest
-from google.protobuf.json_format import MessageToDict
-from google.protobuf.struct_pb2 import Struct
-from smg_grpc_proto.generated import common_pb2
-from smg_grpc_proto.generated import sglang_scheduler_pb2 as spb
 
-from grpc_client import TIMEOUT, collect, sglang_request, sglang_stub
+pytest.importorskip("smg_grpc_proto", reason="the gRPC contract: pip install 'pdgate[grpc]'")
+import grpc  # noqa: E402
+from google.protobuf.json_format import MessageToDict  # noqa: E402
+from google.protobuf.struct_pb2 import Struct  # noqa: E402
+from smg_grpc_proto.generated import common_pb2  # noqa: E402
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as spb  # noqa: E402
 
-from conftest import assert_clean, start_all, wait_until
-from pdgate.engine.hf_export import export
-from pdgate.workers import ReferenceWorker
+from grpc_client import TIMEOUT, collect, sglang_request, sglang_stub  # noqa: E402
+
+from conftest import assert_clean, start_all, wait_until  # noqa: E402
+from pdgate.engine.hf_export import export  # noqa: E402
+from pdgate.workers import ReferenceWorker  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 PROMPT = [256, *b"The quick brown fox"]

@@ -7,15 +7,17 @@ import json
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import httpx
 import pytest
-from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from grpc_client import TIMEOUT, collect, vllm_request, vllm_stub
+pytest.importorskip("smg_grpc_proto", reason="the gRPC contract: pip install 'pdgate[grpc]'")
+import grpc  # noqa: E402
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb  # noqa: E402
 
-from conftest import assert_clean, loads, start_all
-from pdgate.workers import ReferenceWorker
+from grpc_client import TIMEOUT, collect, vllm_request, vllm_stub  # noqa: E402
+
+from conftest import assert_clean, loads, start_all  # noqa: E402
+from pdgate.workers import ReferenceWorker  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 PROMPT = [256, *b"Once upon a time, in a land"]
