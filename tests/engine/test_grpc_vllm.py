@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -89,13 +88,13 @@ def test_mooncake_over_grpc_equals_colocated(vw):
     pkv = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}
     dkv = {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": tid,
            "remote_engine_id": info.kv_engine_id, "remote_bootstrap_addr": f"http://127.0.0.1:{p.bootstrap_port}"}
-    with ThreadPoolExecutor(2) as ex:
-        fp = ex.submit(lambda: collect(vllm_stub(p).Generate(vllm_request(tid, PROMPT, 1, kv=pkv), timeout=TIMEOUT)))
-        fd = ex.submit(lambda: collect(vllm_stub(d).Generate(vllm_request(tid, PROMPT, 10, kv=dkv), timeout=TIMEOUT)))
-        pre, dec = fp.result(), fd.result()
+    # SMG's order: the prefill answers once its KV is computed, then the decode is sent
+    pre = collect(vllm_stub(p).Generate(vllm_request(tid, PROMPT, 1, kv=pkv), timeout=TIMEOUT))
+    dec = collect(vllm_stub(d).Generate(vllm_request(tid, PROMPT, 10, kv=dkv), timeout=TIMEOUT))
     assert json.loads(pre["complete"][0].kv_transfer_params_json)["transfer_id"] == tid
     assert list(dec["complete"][0].output_ids) == list(ref.output_ids)
     assert dec["complete"][0].cached_tokens == len(PROMPT) - 1
+    assert loads(d)["disaggregation"]["kv_bytes_received"] > 0
     assert_clean(p, d)
 
 

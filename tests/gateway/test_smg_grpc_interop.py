@@ -162,3 +162,15 @@ def test_pd_nixl_over_grpc(smg, model_dir):
             check_through(url, ref)
         dis = httpx.get(d.url + "/v1/loads", timeout=10).json()["loads"][0]["disaggregation"]
         assert dis["kv_bytes_received"] > 0 and dis["local_recompute"] == 0
+
+
+def test_pd_mooncake_over_grpc(smg, model_dir):
+    with workers(ReferenceWorker(mode="prefill", kv_connector="MooncakeConnector", grpc_service="vllm"),
+                 ReferenceWorker(mode="decode", kv_connector="MooncakeConnector", grpc_service="vllm"),
+                 ReferenceWorker(mode="null")) as (p, d, n):
+        ref = engine_reference(n)
+        flags = ["--pd-disaggregation", "--prefill", p.grpc_url, str(p.bootstrap_port), "--decode", d.grpc_url]
+        with smg_router(smg, model_dir, flags) as url:
+            check_through(url, ref)
+        dis = httpx.get(d.url + "/v1/loads", timeout=10).json()["loads"][0]["disaggregation"]
+        assert dis["kv_bytes_received"] > 0 and dis["local_recompute"] == 0

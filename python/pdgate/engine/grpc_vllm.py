@@ -9,7 +9,9 @@ Not served (UNIMPLEMENTED): Embed, FlushCache, profiling, SubscribeKvEvents.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 import uuid
 
@@ -23,6 +25,7 @@ from .items import GenItem, kv_params
 from .sampling import BadRequest, params_from_dict
 from .sequence import EngineError, Seq
 
+log = logging.getLogger("pdgate.engine.grpc")
 VLLM_DEFAULT_MAX_TOKENS = 16  # vLLM SamplingParams' default
 MAX_LOGPROBS = 20
 
@@ -148,8 +151,16 @@ class VllmEngine(pb_grpc.VllmEngineServicer):
         seqs: list[Seq] = []
         try:
             items, out_k, in_k = generate_items(request, self.e.tokenizer)
+            log.debug("Generate %s stream=%s n=%d kv=%s", request.request_id, request.stream, len(items),
+                      items[0].kv_transfer_params)
             ks = (out_k, in_k)
             seqs = [self.e.submit(it) for it in items]
+            kvp = items[0].kv_transfer_params or {}
+            if kvp.get("do_remote_decode") and kvp.get("transfer_id"):
+                async for r in self._mooncake_prefill(seqs[0], request.stream, kvp, ks):
+                    yield r
+                seqs = []  # detached: the push goes on after the answer, bounded by the engine's timeouts
+                return
             async for i, ids, start in deltas(seqs):
                 s = seqs[i]
                 if request.stream:
@@ -164,6 +175,24 @@ class VllmEngine(pb_grpc.VllmEngineServicer):
         finally:
             for s in seqs:
                 self.e.abort(s, "the gRPC call ended")
+
+    async def _mooncake_prefill(self, seq: Seq, stream: bool, kvp: dict, ks):
+        """vLLM's Mooncake prefill answers once its KV is computed (SMG sends the decode only after
+        that answer); the push to the decode, which registers later, runs on in the engine and is
+        bounded by --bootstrap-timeout / --transfer-timeout like any other push."""
+        await asyncio.wait({seq.prefilled, seq.done}, return_when=asyncio.FIRST_COMPLETED)
+        if seq.error is not None:
+            raise seq.error
+        params = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": kvp["transfer_id"],
+                  "remote_engine_id": self.e.engine_id}
+        ids = list(seq.output_ids)
+        if stream:
+            yield self._chunk(seq, 0, ids, 0, ks)
+        lp = output_logprobs(seq, ks[0], 0, len(ids))
+        yield pb.GenerateResponse(complete=pb.GenerateComplete(
+            output_ids=ids, finish_reason="length", prompt_tokens=seq.prompt_len,
+            completion_tokens=len(ids), cached_tokens=0, output_logprobs=lp, input_logprobs=input_logprobs(seq, ks[1]),
+            index=0, kv_transfer_params_json=json.dumps(params)))
 
     async def HealthCheck(self, request, context):
         healthy, message = await health_probe(self.e)
