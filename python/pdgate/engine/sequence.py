@@ -34,6 +34,7 @@ class Seq:
         self.prefill_only = prefill_only
         self.pages: list[int] = []
         self.committed = 0            # pages known to hold KV
+        self.block_digests: list[bytes] = []  # prefix-cache digests of its full pages so far
         self.computed = 0             # tokens whose KV is in the pages
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
