@@ -154,7 +154,7 @@ class Engine:
         then new ones. Requests for input logprobs skip the lookup (they need every
         position's logits), as vLLM skips it for prompt logprobs."""
         cache, hit, digests = self.pool.cache, [], []
-        if cache is not None and not seq.return_logprob:
+        if cache is not None and not seq.wants_input_logprobs:
             hit, digests = cache.match(seq.tokens[:seq.prompt_len], seq.prompt_len - 1)
             self.pool.share(hit)
         try:
@@ -218,7 +218,8 @@ class Engine:
                               "invalid_input_ids")
         prefill_only = self.pd.is_prefill_leg(item)
         seq = Seq(item.rid, item.input_ids, item.params, return_logprob=item.return_logprob,
-                  top_logprobs_num=item.top_logprobs_num, prefill_only=prefill_only)
+                  top_logprobs_num=item.top_logprobs_num, prefill_only=prefill_only,
+                  input_logprobs=item.input_logprobs)
         task = asyncio.create_task(self._drive(item, seq))
         self.live[seq.rid] = (seq, task)
         seq.done.add_done_callback(lambda _f: self._done(seq))

@@ -97,7 +97,7 @@ class Scheduler:
             n = min(len(seq.tokens) - seq.computed, budget)
             budget -= n
             plan.append((seq, Segment(seq.pages, seq.computed, seq.tokens[seq.computed:seq.computed + n],
-                                      all_logits=seq.return_logprob and seq.computed < seq.prompt_len)))
+                                      all_logits=seq.wants_input_logprobs and seq.computed < seq.prompt_len)))
             if seq.computed + n == len(seq.tokens):
                 moved.append(seq)
         return plan
