@@ -11,6 +11,7 @@ mod config_json;
 mod config_serde;
 pub mod error;
 pub mod health;
+pub mod kv_events;
 pub mod pairing;
 pub mod plan;
 pub mod policy;
