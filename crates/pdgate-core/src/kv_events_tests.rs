@@ -92,11 +92,11 @@ fn signed_unsigned_and_digest_hashes_agree_on_the_bits() {
 #[test]
 fn undecodable_events_are_counted_not_dropped_silently() {
     let events = vec![
-        map(vec![("type", s("BlockMoved"))]),                          // unknown type
-        stored_map(&[7], Value::Nil, &[1, 2, 3]),                      // tokens do not fill the block
+        map(vec![("type", s("BlockMoved"))]),                             // unknown type
+        stored_map(&[7], Value::Nil, &[1, 2, 3]),                         // tokens do not fill the block
         map(vec![("type", s("BlockRemoved")), ("block_hashes", s("x"))]), // mistyped field
-        Value::from(5),                                                // not an event
-        stored_map(&[7], Value::Nil, &[1, 2]),                         // fine
+        Value::from(5),                                                   // not an event
+        stored_map(&[7], Value::Nil, &[1, 2]),                            // fine
     ];
     let d = decode_batch(&encode(&Value::Array(vec![Value::from(0.0), Value::Array(events)]))).unwrap();
     assert_eq!(d.undecodable, 4);

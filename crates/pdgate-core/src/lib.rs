@@ -12,6 +12,7 @@ mod config_serde;
 pub mod error;
 pub mod health;
 pub mod kv_events;
+pub mod kv_index;
 pub mod pairing;
 pub mod plan;
 pub mod policy;
