@@ -248,10 +248,19 @@ impl KvIndex {
     /// Walk the blocks keeping the workers that hold all of them so far; a worker leaving the
     /// walk (or still in it at the end) is pushed to `out` with its depth.
     fn match_block_size(&self, tokens: &[u32], bs: u32, out: &mut Vec<(WorkerSlot, usize)>) {
-        let (mut key, mut alive, mut next) = (root(self.seed), Vec::<WorkerSlot>::new(), Vec::<WorkerSlot>::new());
-        for (i, chunk) in tokens.chunks_exact(bs as usize).enumerate() {
-            key = content_key(self.seed, key, bs, chunk);
-            let holders = self.holders.get(&key).map_or(&[][..], Holders::as_slice);
+        // Keys first, then the lookups: they do not depend on each other, so their cache misses
+        // (the table is large) overlap instead of queueing one per block.
+        let mut key = root(self.seed);
+        let keys: Vec<u64> = tokens
+            .chunks_exact(bs as usize)
+            .map(|chunk| {
+                key = content_key(self.seed, key, bs, chunk);
+                key
+            })
+            .collect();
+        let found: Vec<&[WorkerSlot]> = keys.iter().map_while(|k| self.holders.get(k).map(Holders::as_slice)).collect();
+        let (mut alive, mut next) = (Vec::<WorkerSlot>::new(), Vec::<WorkerSlot>::new());
+        for (i, holders) in found.iter().enumerate() {
             let depth = i * bs as usize;
             if i == 0 {
                 alive.extend_from_slice(holders);
@@ -270,7 +279,7 @@ impl KvIndex {
                 return;
             }
         }
-        let depth = tokens.len() / bs as usize * bs as usize;
+        let depth = found.len() * bs as usize;
         out.extend(alive.into_iter().map(|s| (s, depth)));
     }
 
