@@ -21,6 +21,7 @@ page is full and never written again (a request that reuses it computes only lat
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 
 import numpy as np
 
@@ -58,7 +59,7 @@ class KVPool:
         self.refs = np.zeros(num_pages, dtype=np.int32)
         self.pins = np.zeros(num_pages, dtype=np.int32)
         self.written = np.zeros(num_pages, dtype=bool)
-        self._pinned_by: dict[int, list[int]] = {}  # id(owner) -> pages it pinned
+        self._pinned_by: dict[int, Counter[int]] = {}  # id(owner) -> pages it pinned (with counts)
         self._free: list[int] = list(range(num_pages))  # a min-heap: lowest pages first
         self.counts = [num_pages, 0, 0, 0, 0]
 
@@ -115,17 +116,19 @@ class KVPool:
         """The transport may read or write these pages until `owner` unpins or frees them."""
         for p in pages:
             self._check(p, self.refs[p] > 0, "pin a page nobody holds")
-        self._pinned_by.setdefault(id(owner), []).extend(pages)
+        self._pinned_by.setdefault(id(owner), Counter()).update(pages)
         for p in pages:
             self.pins[p] += 1
             self._settle(p)
 
     def unpin(self, pages: list[int], owner=None) -> None:
         """A transfer has completed successfully: the pages hold KV that attention may read."""
-        mine = self._pinned_by.get(id(owner), [])
+        mine = self._pinned_by.get(id(owner), Counter())
         for p in pages:
-            self._check(p, p in mine, "unpin a page this owner did not pin")
-            mine.remove(p)
+            self._check(p, mine[p] > 0, "unpin a page this owner did not pin")
+            mine[p] -= 1
+            if not mine[p]:
+                del mine[p]
             self.pins[p] -= 1
             self.written[p] = True
             self._settle(p)
@@ -138,9 +141,9 @@ class KVPool:
         keeps it, else FREE."""
         for p in pages:
             self._check(p, self.refs[p] > 0, "free a page nobody holds (double free)")
-        mine = self._pinned_by.pop(id(owner), [])
-        for p in mine:
-            self.pins[p] -= 1
+        mine = self._pinned_by.pop(id(owner), Counter())
+        for p, n in mine.items():
+            self.pins[p] -= n
         for p in reversed(pages):  # tail first: the deepest pages of a prefix are evicted first
             self.refs[p] -= 1
             if self.refs[p] == 0 and self.cache is not None and self.cache.holds(p):
