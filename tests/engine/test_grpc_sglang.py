@@ -152,6 +152,7 @@ def test_control_rpcs(grpc_workers, tmp_path):
     with pytest.raises(grpc.RpcError) as ei:
         stub.GetLoads(spb.GetLoadsRequest(dp_rank=3), timeout=TIMEOUT)
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=TIMEOUT).success
     chunks = list(stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=TIMEOUT))
     data = b"".join(c.data for c in chunks)
     assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest() and all(not c.sha256 for c in chunks[:-1])

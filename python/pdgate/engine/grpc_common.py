@@ -141,3 +141,12 @@ async def health_probe(e) -> tuple[bool, str]:
     if seq.error is not None:
         return False, str(seq.error)
     return True, "ready"
+
+
+def flush_cache(e):
+    """FlushCache: empty the prefix cache, refused (success false) while requests hold pages."""
+    from smg_grpc_proto.generated import common_pb2
+
+    if e.flush_cache():
+        return common_pb2.FlushCacheResponse(success=True, message="Cache flushed.")
+    return common_pb2.FlushCacheResponse(success=False, message="Cache not flushed: requests are holding KV pages")

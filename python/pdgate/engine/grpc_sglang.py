@@ -5,8 +5,8 @@ Token ids in, token ids out. Streams carry each step's new ids (`GenerateStreamC
 `GenerateComplete` after the last chunk); a non-streaming call answers one `GenerateComplete`
 per choice with all ids. n>1 choices are `{request_id}-{i}` inside the engine, so `Abort` with
 the request id ends all of them. Failures end the call with a gRPC status, never a Complete.
-Not served (UNIMPLEMENTED): Embed, FlushCache, profiling, LoRA, SubscribeKvEvents (the engine
-keeps no prefix cache, so there are no KV events to publish).
+Not served (UNIMPLEMENTED): Embed, profiling, LoRA, SubscribeKvEvents (the engine's
+KV events go out over ZMQ with --kv-events-config; their gRPC stream is not written yet).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from .grpc_common import TokenizerBundle, deltas, finish_reason, health_probe, pairing_keys, status_of
+from .grpc_common import TokenizerBundle, deltas, finish_reason, flush_cache, health_probe, pairing_keys, status_of
 from .items import GenItem
 from .sampling import BadRequest, params_from_dict
 from .sequence import EngineError, Seq
@@ -200,6 +200,9 @@ class SglangScheduler(pb_grpc.SglangSchedulerServicer):
             aggregate=pb.AggregateMetrics(total_running_reqs=load.num_running_reqs,
                                           total_waiting_reqs=load.num_waiting_reqs, total_reqs=load.num_total_reqs,
                                           avg_token_usage=load.token_usage))
+
+    async def FlushCache(self, request, context):
+        return flush_cache(self.e)
 
     async def GetTokenizer(self, request, context):
         async for c in self.bundle.chunks(common_pb2.GetTokenizerChunk):

@@ -4,7 +4,7 @@ engine: what `python -m vllm.entrypoints.grpc_server` serves to SMG and pdgate.
 The same engine path as the HTTP surfaces: NIXL and Mooncake PD ride in `kv_transfer_params_json`
 (the prefill's params come back in `GenerateComplete.kv_transfer_params_json`), and the pairing
 keys are GetServerInfo's fields. Streams carry deltas and a Complete per choice, as vLLM's do.
-Not served (UNIMPLEMENTED): Embed, FlushCache, profiling, SubscribeKvEvents.
+Not served (UNIMPLEMENTED): Embed, profiling, SubscribeKvEvents.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-from .grpc_common import TokenizerBundle, deltas, finish_reason, health_probe, pairing_keys, status_of
+from .grpc_common import TokenizerBundle, deltas, finish_reason, flush_cache, health_probe, pairing_keys, status_of
 from .items import GenItem, kv_params
 from .sampling import BadRequest, params_from_dict
 from .sequence import EngineError, Seq
@@ -238,6 +238,9 @@ class VllmEngine(pb_grpc.VllmEngineServicer):
             max_running_requests=self.e.args.max_running_requests)
         return pb.GetLoadsResponse(timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                    version="pdgate-reference-0.1.0", dp_rank_count=1, loads=[load])
+
+    async def FlushCache(self, request, context):
+        return flush_cache(self.e)
 
     async def GetTokenizer(self, request, context):
         async for c in self.bundle.chunks(common_pb2.GetTokenizerChunk):
