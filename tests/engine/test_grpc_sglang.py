@@ -183,3 +183,11 @@ def test_pd_bootstrap_over_grpc_equals_colocated(grpc_workers):
     wait_until(lambda: sglang_stub(p).GetLoads(spb.GetLoadsRequest(), timeout=TIMEOUT).loads[0].disaggregation.mode
                == "prefill", 10, "prefill load")
     assert_clean(p, d)
+
+
+def test_prefix_cache_hits_are_reported_cached(grpc_workers):
+    stub = sglang_stub(grpc_workers["null"])
+    ids = [256, *range(40, 79)]  # 40 tokens: two full pages before the last token
+    first = collect(stub.Generate(sglang_request("pc-1", ids, 2), timeout=TIMEOUT))["complete"][0]
+    second = collect(stub.Generate(sglang_request("pc-2", ids, 2, stream=True), timeout=TIMEOUT))["complete"][0]
+    assert first.cached_tokens == 0 and second.cached_tokens == 32
