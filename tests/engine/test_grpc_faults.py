@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-pytest.importorskip("smg_grpc_proto", reason="the gRPC contract: pip install 'pdgate[grpc]'")
+pytest.importorskip("smg_grpc_proto", reason="smg-grpc-proto (a pdgate dependency on Python 3.10+) is not installed")
 import grpc  # noqa: E402
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as spb  # noqa: E402
 

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-pytest.importorskip("smg_grpc_proto", reason="the gRPC contract: pip install 'pdgate[grpc]'")
+pytest.importorskip("smg_grpc_proto", reason="smg-grpc-proto (a pdgate dependency on Python 3.10+) is not installed")
 import grpc  # noqa: E402
 from google.protobuf.json_format import MessageToDict  # noqa: E402
 from google.protobuf.struct_pb2 import Struct  # noqa: E402

@@ -2,7 +2,8 @@
 real contract (smg-grpc-proto) and SMG, tokenizing with the directory `pdgate engine
 --export-tokenizer` writes, gets the tokens the engine's own HTTP surface gives.
 
-Skips when `smg` is not installed. CI: pip install smg==1.13.0 'pdgate[grpc]' (or the test extra)."""
+Skips when `smg` is not installed. CI: pip install smg==1.13.0 (grpcio, protobuf and
+smg-grpc-proto come with pdgate itself)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-pytest.importorskip("smg_grpc_proto", reason="the gRPC contract: pip install 'pdgate[grpc]'")
+pytest.importorskip("smg_grpc_proto", reason="smg-grpc-proto (a pdgate dependency on Python 3.10+) is not installed")
 
 from pdgate.workers import ReferenceWorker  # noqa: E402
 from tests.gateway.harness import wait_status  # noqa: E402
