@@ -12,6 +12,7 @@ pub mod limits;
 pub mod logprobs;
 pub mod openai;
 pub mod rendezvous;
+pub mod resume;
 pub mod request;
 pub mod sse;
 pub mod usage;

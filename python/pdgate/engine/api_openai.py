@@ -119,7 +119,8 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         rid = body.get("rid")
         ctx = {"id": rid if isinstance(rid, str) and rid else items[0].rid.rsplit("-", 1)[0],
                "created": int(time.time()),
-               "model": body.get("model") or engine.served_name, "chat": chat, "n": n}
+               "model": body.get("model") or engine.served_name, "chat": chat, "n": n,
+               "token_ids": body.get("return_token_ids") is True}
         if body.get("stream"):
             return await _stream(request, engine, seqs, body, ctx)
         await wait_all(seqs)
@@ -159,10 +160,16 @@ def _full(engine, seqs: list[Seq], ctx: dict) -> dict:
             c["message"] = {"role": "assistant", "content": text}
         else:
             c["text"] = text
+        if ctx["token_ids"]:  # vLLM's return_token_ids: the ids on each choice
+            c["token_ids"] = list(s.output_ids)
+            if not chat:
+                c["prompt_token_ids"] = list(s.tokens[:s.prompt_len])
         choices.append(c)
     out = {"id": ctx["id"], "object": "chat.completion" if chat else "text_completion",
            "created": ctx["created"], "model": ctx["model"], "choices": choices,
            "usage": usage(seqs, ctx["n"])}
+    if chat and ctx["token_ids"]:  # chat: the prompt ids at the top level, as vLLM
+        out["prompt_token_ids"] = list(seqs[0].tokens[:seqs[0].prompt_len])
     if seqs[0].kv_transfer_params is not None:
         out["kv_transfer_params"] = seqs[0].kv_transfer_params
     return out
@@ -179,6 +186,7 @@ async def _stream(request, engine, seqs: list[Seq], body: dict, ctx: dict):
                 "choices": choices, **extra}
 
     role_sent = [False] * len(seqs)
+    ids_wanted = ctx["token_ids"]
     async for i in watch(seqs):
         s = seqs[i]
         if s.error is not None:
@@ -189,18 +197,29 @@ async def _stream(request, engine, seqs: list[Seq], body: dict, ctx: dict):
         text = visible_text(engine.tokenizer, s, False)
         delta, lp = text[len(sent_text[i]):], _logprobs(engine, s, sent_tok[i], chat)
         new_tokens = len(s.output_ids) > sent_tok[i]
+        prompt_ids = list(s.tokens[:s.prompt_len]) if ids_wanted and not role_sent[i] else None
         if chat and not role_sent[i]:  # OpenAI order: the role first, before any content
             role_sent[i] = True
+            extra = {"prompt_token_ids": prompt_ids} if prompt_ids is not None else {}
             await sse.send(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                   "logprobs": None, "finish_reason": None}]))
+                                   "logprobs": None, "finish_reason": None}], **extra))
+            prompt_ids = None
+        new_ids = s.output_ids[sent_tok[i]:]
         sent_text[i], sent_tok[i] = text, len(s.output_ids)
         reason = finish_reason_openai(s)
-        if delta or reason or (lp and new_tokens):
+        # With return_token_ids every new token goes out at once, with or without visible text,
+        # so a reader always holds the ids of exactly the text it got.
+        if delta or reason or (lp and new_tokens) or (ids_wanted and new_tokens):
             c = {"index": i, "logprobs": lp, "finish_reason": reason}
             if chat:
                 c["delta"] = {"content": delta} if delta else {}
             else:
                 c["text"] = delta
+            if ids_wanted:
+                c["token_ids"] = list(new_ids)
+                if prompt_ids is not None:
+                    c["prompt_token_ids"] = prompt_ids
+                    role_sent[i] = True
             extra = {}
             if reason and s.kv_transfer_params is not None:
                 extra["kv_transfer_params"] = s.kv_transfer_params

@@ -27,8 +27,9 @@ use serde_json::{Map, Value};
 use tokio::time::Instant;
 
 use super::client::{AbortGuard, LegRequest, WorkerClient};
-use super::commit::{relay_leg, RelayPlan, Watched};
+use super::commit::{relay_leg, Committed, RelayPlan, Watched};
 use super::relay::{Finish, PrefillLeg};
+use super::resume::Resumer;
 use super::{AttemptFailure, Ctx};
 use crate::metrics::InflightGuard;
 use crate::record::{Record, ROUTE_HEADER};
@@ -42,6 +43,9 @@ pub async fn execute(mut ctx: Ctx) -> Response {
     if let Err(err) = admit(&ctx) {
         return finish(&ctx, error_response(&err), &record);
     }
+    // Learns, before the legs are built, whether this stream could be resumed (then the decode
+    // is asked for token ids).
+    let mut resumer = Resumer::prepare(&mut ctx);
     let mut failed: Vec<String> = Vec::new();
     ctx.state.retry_budget_deposit();
     let response = loop {
@@ -52,7 +56,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
             tracing::Span::current().record("request_id", ctx.request_id.as_str());
         }
         let failure = match attempt(&ctx, &failed, &mut record).await {
-            Ok(resp) => break resp,
+            Ok(committed) => break committed.into_response(resumer.take().map(|r| r.bind(&ctx, &record))),
             Err(f) => f,
         };
         let err = &failure.error;
@@ -102,8 +106,9 @@ fn admit(ctx: &Ctx) -> Result<(), GatewayError> {
     Ok(())
 }
 
-/// One attempt: select → prepare → send → commit → relay.
-async fn attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Result<Response, AttemptFailure> {
+/// One attempt: select → prepare → send → commit → relay. Also how a resume continues a
+/// stream on a new pair (`resume.rs`).
+pub(super) async fn attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Result<Committed, AttemptFailure> {
     let chosen = select(ctx, failed)?;
     let plan = &chosen.plan;
     record.protocol = plan.mode.as_str();
@@ -253,7 +258,7 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
 }
 
 /// Runs a chosen plan: prepare, send the legs in the plan's order, commit and relay.
-async fn run(ctx: &Ctx, chosen: Chosen) -> Result<Response, GatewayError> {
+async fn run(ctx: &Ctx, chosen: Chosen) -> Result<Committed, GatewayError> {
     let client = ctx.state.client.clone();
     let Chosen { plan, prefill_runtime, relayed_runtime, .. } = chosen;
     let protocol = plan.mode.as_str();
