@@ -12,8 +12,8 @@ pub mod limits;
 pub mod logprobs;
 pub mod openai;
 pub mod rendezvous;
-pub mod resume;
 pub mod request;
+pub mod resume;
 pub mod sse;
 pub mod usage;
 

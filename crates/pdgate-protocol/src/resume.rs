@@ -22,21 +22,12 @@ pub const COMPLETIONS_DEFAULT_MAX_TOKENS: u64 = 16;
 
 /// Fields that constrain the output to a grammar: a continuation would restart the grammar at
 /// the prompt's end, not at the partial answer's state, so the answer could be invalid.
-const GUIDED_FIELDS: &[&str] = &[
-    "response_format",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-    "regex",
-    "json_schema",
-    "ebnf",
-    "grammar",
-];
+const GUIDED_FIELDS: &[&str] =
+    &["response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "regex", "json_schema", "ebnf", "grammar"];
 
 /// Chat fields that carry over to the completions-style continuation unchanged (sampling).
-const CHAT_CARRIED: &[&str] = &["model", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "stop_token_ids", "skip_special_tokens", "user", "repetition_penalty", "logit_bias"];
+const CHAT_CARRIED: &[&str] =
+    &["model", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "stop_token_ids", "skip_special_tokens", "user", "repetition_penalty", "logit_bias"];
 
 fn set(v: Option<&Value>) -> bool {
     match v {
@@ -199,11 +190,7 @@ impl Progress {
         if left == 0 {
             return Err("no_tokens_left");
         }
-        let mut body = if self.chat {
-            CHAT_CARRIED.iter().filter_map(|k| req.body.get(*k).map(|v| (k.to_string(), v.clone()))).collect()
-        } else {
-            req.body.clone()
-        };
+        let mut body = if self.chat { CHAT_CARRIED.iter().filter_map(|k| req.body.get(*k).map(|v| (k.to_string(), v.clone()))).collect() } else { req.body.clone() };
         for k in ["max_completion_tokens", "stream_options", "messages", "n", "rid", "return_token_ids"] {
             body.remove(k);
         }

@@ -84,8 +84,11 @@ fn a_stream_without_ids_or_already_finished_is_not_continued() {
 
 #[test]
 fn chat_continues_as_completions_and_reads_as_chat() {
-    let r = req(Endpoint::ChatCompletions, json!({"messages": [{"role": "user", "content": "x"}], "stream": true, "temperature": 0,
-                                                  "stream_options": {"include_usage": true}}));
+    let r = req(
+        Endpoint::ChatCompletions,
+        json!({"messages": [{"role": "user", "content": "x"}], "stream": true, "temperature": 0,
+                                                  "stream_options": {"include_usage": true}}),
+    );
     let mut p = Progress::new(&r);
     let mut role = json!({"id": "chatcmpl-a", "object": "chat.completion.chunk", "created": 3, "model": "m", "prompt_token_ids": [256, 1, 2],
                           "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]});

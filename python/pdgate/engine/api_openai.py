@@ -7,7 +7,7 @@ import uuid
 
 from aiohttp import web
 
-from .http_common import SSE, error_response, first_error, read_json, wait_all, watch
+from .http_common import SSE, error_response, fault_kill_point, first_error, read_json, wait_all, watch
 from .items import GenItem, bootstrap_fields, item_rid, kv_params
 from .outputs import finish_reason_openai, usage, visible_text
 from .sampling import BadRequest, params_from_dict
@@ -123,6 +123,9 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
                "token_ids": body.get("return_token_ids") is True}
         if body.get("stream"):
             return await _stream(request, engine, seqs, body, ctx)
+        if getattr(engine.args, "fault_kill_after_tokens", 0):
+            async for _ in watch(seqs):
+                fault_kill_point(engine, seqs)
         await wait_all(seqs)
         err = first_error(seqs)
         if err is not None:
@@ -224,6 +227,7 @@ async def _stream(request, engine, seqs: list[Seq], body: dict, ctx: dict):
             if reason and s.kv_transfer_params is not None:
                 extra["kv_transfer_params"] = s.kv_transfer_params
             await sse.send(chunk([c], **extra))
+            fault_kill_point(engine, [s])
     if include_usage:
         await sse.send(chunk([], usage=usage(seqs, ctx["n"])))
     return await sse.finish()
