@@ -159,3 +159,19 @@ def test_with_max_resumes_0_the_stream_ends_with_the_error_event(reference: Refe
         killed = answers[-1]
         assert "[DONE]" not in killed and "error" in killed[-1], killed
         assert fleet.metric('pdgate_resumes_total{reason="decode_died",result="resumed"}') == 0.0
+
+
+def test_a_generate_stream_from_input_ids_is_continued(reference: ReferenceWorker) -> None:
+    body = {"input_ids": [256, *b"resume by ids"],
+            "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}}
+    want = stream(reference.url, "/generate", body)[-2]
+    with Fleet(max_resumes=None) as fleet:
+        for got in until_killed(fleet, lambda: stream(fleet.gw.url, "/generate", body)):
+            assert got[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in got), got
+            texts = [e["text"] for e in got if isinstance(e, dict)]
+            assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), "one cumulative answer"
+            last = got[-2]
+            assert last["text"] == want["text"] and last["output_ids"] == want["output_ids"]
+            assert last["meta_info"]["completion_tokens"] == MAX_TOKENS
+            assert last["meta_info"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
+            assert len({e["meta_info"]["id"] for e in got if isinstance(e, dict)}) == 1

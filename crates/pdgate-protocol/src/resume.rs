@@ -47,7 +47,7 @@ pub fn refusal(req: &ParsedRequest) -> Option<&'static str> {
         return Some("not_streaming");
     }
     if req.endpoint == Endpoint::Generate {
-        return Some("generate");
+        return native_refusal(req);
     }
     if b.get("n").and_then(Value::as_u64).is_some_and(|n| n > 1) {
         return Some("n_greater_than_1");
@@ -82,10 +82,47 @@ pub fn refusal(req: &ParsedRequest) -> Option<&'static str> {
     None
 }
 
+/// `/generate`: continued from `input_ids` only (its stream does not give a text prompt's ids).
+fn native_refusal(req: &ParsedRequest) -> Option<&'static str> {
+    let b = &req.body;
+    let sp = b.get("sampling_params").and_then(Value::as_object);
+    let sp_set = |k: &&str| sp.is_some_and(|m| set(m.get(*k)));
+    if sp.and_then(|m| m.get("n")).and_then(Value::as_u64).is_some_and(|n| n > 1) {
+        return Some("n_greater_than_1");
+    }
+    if req.batch_items.is_some() {
+        return Some("batch");
+    }
+    if !b.get("input_ids").is_some_and(Value::is_array) {
+        return Some("generate_text");
+    }
+    if ["regex", "json_schema", "ebnf", "structural_tag"].iter().any(sp_set) {
+        return Some("guided_decoding");
+    }
+    if ["stop"].iter().any(sp_set) {
+        return Some("stop_strings");
+    }
+    if ["frequency_penalty", "presence_penalty"].iter().any(sp_set) {
+        return Some("penalties");
+    }
+    if set(b.get("return_logprob")) {
+        return Some("logprobs");
+    }
+    None
+}
+
+/// SGLang's default `max_new_tokens`.
+pub const GENERATE_DEFAULT_MAX_TOKENS: u64 = 128;
+
 /// What the gateway knows of the answer so far, learned from the relayed chunks.
 #[derive(Debug, Default)]
 pub struct Progress {
     chat: bool,
+    /// SGLang `/generate`: cumulative `text` and `output_ids` in every chunk.
+    native: bool,
+    /// `/generate`: the text sent so far, and what it was when the running continuation began.
+    text: String,
+    text_base: String,
     client_wants_ids: bool,
     head: Map<String, Value>,
     prompt_ids: Option<Vec<Value>>,
@@ -118,7 +155,9 @@ fn empty_choice(c: &Map<String, Value>) -> bool {
 impl Progress {
     pub fn new(req: &ParsedRequest) -> Self {
         let client_wants_ids = req.body.get("return_token_ids") == Some(&Value::Bool(true));
-        Progress { chat: req.endpoint == Endpoint::ChatCompletions, client_wants_ids, ..Progress::default() }
+        let native = req.endpoint == Endpoint::Generate;
+        let prompt_ids = if native { req.body.get("input_ids").and_then(Value::as_array).cloned() } else { None };
+        Progress { chat: req.endpoint == Endpoint::ChatCompletions, native, prompt_ids, client_wants_ids, ..Progress::default() }
     }
 
     /// Token ids generated so far (those whose text reached the client).
@@ -143,6 +182,10 @@ impl Progress {
     /// for; `false` when nothing is left worth sending.
     pub fn observe(&mut self, v: &mut Value) -> bool {
         let Some(obj) = v.as_object_mut() else { return true };
+        if self.native {
+            self.observe_native(obj);
+            return true;
+        }
         for key in ["id", "created", "model", "object"] {
             if let (false, Some(x)) = (self.head.contains_key(key), obj.get(key)) {
                 self.head.insert(key.to_string(), x.clone());
@@ -182,6 +225,7 @@ impl Progress {
         let done = self.generated.len() as u64;
         let asked = match (req.max_tokens, self.chat, context_limit) {
             (Some((n, _)), _, _) => n,
+            (None, _, _) if self.native => GENERATE_DEFAULT_MAX_TOKENS,
             (None, false, _) => COMPLETIONS_DEFAULT_MAX_TOKENS,
             (None, true, Some(limit)) => limit.saturating_sub(prompt.len() as u64),
             (None, true, None) => return Err("unknown_max_tokens"),
@@ -189,6 +233,9 @@ impl Progress {
         let left = asked.saturating_sub(done);
         if left == 0 {
             return Err("no_tokens_left");
+        }
+        if self.native {
+            return Ok(self.native_continuation(req, prompt, left));
         }
         let mut body = if self.chat { CHAT_CARRIED.iter().filter_map(|k| req.body.get(*k).map(|v| (k.to_string(), v.clone()))).collect() } else { req.body.clone() };
         for k in ["max_completion_tokens", "stream_options", "messages", "n", "rid", "return_token_ids"] {
@@ -209,9 +256,72 @@ impl Progress {
         Ok(body)
     }
 
+    fn native_continuation(&self, req: &ParsedRequest, prompt: &[Value], left: u64) -> Map<String, Value> {
+        let mut body = req.body.clone();
+        body.remove("rid");
+        let mut ids = prompt.to_vec();
+        ids.extend(self.generated.iter().cloned());
+        body.insert("input_ids".into(), Value::Array(ids));
+        body.insert("stream".into(), Value::Bool(true));
+        let mut sp = body.get("sampling_params").and_then(Value::as_object).cloned().unwrap_or_default();
+        sp.insert("max_new_tokens".into(), json!(left));
+        if let Some(min) = sp.get("min_new_tokens").and_then(Value::as_u64) {
+            sp.insert("min_new_tokens".into(), json!(min.saturating_sub(self.generated.len() as u64)));
+        }
+        body.insert("sampling_params".into(), Value::Object(sp));
+        body
+    }
+
+    /// Whether this is a `/generate` stream (its continuation goes to `/generate`).
+    pub fn native(&self) -> bool {
+        self.native
+    }
+
     /// A continuation starts: its chunks are rewritten from now on.
     pub fn begin_continuation(&mut self) {
         self.resumed_at = Some(self.generated.len());
+        self.text_base = self.text.clone();
+    }
+
+    /// `/generate` chunks carry the whole answer so far: keep the new ids' tail and the text.
+    fn observe_native(&mut self, obj: &Map<String, Value>) {
+        let text = obj.get("text").and_then(Value::as_str).unwrap_or_default();
+        match obj.get("output_ids").and_then(Value::as_array) {
+            Some(ids) if ids.iter().all(|t| t.as_u64().is_some()) => self.generated.extend(ids.iter().skip(self.generated.len()).cloned()),
+            _ if !text.is_empty() => self.ids_unknown = true,
+            _ => {}
+        }
+        self.text = text.to_string();
+        let meta = obj.get("meta_info");
+        if let (false, Some(id)) = (self.head.contains_key("id"), meta.and_then(|m| m.get("id"))) {
+            self.head.insert("id".into(), id.clone());
+        }
+        self.finished |= set(meta.and_then(|m| m.get("finish_reason")));
+    }
+
+    /// A `/generate` continuation's chunk as the first stream's: the text and ids so far
+    /// prefixed, the counts of the whole answer.
+    fn rewrite_native(&mut self, mut obj: Map<String, Value>) -> Value {
+        let before = self.resumed_at.unwrap_or(0);
+        let text = format!("{}{}", self.text_base, obj.get("text").and_then(Value::as_str).unwrap_or_default());
+        let mut ids: Vec<Value> = self.generated[..before].to_vec();
+        ids.extend(obj.get("output_ids").and_then(Value::as_array).cloned().unwrap_or_default());
+        if let Some(Value::Object(meta)) = obj.get_mut("meta_info") {
+            let completion = meta.get("completion_tokens").and_then(Value::as_u64).unwrap_or(0) + before as u64;
+            meta.insert("completion_tokens".into(), json!(completion));
+            if let Some(p) = &self.prompt_ids {
+                meta.insert("prompt_tokens".into(), json!(p.len()));
+            }
+            if let Some(id) = self.head.get("id") {
+                meta.insert("id".into(), id.clone());
+            }
+            self.finished |= set(meta.get("finish_reason"));
+        }
+        obj.insert("text".into(), json!(text));
+        self.text = text;
+        self.generated.clone_from(&ids);
+        obj.insert("output_ids".into(), Value::Array(ids));
+        Value::Object(obj)
     }
 
     /// One event of a continuation as the next event of the first stream: its id, object,
@@ -221,6 +331,9 @@ impl Progress {
         let Value::Object(mut obj) = v else { return Some(v) };
         if obj.contains_key("error") {
             return Some(Value::Object(obj));
+        }
+        if self.native {
+            return Some(self.rewrite_native(obj));
         }
         let before = self.resumed_at.unwrap_or(0) as u64;
         let mut out = self.head.clone();

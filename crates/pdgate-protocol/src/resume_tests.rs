@@ -39,7 +39,9 @@ fn exact_continuations_only() {
     }
     assert_eq!(refusal(&completions(json!({"response_format": {"type": "text"}, "stop": [], "presence_penalty": 0}))), None);
     let gen = req(Endpoint::Generate, json!({"text": "hi", "stream": true}));
-    assert_eq!(refusal(&gen), Some("generate"));
+    assert_eq!(refusal(&gen), Some("generate_text"), "a text prompt's ids are not in SGLang's stream");
+    let ids = req(Endpoint::Generate, json!({"input_ids": [1, 2], "stream": true, "sampling_params": {"regex": "a+"}}));
+    assert_eq!(refusal(&ids), Some("guided_decoding"));
     let chat = req(Endpoint::ChatCompletions, json!({"messages": [{"role": "user", "content": "x"}], "stream": true, "logprobs": true}));
     assert_eq!(refusal(&chat), Some("chat_logprobs"));
 }
@@ -132,4 +134,28 @@ fn the_tracker_holds_partial_events_and_passes_done() {
     let cont = format!("data: {}\n\ndata: [DONE]\n\n", json!({"id": "other", "choices": [{"index": 0, "text": "b", "token_ids": [98], "finish_reason": "length"}]}));
     let out = t.process(cont.as_bytes());
     assert!(out.contains("\"id\":\"cmpl-a\"") && out.contains("\"text\":\"b\"") && out.ends_with("data: [DONE]\n\n"), "{out}");
+}
+
+#[test]
+fn generate_continues_from_input_ids_and_reads_as_one_cumulative_stream() {
+    let r = req(Endpoint::Generate, json!({"input_ids": [256, 7], "stream": true, "rid": "x", "sampling_params": {"max_new_tokens": 5, "temperature": 0}}));
+    assert_eq!(refusal(&r), None);
+    let mut p = Progress::new(&r);
+    let mut c = json!({"text": "a", "output_ids": [97], "meta_info": {"id": "g-1", "finish_reason": null, "prompt_tokens": 2, "completion_tokens": 1}});
+    assert!(p.observe(&mut c));
+    let mut c = json!({"text": "ab", "output_ids": [97, 98], "meta_info": {"id": "g-1", "finish_reason": null, "prompt_tokens": 2, "completion_tokens": 2}});
+    p.observe(&mut c);
+    let body = p.continuation(&r, None).unwrap();
+    assert_eq!(body["input_ids"], json!([256, 7, 97, 98]));
+    assert_eq!(body["sampling_params"], json!({"max_new_tokens": 3, "temperature": 0}));
+    assert!(body.get("rid").is_none());
+    p.begin_continuation();
+    let out =
+        p.rewrite(json!({"text": "c", "output_ids": [99], "meta_info": {"id": "g-2", "finish_reason": {"type": "length"}, "prompt_tokens": 4, "completion_tokens": 1}})).unwrap();
+    assert_eq!(out["text"], "abc");
+    assert_eq!(out["output_ids"], json!([97, 98, 99]));
+    assert_eq!(out["meta_info"]["prompt_tokens"], 2);
+    assert_eq!(out["meta_info"]["completion_tokens"], 3);
+    assert_eq!(out["meta_info"]["id"], "g-1", "the first stream's id");
+    assert_eq!(p.refusal(), Some("already_finished"));
 }

@@ -52,7 +52,9 @@ impl Resumer {
         }
         let refused = refusal(&ctx.req);
         let tracker = refused.is_none().then(|| ResumeTracker::new(&ctx.req));
-        if tracker.is_some() && ctx.req.body.get("return_token_ids") != Some(&Value::Bool(true)) {
+        // `/generate` streams give `output_ids` anyway; the OpenAI routes are asked for them.
+        let openai = ctx.req.endpoint != Endpoint::Generate;
+        if tracker.is_some() && openai && ctx.req.body.get("return_token_ids") != Some(&Value::Bool(true)) {
             ctx.req.body.insert("return_token_ids".into(), Value::Bool(true));
             ctx.req.rewritten = true;
         }
@@ -111,15 +113,16 @@ impl Resumer {
         let limit = ctx.state.registry.routing().snapshot.context_limit(ctx.req.model.as_deref());
         let progress = &self.tracker.as_ref()?.progress;
         let generated = progress.generated();
+        let endpoint = if progress.native() { Endpoint::Generate } else { Endpoint::Completions };
         let body = match progress.continuation(&ctx.req, limit) {
             Ok(b) => b,
             Err(reason) => return self.refuse(reason, err),
         };
         self.left -= 1;
         self.failed.push(dead.to_string());
-        let left = body.get("max_tokens").and_then(Value::as_u64);
+        let left = body.get("max_tokens").or_else(|| body.get("sampling_params")?.get("max_new_tokens")).and_then(Value::as_u64);
         let req = ParsedRequest {
-            endpoint: Endpoint::Completions,
+            endpoint,
             body,
             stream: true,
             batch_items: None,
