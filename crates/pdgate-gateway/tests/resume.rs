@@ -95,6 +95,12 @@ async fn generate(State(st): State<EngineState>, Json(body): Json<Value>) -> Res
     st.bodies.lock().unwrap().push(body.clone());
     let chat = st.chat && body.get("messages").is_some();
     if body["stream"] != json!(true) {
+        if body.get("max_tokens") != Some(&json!(1)) && st.die_after > 0 && !st.kill.swap(true, Ordering::SeqCst) {
+            // A decode that dies before its whole answer.
+            st.died.store(true, Ordering::SeqCst);
+            let s = futures_util::stream::iter([Err::<String, _>(std::io::Error::other("engine died"))]);
+            return Response::builder().header("content-type", "application/json").body(Body::from_stream(s)).unwrap();
+        }
         // A prefill's (or a non-stream) answer.
         return Json(json!({"id": "cmpl-p", "object": "text_completion", "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
                            "usage": {"prompt_tokens": 1, "completion_tokens": 1}}))
@@ -273,4 +279,17 @@ async fn a_second_death_beyond_max_resumes_ends_with_the_error_event() {
     assert!(text.contains("\"error\"") && !text.contains("[DONE]"), "{text}");
     assert_eq!(a.streams().len() + b.streams().len(), 2, "one continuation, no more");
     assert_eq!(metric(&url, "pdgate_resumes_total{reason=\"max_resumes\",result=\"refused\"}").await, Some(1.0));
+}
+
+#[tokio::test]
+async fn a_whole_answer_whose_decode_dies_is_resumed_even_without_retries() {
+    for (max_resumes, status) in [(1, 200), (0, 503)] {
+        let s = stack(3, json!({"max_resumes": max_resumes})).await;
+        let r = client().post(format!("{}/v1/completions", s.url)).json(&json!({"prompt": "hello", "max_tokens": 8})).send().await.unwrap();
+        assert_eq!(r.status(), status, "{}", r.text().await.unwrap());
+        let sent = s.decodes.iter().map(|d| d.bodies.lock().unwrap().len()).sum::<usize>();
+        assert_eq!(sent, max_resumes + 1);
+        let resumed = metric(&s.url, "pdgate_resumes_total{reason=\"decode_died_whole\",result=\"resumed\"}").await;
+        assert_eq!(resumed.unwrap_or(0.0), max_resumes as f64);
+    }
 }

@@ -163,3 +163,17 @@ impl Resumer {
         }
     }
 }
+
+/// A non-streamed request whose decode died (nothing reached the client: its answer comes
+/// whole) is sent again on a new pair, avoiding the dead decode, when the retry loop would not
+/// (retries off or over budget): at most `--max-resumes` times, within the deadline. `used`
+/// counts this request's resumes.
+pub fn resume_whole(ctx: &Ctx, err: &GatewayError, used: &mut u32) -> bool {
+    if ctx.req.stream || !Resumer::is_death(err) || *used >= ctx.state.config.max_resumes || Instant::now() >= ctx.deadline {
+        return false;
+    }
+    *used += 1;
+    ctx.state.metrics.resumes.with_label_values(&["resumed", "decode_died_whole"]).inc();
+    tracing::info!(request_id = %ctx.request_id, error = %err, "non-streamed request resumed on a new pair after its decode died");
+    true
+}

@@ -47,6 +47,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
     // is asked for token ids).
     let mut resumer = Resumer::prepare(&mut ctx);
     let mut failed: Vec<String> = Vec::new();
+    let mut whole_resumes = 0;
     ctx.state.retry_budget_deposit();
     let response = loop {
         record.attempts += 1;
@@ -77,11 +78,16 @@ pub async fn execute(mut ctx: Ctx) -> Response {
             metrics.retries_refused.with_label_values(&["budget"]).inc();
             tracing::debug!(request_id = %ctx.request_id, "retry refused: the shared retry budget is spent");
         }
-        if !retry || refused {
+        // A whole answer whose decode died is resumed (from the start: nothing of it reached
+        // the client) even where retrying is off or over budget, up to --max-resumes.
+        let resume = (!retry || refused) && super::resume::resume_whole(&ctx, err, &mut whole_resumes);
+        if (!retry || refused) && !resume {
             crate::edge::log_limit::warn_request(&ctx.state, Some(&ctx.request_id), "request failed", err, Some(&record.header_value()));
             break error_response(err);
         }
-        metrics.retries.with_label_values(&[err.reason()]).inc();
+        if !resume {
+            metrics.retries.with_label_values(&[err.reason()]).inc();
+        }
         if let Some(w) = failure.worker {
             failed.push(w);
         }
