@@ -31,6 +31,8 @@ struct EngineState {
     chat: bool,
     die_after: usize,
     kill: Arc<AtomicBool>,
+    /// Dies on every stream, not just the first of the fleet.
+    always: bool,
     bodies: Arc<Mutex<Vec<Value>>>,
     died: Arc<AtomicBool>,
 }
@@ -107,7 +109,7 @@ async fn generate(State(st): State<EngineState>, Json(body): Json<Value>) -> Res
         .into_response();
     }
     let mut events = stream_events(chat, &body);
-    let dies = st.die_after > 0 && !st.kill.swap(true, Ordering::SeqCst);
+    let dies = st.die_after > 0 && (st.always || !st.kill.swap(true, Ordering::SeqCst));
     if dies {
         st.died.store(true, Ordering::SeqCst);
         events.truncate(st.die_after + usize::from(chat));
@@ -123,10 +125,14 @@ async fn generate(State(st): State<EngineState>, Json(body): Json<Value>) -> Res
 }
 
 async fn engine(die_after: usize, kill: Arc<AtomicBool>) -> Engine {
+    engine_with(die_after, kill, false).await
+}
+
+async fn engine_with(die_after: usize, kill: Arc<AtomicBool>, always: bool) -> Engine {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let (bodies, died) = (Arc::new(Mutex::new(Vec::new())), Arc::new(AtomicBool::new(false)));
-    let st = EngineState { chat: true, die_after, kill, bodies: bodies.clone(), died: died.clone() };
+    let st = EngineState { chat: true, die_after, kill, always, bodies: bodies.clone(), died: died.clone() };
     let app = Router::new()
         .route("/health", get(|| async { "ok" }))
         .route("/v1/models", get(|| async { Json(json!({"object": "list", "data": [{"id": "m", "object": "model", "max_model_len": 4096}]})) }))
@@ -292,4 +298,24 @@ async fn a_whole_answer_whose_decode_dies_is_resumed_even_without_retries() {
         let resumed = metric(&s.url, "pdgate_resumes_total{reason=\"decode_died_whole\",result=\"resumed\"}").await;
         assert_eq!(resumed.unwrap_or(0.0), max_resumes as f64);
     }
+}
+
+#[tokio::test]
+async fn a_decode_that_always_dies_is_taken_out_by_its_breaker_and_streams_resume_elsewhere() {
+    let never = Arc::new(AtomicBool::new(false));
+    let p = engine(0, never.clone()).await;
+    let (bad, good) = (engine_with(1, never.clone(), true).await, engine(0, never).await);
+    let (_gw, url) = gateway(json!({"pd_disaggregation": true, "prefill": [p.url], "decode": [bad.url, good.url], "policy": "round_robin",
+                                    "breaker_failure_threshold": 2, "retry_max_retries": 0}))
+    .await;
+    wait_ready(&url).await;
+    for _ in 0..6 {
+        let text = post_stream(&url, "/v1/completions", json!({"prompt": "hello", "stream": true, "max_tokens": 4})).await;
+        assert!(text.ends_with("data: [DONE]\n\n") && !text.contains("\"error\""), "{text}");
+        assert_eq!(joined_text(&events(&text)).len(), 4);
+    }
+    let state = metric(&url, &format!("pdgate_worker_breaker_state{{worker=\"{}\"}}", bad.url)).await;
+    assert_eq!(state, Some(1.0), "open after two deaths");
+    assert_eq!(bad.streams().len(), 2, "no stream went to it once its breaker opened");
+    assert_eq!(metric(&url, "pdgate_resumes_total{reason=\"decode_died\",result=\"resumed\"}").await, Some(2.0));
 }
