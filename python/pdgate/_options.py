@@ -91,6 +91,8 @@ class GatewayOptions(TypedDict, total=False):
     """--retry-initial-backoff-ms: First retry backoff; grows by --retry-backoff-multiplier per attempt, with jitter. Default: 50. Range: 0 to 18446744073709551615."""
     retry_max_backoff_ms: int
     """--retry-max-backoff-ms: Upper bound of one retry backoff. Default: 1000. Range: 0 to 18446744073709551615."""
+    max_resumes: int
+    """--max-resumes: Most times one stream is continued on a new prefill/decode pair after its decode died mid-answer (prompt + generated token ids, the same client stream); 0 turns resuming off. Always within the request's deadline (docs/architecture.md, "Resume"). Default: 1. Range: 0 to 4294967295."""
     retry_budget_ratio: float
     """--retry-budget-ratio: Retry budget shared by all requests: retries in the window may be at most this fraction of the requests that started in it (plus --retry-budget-min-per-sec), so retries cannot multiply an overload. A retry over budget is not made (`pdgate_retries_refused_total`). Default: 0.2."""
     retry_budget_min_per_sec: int

@@ -157,6 +157,12 @@ pub struct GatewayConfig {
     #[arg(long, default_value_t = 1000)]
     pub retry_max_backoff_ms: u64,
 
+    /// Most times one stream is continued on a new prefill/decode pair after its decode died
+    /// mid-answer (prompt + generated token ids, the same client stream); 0 turns resuming off.
+    /// Always within the request's deadline (docs/architecture.md, "Resume").
+    #[arg(long, default_value_t = 1)]
+    pub max_resumes: u32,
+
     // --- Overload protection (pdgate-core retry_budget.rs, docs/architecture.md) ---
     /// Retry budget shared by all requests: retries in the window may be at most this fraction
     /// of the requests that started in it (plus --retry-budget-min-per-sec), so retries cannot

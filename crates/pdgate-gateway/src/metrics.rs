@@ -22,6 +22,8 @@ pub struct Metrics {
     pub retries: IntCounterVec,
     /// Retries the shared retry budget did not allow (`reason`: budget).
     pub retries_refused: IntCounterVec,
+    /// Streams continued after their decode died (`result`: resumed, failed, refused; `reason`).
+    pub resumes: IntCounterVec,
     pub leg_errors: IntCounterVec,
     pub inflight: IntGaugeVec,
     pub worker_healthy: IntGaugeVec,
@@ -136,6 +138,7 @@ impl Metrics {
             leg_duration: histogram(&r, "pdgate_pd_leg_duration_seconds", "Duration of one PD leg", &["leg", "protocol"]),
             retries: counter(&r, "pdgate_retries_total", "Attempts retried, by reason", &["reason"]),
             retries_refused: counter(&r, "pdgate_retries_refused_total", "Retries not made because the shared retry budget was spent", &["reason"]),
+            resumes: counter(&r, "pdgate_resumes_total", "Streams whose decode died mid-answer, by what resuming did (resumed, failed, refused) and why", &["result", "reason"]),
             leg_errors: counter(&r, "pdgate_worker_errors_total", "Failed worker legs by leg and error code", &["leg", "code"]),
             inflight: gauge(&r, "pdgate_worker_inflight", "Requests in flight per worker", &["worker", "role"]),
             worker_healthy: gauge(&r, "pdgate_worker_healthy", "1 when the worker passes health checks", &["worker", "role"]),
@@ -179,6 +182,7 @@ impl Metrics {
         };
         // Present at 0 from the start, so an alert on them needs no prior failure.
         m.retries_refused.with_label_values(&["budget"]);
+        m.resumes.with_label_values(&["resumed", "decode_died"]);
         for leg in ["worker", "decode"] {
             m.streams_truncated.with_label_values(&[leg]);
             for reason in pdgate_protocol::answer::REASONS {

@@ -13,6 +13,7 @@ pub mod logprobs;
 pub mod openai;
 pub mod rendezvous;
 pub mod request;
+pub mod resume;
 pub mod sse;
 pub mod usage;
 

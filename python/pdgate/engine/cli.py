@@ -65,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=_env_float("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", 480.0),
                    help="seconds a NIXL-style prefill holds pages nobody pulled "
                         "(env VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
+    p.add_argument("--fault-kill-after-tokens", type=int, default=0,
+                   help="fault injection for tests: the engine SIGKILLs itself once it has sent a "
+                        "stream chunk holding a sequence's N-th output token, or (whole answers) "
+                        "once a sequence has generated N tokens; 0: off")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share full KV pages between requests with the same prefix (vLLM's flag; "
                         "--no-enable-prefix-caching or SGLang's --disable-radix-cache turn it off)")

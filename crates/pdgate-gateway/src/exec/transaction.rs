@@ -27,8 +27,9 @@ use serde_json::{Map, Value};
 use tokio::time::Instant;
 
 use super::client::{AbortGuard, LegRequest, WorkerClient};
-use super::commit::{relay_leg, RelayPlan, Watched};
+use super::commit::{relay_leg, Committed, RelayPlan, Watched};
 use super::relay::{Finish, PrefillLeg};
+use super::resume::Resumer;
 use super::{AttemptFailure, Ctx};
 use crate::metrics::InflightGuard;
 use crate::record::{Record, ROUTE_HEADER};
@@ -42,7 +43,11 @@ pub async fn execute(mut ctx: Ctx) -> Response {
     if let Err(err) = admit(&ctx) {
         return finish(&ctx, error_response(&err), &record);
     }
+    // Learns, before the legs are built, whether this stream could be resumed (then the decode
+    // is asked for token ids).
+    let mut resumer = Resumer::prepare(&mut ctx);
     let mut failed: Vec<String> = Vec::new();
+    let mut whole_resumes = 0;
     ctx.state.retry_budget_deposit();
     let response = loop {
         record.attempts += 1;
@@ -52,7 +57,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
             tracing::Span::current().record("request_id", ctx.request_id.as_str());
         }
         let failure = match attempt(&ctx, &failed, &mut record).await {
-            Ok(resp) => break resp,
+            Ok(committed) => break committed.into_response(resumer.take().map(|r| r.bind(&ctx, &record))),
             Err(f) => f,
         };
         let err = &failure.error;
@@ -73,11 +78,16 @@ pub async fn execute(mut ctx: Ctx) -> Response {
             metrics.retries_refused.with_label_values(&["budget"]).inc();
             tracing::debug!(request_id = %ctx.request_id, "retry refused: the shared retry budget is spent");
         }
-        if !retry || refused {
+        // A whole answer whose decode died is resumed (from the start: nothing of it reached
+        // the client) even where retrying is off or over budget, up to --max-resumes.
+        let resume = (!retry || refused) && super::resume::resume_whole(&ctx, err, &mut whole_resumes);
+        if (!retry || refused) && !resume {
             crate::edge::log_limit::warn_request(&ctx.state, Some(&ctx.request_id), "request failed", err, Some(&record.header_value()));
             break error_response(err);
         }
-        metrics.retries.with_label_values(&[err.reason()]).inc();
+        if !resume {
+            metrics.retries.with_label_values(&[err.reason()]).inc();
+        }
         if let Some(w) = failure.worker {
             failed.push(w);
         }
@@ -102,8 +112,9 @@ fn admit(ctx: &Ctx) -> Result<(), GatewayError> {
     Ok(())
 }
 
-/// One attempt: select → prepare → send → commit → relay.
-async fn attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Result<Response, AttemptFailure> {
+/// One attempt: select → prepare → send → commit → relay. Also how a resume continues a
+/// stream on a new pair (`resume.rs`).
+pub(super) async fn attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Result<Committed, AttemptFailure> {
     let chosen = select(ctx, failed)?;
     let plan = &chosen.plan;
     record.protocol = plan.mode.as_str();
@@ -253,7 +264,7 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
 }
 
 /// Runs a chosen plan: prepare, send the legs in the plan's order, commit and relay.
-async fn run(ctx: &Ctx, chosen: Chosen) -> Result<Response, GatewayError> {
+async fn run(ctx: &Ctx, chosen: Chosen) -> Result<Committed, GatewayError> {
     let client = ctx.state.client.clone();
     let Chosen { plan, prefill_runtime, relayed_runtime, .. } = chosen;
     let protocol = plan.mode.as_str();
