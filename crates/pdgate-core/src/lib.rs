@@ -12,6 +12,7 @@ mod config_serde;
 pub mod error;
 pub mod health;
 pub mod pairing;
+pub mod placement;
 pub mod plan;
 pub mod policy;
 pub mod radix;
