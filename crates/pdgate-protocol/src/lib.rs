@@ -17,4 +17,4 @@ pub mod sse;
 pub mod usage;
 
 pub use limits::Limits;
-pub use request::{parse_request, Endpoint, InvalidRequest, ParsedRequest};
+pub use request::{estimate_tokens, parse_request, Endpoint, InvalidRequest, ParsedRequest};
