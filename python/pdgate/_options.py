@@ -119,6 +119,8 @@ class GatewayOptions(TypedDict, total=False):
     """--max-logit-bias: Most entries in `logit_bias`. Default: 2048. Range: 0 to 18446744073709551615."""
     max_tools: int
     """--max-tools: Most entries in `tools` (and the legacy `functions`). OpenAI allows 128. Default: 512. Range: 0 to 18446744073709551615."""
+    chars_per_token: float
+    """--chars-per-token: UTF-8 bytes per token, to estimate a text prompt's token count for token-based load (`least_tokens`, `most_free_kv`); token-id prompts are counted exactly. 4.0 suits English with BPE tokenizers; the reference engine's byte-level presets need 1. Default: 4.0."""
     health_check_interval_secs: int
     """--health-check-interval-secs: Seconds between active health checks of each worker. Default: 5. Range: 0 to 18446744073709551615."""
     health_check_timeout_secs: int

@@ -224,6 +224,12 @@ pub struct GatewayConfig {
     #[arg(long, default_value_t = 512)]
     pub max_tools: usize,
 
+    /// UTF-8 bytes per token, to estimate a text prompt's token count for token-based load
+    /// (`least_tokens`, `most_free_kv`); token-id prompts are counted exactly. 4.0 suits
+    /// English with BPE tokenizers; the reference engine's byte-level presets need 1.
+    #[arg(long, default_value_t = 4.0)]
+    pub chars_per_token: f64,
+
     /// Seconds between active health checks of each worker.
     #[arg(long, default_value_t = 5)]
     pub health_check_interval_secs: u64,
@@ -559,6 +565,9 @@ impl GatewayConfig {
         if self.balance_rel_threshold.is_nan() || self.balance_rel_threshold < 1.0 {
             return bad(format!("--balance-rel-threshold must be at least 1.0, not {}", self.balance_rel_threshold));
         }
+        if !self.chars_per_token.is_finite() || self.chars_per_token <= 0.0 {
+            return bad(format!("--chars-per-token must be a number above 0, not {}", self.chars_per_token));
+        }
         if !self.retry_budget_ratio.is_finite() || self.retry_budget_ratio < 0.0 || self.retry_budget_window_secs == 0 {
             return bad(format!("--retry-budget-ratio must be a number >= 0 (not {}) and --retry-budget-window-secs at least 1", self.retry_budget_ratio));
         }
@@ -672,6 +681,7 @@ impl GatewayConfig {
             max_stop_bytes: self.max_stop_bytes,
             max_logit_bias: self.max_logit_bias,
             max_tools: self.max_tools,
+            chars_per_token: self.chars_per_token,
         }
     }
 
