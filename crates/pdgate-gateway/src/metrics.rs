@@ -48,6 +48,8 @@ pub struct Metrics {
     pub queue_wait: prometheus::Histogram,
     /// The client edge (conn.rs, front.rs, hops.rs, log_limit.rs): every limit that fires.
     pub edge: Arc<EdgeMetrics>,
+    /// Placement decisions, recoveries and the cost model (exec/placement.rs).
+    pub placement: crate::exec::placement::PlacementMetrics,
 }
 
 /// Counters of the client edge, each present at 0 from the start so alerts can rate() them.
@@ -175,6 +177,7 @@ impl Metrics {
                 h
             },
             edge: Arc::new(EdgeMetrics::new(&r)),
+            placement: crate::exec::placement::PlacementMetrics::new(&r),
             registry: r,
         };
         // Present at 0 from the start, so an alert on them needs no prior failure.

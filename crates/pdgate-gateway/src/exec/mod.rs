@@ -12,6 +12,7 @@ pub mod client;
 mod commit;
 pub mod http_client;
 pub mod leg;
+pub mod placement;
 pub mod relay;
 mod transaction;
 
