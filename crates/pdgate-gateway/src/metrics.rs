@@ -168,7 +168,12 @@ impl Metrics {
             workers: gauge(&r, "pdgate_workers", "Registered workers by source (static, api, discovery)", &["source"]),
             admission_running: single_gauge(&r, "pdgate_admission_running", "Requests holding a --max-concurrent-requests slot"),
             admission_waiting: single_gauge(&r, "pdgate_admission_waiting", "Requests waiting in the admission queue (at scrape time)"),
-            admission_refused: counter(&r, "pdgate_admission_refused_total", "Requests refused by admission: queue_full (429), queue_timeout (408)", &["reason"]),
+            admission_refused: counter(
+                &r,
+                "pdgate_admission_refused_total",
+                "Requests refused by admission: queue_full (429), queue_timeout (408), no_kv_room (408: no decode had KV room in time)",
+                &["reason"],
+            ),
             queue_wait: {
                 let opts =
                     HistogramOpts::new("pdgate_admission_queue_wait_seconds", "Time a request waited for a --max-concurrent-requests slot").buckets(LATENCY_BUCKETS.to_vec());
@@ -188,7 +193,7 @@ impl Metrics {
                 m.bad_worker_responses.with_label_values(&[leg, reason]);
             }
         }
-        for reason in ["queue_full", "queue_timeout"] {
+        for reason in ["queue_full", "queue_timeout", "no_kv_room"] {
             m.admission_refused.with_label_values(&[reason]);
         }
         m

@@ -55,6 +55,12 @@ pub async fn execute(mut ctx: Ctx) -> Response {
             return finish(&ctx, placement::rejection(d), &record);
         }
     }
+    // A disaggregated request waits for a decode with KV room for it (exec/kv_room.rs).
+    if ctx.state.config.pd_disaggregation && placed != Some(Placement::Colocated) {
+        if let Err(err) = super::kv_room::admit(&ctx).await {
+            return finish(&ctx, error_response(&err), &record);
+        }
+    }
     let mut failed: Vec<String> = Vec::new();
     ctx.state.retry_budget_deposit();
     let response = loop {
