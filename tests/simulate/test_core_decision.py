@@ -43,7 +43,7 @@ def test_python_and_rust_agree_on_a_grid(model: ServiceModel) -> None:
 
 def test_the_worked_example_through_core() -> None:
     m = replace(ServiceModel(), send_chunk_tokens=0)
-    v = PlacementView(6000, 400, 0.0, 0.0, 0, 0.0, 8, 600.0, 50.0)
+    v = PlacementView(6000, 200, 0.0, 0.0, 0, 0.0, 8, 600.0, 50.0)
     placement, reason, remote, _, tpot = core_decide(v, m)
     assert remote == pytest.approx(370.2, abs=0.1)
     assert (placement, reason) == (DISAGGREGATED, "local_stall_breaks_tpot") and tpot > 50.0
