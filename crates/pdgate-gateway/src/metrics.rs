@@ -171,7 +171,7 @@ impl Metrics {
             admission_refused: counter(
                 &r,
                 "pdgate_admission_refused_total",
-                "Requests refused by admission: queue_full (429), queue_timeout (408), no_kv_room (408: no decode had KV room in time)",
+                "Requests refused by admission: queue_full (429), shed (429: a higher x-pdgate-priority took the place), queue_timeout (408), no_kv_room (408: no decode had KV room in time)",
                 &["reason"],
             ),
             queue_wait: {
@@ -193,7 +193,7 @@ impl Metrics {
                 m.bad_worker_responses.with_label_values(&[leg, reason]);
             }
         }
-        for reason in ["queue_full", "queue_timeout", "no_kv_room"] {
+        for reason in ["queue_full", "shed", "queue_timeout", "no_kv_room"] {
             m.admission_refused.with_label_values(&[reason]);
         }
         m

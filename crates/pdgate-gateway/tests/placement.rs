@@ -116,3 +116,49 @@ async fn a_failed_prefill_is_recomputed_colocated_when_that_is_cheaper() {
     assert_eq!(p.log().count(), 1);
     drop(held);
 }
+
+async fn post_with_priority(url: String, priority: Option<&'static str>) -> reqwest::Response {
+    let mut req = client().post(format!("{url}/v1/completions")).json(&json!({"prompt": "x", "max_tokens": 4}));
+    if let Some(p) = priority {
+        req = req.header("x-pdgate-priority", p);
+    }
+    req.send().await.unwrap()
+}
+
+/// Waits (bounded) until the gateway's metrics have this line.
+async fn wait_for_metric(url: &str, line: &str) {
+    for _ in 0..200 {
+        let text = client().get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
+        if text.lines().any(|l| l == line) {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("the metrics never showed {line:?}");
+}
+
+#[tokio::test]
+async fn a_full_admission_queue_sheds_its_lowest_priority_for_a_higher_one() {
+    // The running request holds its slot for 3 s: longer than the steps below, which do not
+    // depend on it otherwise (each waits on the gateway's own gauges).
+    let w = spawn("regular", Default::default(), Fault::Slow(3000)).await;
+    let (_gw, url) = gateway(json!({"worker_urls": [w.url], "max_concurrent_requests": 1, "queue_size": 1})).await;
+    wait_ready(&url).await;
+    let running = tokio::spawn(post_with_priority(url.clone(), None));
+    wait_for_metric(&url, "pdgate_admission_running 1").await;
+    let low = tokio::spawn(post_with_priority(url.clone(), Some("-1")));
+    wait_for_metric(&url, "pdgate_admission_waiting 1").await;
+    // The line (one place) is full; equal or lower priority is refused, higher sheds the waiter.
+    assert_eq!(post_with_priority(url.clone(), Some("-1")).await.status(), 429);
+    let high = tokio::spawn(post_with_priority(url.clone(), Some("7")));
+    let low = low.await.unwrap();
+    assert_eq!(low.status(), 429);
+    let v: Value = low.json().await.unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("x-pdgate-priority"), "{v}");
+    assert_eq!(high.await.unwrap().status(), 200);
+    assert_eq!(running.await.unwrap().status(), 200);
+    let bad = post_with_priority(url.clone(), Some("urgent")).await;
+    assert_eq!(bad.status(), 400);
+    let metrics = client().get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains(r#"pdgate_admission_refused_total{reason="shed"} 1"#), "{metrics}");
+}
