@@ -20,6 +20,7 @@ use pdgate_core::{GatewayConfig, GatewayError, PoolSnapshot, WorkerRole};
 use prometheus::{GaugeVec, IntCounterVec, Opts, Registry};
 
 use super::Ctx;
+use crate::record::Record;
 use crate::render::error_response;
 
 /// Output tokens assumed for a request that does not bound them (no `max_tokens`).
@@ -189,6 +190,26 @@ pub fn place(ctx: &Ctx) -> Option<Decision> {
     };
     ctx.state.metrics.placement.total.with_label_values(&[decision.placement.as_str(), decision.reason]).inc();
     Some(decision)
+}
+
+/// The place phase of a request: the first attempt's placement (recorded in the header under
+/// `colocated` and `conditional`, and for every rejection), then, for a disaggregated request,
+/// the wait for decode KV room (`kv_room`). `Err` is the response to answer at once.
+pub async fn place_request(ctx: &Ctx, record: &mut Record) -> Result<Option<Placement>, Response> {
+    let decision = place(ctx);
+    if let Some(d) = &decision {
+        if ctx.state.placer.mode != PlacementMode::Disaggregated || d.placement == Placement::Reject {
+            record.placement = Some((d.placement.as_str(), d.reason));
+        }
+        if d.placement == Placement::Reject {
+            return Err(rejection(d));
+        }
+    }
+    let placed = decision.map(|d| d.placement);
+    if ctx.state.config.pd_disaggregation && placed != Some(Placement::Colocated) {
+        super::kv_room::admit(ctx).await.map_err(|err| error_response(&err))?;
+    }
+    Ok(placed)
 }
 
 /// The early rejection's answer: 429 `overloaded`, `Retry-After` (the predicted TTFT in

@@ -20,7 +20,7 @@ use axum::http::HeaderValue;
 use axum::response::Response;
 use bytes::Bytes;
 use pdgate_core::breaker::Outcome;
-use pdgate_core::placement::{Placement, PlacementMode};
+use pdgate_core::placement::Placement;
 use pdgate_core::plan::{self, LegBody, LegPlan, Mode, Order, PdPlan};
 use pdgate_core::route::{select_pair, select_regular};
 use pdgate_core::{ErrorKind, GatewayError, KvConnector, Leg, WorkerRole};
@@ -44,23 +44,11 @@ pub async fn execute(mut ctx: Ctx) -> Response {
     if let Err(err) = admit(&ctx) {
         return finish(&ctx, error_response(&err), &record);
     }
-    // Place (PD mode): disaggregated, colocated, or rejected early (exec/placement.rs).
-    let decision = placement::place(&ctx);
-    let mut placed = decision.map(|d| d.placement);
-    if let Some(d) = &decision {
-        if ctx.state.placer.mode != PlacementMode::Disaggregated || d.placement == Placement::Reject {
-            record.placement = Some((d.placement.as_str(), d.reason));
-        }
-        if d.placement == Placement::Reject {
-            return finish(&ctx, placement::rejection(d), &record);
-        }
-    }
-    // A disaggregated request waits for a decode with KV room for it (exec/kv_room.rs).
-    if ctx.state.config.pd_disaggregation && placed != Some(Placement::Colocated) {
-        if let Err(err) = super::kv_room::admit(&ctx).await {
-            return finish(&ctx, error_response(&err), &record);
-        }
-    }
+    // Place (PD mode): disaggregated, colocated, or rejected early; then wait for decode room.
+    let mut placed = match placement::place_request(&ctx, &mut record).await {
+        Ok(placed) => placed,
+        Err(refusal) => return finish(&ctx, refusal, &record),
+    };
     let mut failed: Vec<String> = Vec::new();
     ctx.state.retry_budget_deposit();
     let response = loop {
