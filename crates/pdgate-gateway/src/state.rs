@@ -46,6 +46,8 @@ pub struct AppState {
     pub edge: crate::edge::Edge,
     /// `--max-concurrent-requests` and its queue; `None` without a limit.
     pub admission: Option<crate::admission::Admission>,
+    /// `--pd-placement`, early rejection and the cost model (exec/placement.rs).
+    pub placer: crate::exec::placement::Placer,
 }
 
 impl AppState {
@@ -55,6 +57,7 @@ impl AppState {
         AppState {
             client: Arc::new(HttpClient::new(upstream.clone())),
             upstream,
+            placer: crate::exec::placement::Placer::from_config(&config),
             metrics: {
                 let m = Metrics::new();
                 m.prime(&config);
@@ -74,6 +77,14 @@ impl AppState {
             registry,
             config,
         }
+        .primed()
+    }
+
+    fn primed(self) -> Self {
+        if self.config.pd_disaggregation {
+            self.metrics.placement.prime(&self.placer);
+        }
+        self
     }
 
     /// The load view policies read, over the workers of one routing view.

@@ -12,7 +12,9 @@
 pub mod client;
 mod commit;
 pub mod http_client;
+pub mod kv_room;
 pub mod leg;
+pub mod placement;
 pub mod relay;
 mod resume;
 mod transaction;

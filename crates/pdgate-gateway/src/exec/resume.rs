@@ -129,6 +129,8 @@ impl Resumer {
             wants_input_logprobs: false,
             model: ctx.req.model.clone(),
             max_tokens: left.map(|n| (n, "max_tokens")),
+            // The continuation's prompt is the original prompt plus what was generated.
+            prompt_tokens: ctx.req.prompt_tokens + generated as u64,
             rewritten: true,
         };
         // A new rendezvous: the dead pair may still hold the old id.
@@ -136,7 +138,7 @@ impl Resumer {
         let cont = Ctx { req, raw: Bytes::new(), request_id, ..ctx.clone() };
         let mut record = Record::default();
         let metrics = &ctx.state.metrics;
-        match super::transaction::attempt(&cont, &self.failed, &mut record).await {
+        match super::transaction::attempt(&cont, &self.failed, None, &mut record).await {
             Ok(Committed::Stream { relay, .. }) => {
                 metrics.resumes.with_label_values(&["resumed", "decode_died"]).inc();
                 tracing::info!(request_id = %ctx.request_id, continuation_id = %cont.request_id, dead, generated, error = %err,

@@ -20,6 +20,7 @@ use axum::http::HeaderValue;
 use axum::response::Response;
 use bytes::Bytes;
 use pdgate_core::breaker::Outcome;
+use pdgate_core::placement::Placement;
 use pdgate_core::plan::{self, LegBody, LegPlan, Mode, Order, PdPlan};
 use pdgate_core::route::{select_pair, select_regular};
 use pdgate_core::{ErrorKind, GatewayError, KvConnector, Leg, WorkerRole};
@@ -28,6 +29,7 @@ use tokio::time::Instant;
 
 use super::client::{AbortGuard, LegRequest, WorkerClient};
 use super::commit::{relay_leg, Committed, RelayPlan, Watched};
+use super::placement;
 use super::relay::{Finish, PrefillLeg};
 use super::resume::Resumer;
 use super::{AttemptFailure, Ctx};
@@ -46,6 +48,11 @@ pub async fn execute(mut ctx: Ctx) -> Response {
     // Learns, before the legs are built, whether this stream could be resumed (then the decode
     // is asked for token ids).
     let mut resumer = Resumer::prepare(&mut ctx);
+    // Place (PD mode): disaggregated, colocated, or rejected early; then wait for decode room.
+    let mut placed = match placement::place_request(&ctx, &mut record).await {
+        Ok(placed) => placed,
+        Err(refusal) => return finish(&ctx, refusal, &record),
+    };
     let mut failed: Vec<String> = Vec::new();
     let mut whole_resumes = 0;
     ctx.state.retry_budget_deposit();
@@ -56,7 +63,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
             ctx.request_id = crate::request_id::mint(ctx.client_request_id.as_deref());
             tracing::Span::current().record("request_id", ctx.request_id.as_str());
         }
-        let failure = match attempt(&ctx, &failed, &mut record).await {
+        let failure = match attempt(&ctx, &failed, placed, &mut record).await {
             Ok(committed) => break committed.into_response(resumer.take().map(|r| r.bind(&ctx, &record))),
             Err(f) => f,
         };
@@ -71,7 +78,16 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         }
         let left = ctx.deadline.saturating_duration_since(Instant::now());
         tracing::debug!(request_id = %ctx.request_id, attempt = record.attempts, error = %err, route = %record.full(), "attempt failed");
-        let retry = ctx.state.retry.should_retry(err, record.attempts, false, left);
+        let mut retry = ctx.state.retry.should_retry(err, record.attempts, false, left);
+        // The failure policy: another pair, colocated, or fail, by the time left.
+        if let Some((choice, why)) = retry.then(|| placement::recovery(&ctx, left)).flatten() {
+            record.recovery = Some((choice.as_str(), why));
+            placed = placement::after_recovery(choice);
+            retry = placed.is_some();
+            if placed == Some(Placement::Colocated) {
+                record.placement = Some((Placement::Colocated.as_str(), why));
+            }
+        }
         // The shared budget is asked last, so only a retry that would happen spends from it.
         let refused = retry && !ctx.state.retry_budget_withdraw();
         if refused {
@@ -114,8 +130,8 @@ fn admit(ctx: &Ctx) -> Result<(), GatewayError> {
 
 /// One attempt: select → prepare → send → commit → relay. Also how a resume continues a
 /// stream on a new pair (`resume.rs`).
-pub(super) async fn attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Result<Committed, AttemptFailure> {
-    let chosen = select(ctx, failed)?;
+pub(super) async fn attempt(ctx: &Ctx, failed: &[String], placed: Option<Placement>, record: &mut Record) -> Result<Committed, AttemptFailure> {
+    let chosen = select(ctx, failed, placed)?;
     let plan = &chosen.plan;
     record.protocol = plan.mode.as_str();
     let prefill_url = plan.prefill.as_ref().map(|p| p.url.clone());
@@ -156,14 +172,15 @@ struct Chosen {
 }
 
 /// Select: the policy picks from the snapshot (never a worker that failed this request), and
-/// core turns the pick into the attempt's plan.
-fn select(ctx: &Ctx, failed: &[String]) -> Result<Chosen, GatewayError> {
+/// core turns the pick into the attempt's plan. A colocated placement in PD mode runs a
+/// regular plan on the regular pool.
+fn select(ctx: &Ctx, failed: &[String], placed: Option<Placement>) -> Result<Chosen, GatewayError> {
     let routing = ctx.state.registry.routing();
     let snap = &routing.snapshot;
     let mut exclude: Vec<usize> = failed.iter().filter_map(|u| snap.index_of(u)).collect();
     let text = ctx.routing_text();
     let metrics = &ctx.state.metrics;
-    if !ctx.state.config.pd_disaggregation {
+    if !ctx.state.config.pd_disaggregation || placed == Some(Placement::Colocated) {
         let policy = ctx.state.regular_policy.as_ref();
         // A half-open worker admits one probe at a time: a pick it refuses is re-made without it.
         let choice = loop {
@@ -248,13 +265,17 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
     let req = LegRequest { url: leg.url.clone(), path: ctx.req.endpoint.path(), body, request_id: ctx.request_id.clone(), leg: Leg::Prefill, deadline: ctx.deadline };
     let call = client.call(req, ctx.state.upstream.limits.max_response_bytes);
     let mut abort = AbortGuard::new(client, &leg.url, &leg.abort);
-    let (state, url) = (ctx.state.clone(), leg.url.clone());
+    let (state, url, tokens) = (ctx.state.clone(), leg.url.clone(), ctx.req.prompt_tokens);
     let answer = Box::pin(async move {
         let t = std::time::Instant::now();
         let out = call.await;
         // The leg ended at the worker, either way: nothing left to abort.
         abort.disarm();
         state.metrics.leg_duration.with_label_values(&["prefill", protocol]).observe(t.elapsed().as_secs_f64());
+        if out.is_ok() {
+            state.placer.observe_prefill(tokens, t.elapsed().as_secs_f64() * 1000.0);
+            state.metrics.placement.publish(&state.placer.fitted());
+        }
         if out.is_ok() && judge_success {
             state.record_outcome(&url, Outcome::Success);
         }
