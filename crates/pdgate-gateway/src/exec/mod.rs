@@ -6,13 +6,15 @@
 //! - `commit`:      the relayed leg from send to its first byte, and the non-stream answer;
 //! - `relay`:       the stream after commit, the prefill drain, the accounting at the end;
 //! - `client`:      the worker-client trait, its events and the abort guard;
-//! - `leg`:         HTTP leg helpers and the deadline errors.
+//! - `leg`:         HTTP leg helpers and the deadline errors;
+//! - `spans`:       the phase spans for `--enable-trace`.
 
 pub mod client;
 mod commit;
 pub mod http_client;
 pub mod leg;
 pub mod relay;
+pub mod spans;
 mod transaction;
 
 pub use transaction::execute;

@@ -26,6 +26,7 @@ use serde_json::Value;
 use tokio::time::{timeout_at, Instant};
 
 use super::client::{AbortGuard, LegEvent, LegEvents, LegFuture};
+use super::spans::RelayTrace;
 use crate::metrics::InflightGuard;
 use crate::state::AppState;
 
@@ -184,6 +185,8 @@ pub struct Relayed {
     pub scanner: SseScanner,
     /// Tells the engine when the gateway gives this leg up (the client went away).
     pub abort: AbortGuard,
+    /// The relay's span (`--enable-trace`): bytes and chunks sent, how it ended.
+    pub trace: RelayTrace,
 }
 
 pub struct StreamRelay {
@@ -203,7 +206,11 @@ impl StreamRelay {
     }
 
     pub fn into_body(self) -> Body {
-        let stream = futures_util::stream::unfold(self, |mut relay| async move { relay.next_chunk().await.map(|chunk| (Ok::<Bytes, Infallible>(chunk), relay)) });
+        let stream = futures_util::stream::unfold(self, |mut relay| async move {
+            let chunk = relay.next_chunk().await?;
+            relay.relayed.trace.sent(chunk.len());
+            Some((Ok::<Bytes, Infallible>(chunk), relay))
+        });
         Body::from_stream(stream)
     }
 
@@ -254,6 +261,7 @@ impl StreamRelay {
         }
         self.record(Outcome::from_error(err));
         self.count_error(err);
+        self.relayed.trace.ended(Some(err));
         // Close a half-sent event first, so the error event reads as an event of its own.
         let sep = if self.client_mid_event() { "\n\n" } else { "" };
         self.end();
@@ -271,6 +279,7 @@ impl StreamRelay {
             return self.fail(&GatewayError::stream_truncated(leg));
         }
         self.record(Outcome::Success);
+        self.relayed.trace.ended(None);
         self.end()
     }
 
