@@ -361,7 +361,8 @@ pub struct GatewayConfig {
     #[arg(long)]
     pub log_json: bool,
 
-    /// Also write logs to `pdgate.log` in this directory (created when missing).
+    /// Also write logs to `pdgate.log` in this directory (created when missing), rotated daily
+    /// (UTC) as SMG rotates: the past day's file becomes `pdgate.log.YYYY-MM-DD`.
     #[arg(long, value_name = "DIR")]
     pub log_dir: Option<String>,
 

@@ -11,6 +11,7 @@ mod exec;
 mod front;
 mod health;
 mod load;
+mod log_file;
 mod membership;
 mod metrics;
 mod metrics_listener;
@@ -26,10 +27,11 @@ mod upstream;
 mod worker_tls;
 mod workers_api;
 
+pub use log_file::LOG_FILE;
 pub use pdgate_core::GatewayConfig;
 pub use record::ROUTE_HEADER;
 pub use server::{start, RunningGateway, StartError};
-pub use telemetry::{init_logging, LOG_FILE};
+pub use telemetry::init_logging;
 pub use tracing_export::flush as flush_traces;
 
 /// The environment variable `pdgate-gateway` (and `pdgate launch`) read the worker key from

@@ -1,4 +1,5 @@
-//! Logs: text or JSON (`--log-json`) on stderr, and also in `DIR/pdgate.log` with `--log-dir`.
+//! Logs: text or JSON (`--log-json`) on stderr, and also in `DIR/pdgate.log` with `--log-dir`
+//! (rotated daily, see log_file.rs).
 //!
 //! With `--enable-trace`, the OpenTelemetry layer (tracing_export.rs) joins the log layers; the
 //! log filter then applies to the log layers only, so `--log-level` never hides spans from the
@@ -8,18 +9,13 @@
 //! (and traces) through the first one's subscriber (its `--log-*` and trace options are then
 //! not applied).
 
-use std::fs::{File, OpenOptions};
-use std::path::Path;
-use std::sync::Mutex;
-
 use pdgate_core::GatewayConfig;
 use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer, Registry};
 
-/// The file `--log-dir` writes to.
-pub const LOG_FILE: &str = "pdgate.log";
+use crate::log_file::DailyFile;
 
 type Boxed = Box<dyn Layer<Registry> + Send + Sync>;
 
@@ -48,18 +44,11 @@ fn filter(level: &str) -> EnvFilter {
     }
 }
 
-/// Opens (creating the directory when missing) the log file of `--log-dir`.
-pub fn open_log_file(dir: &str) -> Result<File, String> {
-    std::fs::create_dir_all(dir).map_err(|e| format!("--log-dir {dir}: cannot create it: {e}"))?;
-    let path = Path::new(dir).join(LOG_FILE);
-    OpenOptions::new().create(true).append(true).open(&path).map_err(|e| format!("--log-dir: cannot write {}: {e}", path.display()))
-}
-
 /// Installs the subscriber for `config`'s `--log-level`, `--log-json`, `--log-dir` and
 /// `--enable-trace`. Later calls in the same process do nothing (but a bad `--log-dir` is still
 /// an error).
 pub fn init_logging(config: &GatewayConfig) -> Result<(), String> {
-    let file = config.log_dir.as_deref().map(open_log_file).transpose()?;
+    let file = config.log_dir.as_deref().map(DailyFile::open).transpose()?;
     if tracing::dispatcher::has_been_set() {
         return Ok(());
     }
@@ -67,7 +56,7 @@ pub fn init_logging(config: &GatewayConfig) -> Result<(), String> {
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let mut layers: Vec<Boxed> = vec![format_layer(config.log_json, ansi, std::io::stderr)];
     if let Some(f) = file {
-        layers.push(format_layer(config.log_json, false, Mutex::new(f)));
+        layers.push(format_layer(config.log_json, false, f));
     }
     let logs = filter(&config.log_level);
     if !config.enable_trace {
