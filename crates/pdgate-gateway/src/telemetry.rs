@@ -50,6 +50,9 @@ fn filter(level: &str) -> EnvFilter {
 pub fn init_logging(config: &GatewayConfig) -> Result<(), String> {
     let file = config.log_dir.as_deref().map(DailyFile::open).transpose()?;
     if tracing::dispatcher::has_been_set() {
+        if config.enable_trace && !crate::tracing_export::enabled() {
+            tracing::warn!("--enable-trace ignored: this process set up its logging without tracing (once per process)");
+        }
         return Ok(());
     }
     // Colour only for a terminal (not in files or CI logs).
