@@ -17,7 +17,7 @@
 //! Like the log options, tracing is set up once per process: a second gateway embedded in the
 //! same Python process traces (or not) as the first one decided.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::Duration;
 
@@ -122,6 +122,9 @@ impl SpanProcessor for Bounded {
     }
 }
 
+/// Whether the last export failed (for logging the changes only).
+static EXPORT_FAILING: AtomicBool = AtomicBool::new(false);
+
 /// The OTLP exporter, counting what it exported and releasing the queue bound.
 #[derive(Debug)]
 struct Counted<E> {
@@ -136,6 +139,12 @@ impl<E: SpanExporter> SpanExporter for Counted<E> {
         self.queued.fetch_sub(n, Ordering::AcqRel);
         let label = if result.is_ok() { "ok" } else { "error" };
         COUNTERS.exported.with_label_values(&[label]).inc_by(n as u64);
+        // Said once per change, not per batch: a down collector fails every 500 ms.
+        match &result {
+            Err(e) if !EXPORT_FAILING.swap(true, Ordering::AcqRel) => tracing::warn!(error = %e, "trace export failing: the spans of failed batches are lost"),
+            Ok(()) if EXPORT_FAILING.swap(false, Ordering::AcqRel) => tracing::info!("trace export works again"),
+            _ => {}
+        }
         result
     }
 
