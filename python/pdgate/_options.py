@@ -182,7 +182,11 @@ class GatewayOptions(TypedDict, total=False):
     log_json: bool
     """--log-json: Write logs as JSON objects, one per line."""
     log_dir: str | None
-    """--log-dir: Also write logs to `pdgate.log` in this directory (created when missing)."""
+    """--log-dir: Also write logs to `pdgate.log` in this directory (created when missing), rotated daily (UTC) as SMG rotates: the past day's file becomes `pdgate.log.YYYY-MM-DD`."""
+    enable_trace: bool
+    """--enable-trace: Export OpenTelemetry traces (a span per request and per phase: admit, attempt, select, the prefill and decode legs, relay, finish) over OTLP/gRPC to --otlp-traces-endpoint, and send each leg's W3C `traceparent` to its worker. Off: no exporter, and a client's valid `traceparent`/`tracestate` are passed on to the workers unchanged."""
+    otlp_traces_endpoint: str
+    """--otlp-traces-endpoint: OTLP/gRPC collector for --enable-trace: `host:port` (`http://` is assumed) or a full `http://` / `https://` URL. Default: "localhost:4317"."""
     max_concurrent_requests: int
     """--max-concurrent-requests: Most inference requests served at once; more wait in a FIFO queue. 0 or -1: no limit (SMG's -1 derives one from the host; pdgate has none by default, and --max-connections bounds connections). Default: -1. Range: -9223372036854775808 to 9223372036854775807."""
     queue_size: int

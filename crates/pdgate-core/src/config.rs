@@ -374,9 +374,23 @@ pub struct GatewayConfig {
     #[arg(long)]
     pub log_json: bool,
 
-    /// Also write logs to `pdgate.log` in this directory (created when missing).
+    /// Also write logs to `pdgate.log` in this directory (created when missing), rotated daily
+    /// (UTC) as SMG rotates: the past day's file becomes `pdgate.log.YYYY-MM-DD`.
     #[arg(long, value_name = "DIR")]
     pub log_dir: Option<String>,
+
+    // --- Tracing (crates/pdgate-gateway/src/tracing_export.rs, docs/observability.md) ---
+    /// Export OpenTelemetry traces (a span per request and per phase: admit, attempt, select,
+    /// the prefill and decode legs, relay, finish) over OTLP/gRPC to --otlp-traces-endpoint,
+    /// and send each leg's W3C `traceparent` to its worker. Off: no exporter, and a client's
+    /// valid `traceparent`/`tracestate` are passed on to the workers unchanged.
+    #[arg(long)]
+    pub enable_trace: bool,
+
+    /// OTLP/gRPC collector for --enable-trace: `host:port` (`http://` is assumed) or a full
+    /// `http://` / `https://` URL.
+    #[arg(long, value_name = "HOST:PORT", default_value = "localhost:4317")]
+    pub otlp_traces_endpoint: String,
 
     /// Most inference requests served at once; more wait in a FIFO queue. 0 or -1: no limit
     /// (SMG's -1 derives one from the host; pdgate has none by default, and
@@ -518,6 +532,27 @@ pub fn validate_log_level(value: &str) -> Result<(), String> {
     } else {
         Err(format!("--log-level {value:?}: expected one of {} (or TARGET=LEVEL directives)", LOG_LEVELS.join(", ")))
     }
+}
+
+/// `--otlp-traces-endpoint` as the exporter's URL: `host:port` gets SMG's `http://`; a URL keeps
+/// its scheme, which must be `http` or `https`, and needs a host.
+pub fn otlp_endpoint_url(value: &str) -> Result<String, String> {
+    let value = value.trim();
+    let full = if value.contains("://") { value.to_string() } else { format!("http://{value}") };
+    let bad = |why: &str| format!("--otlp-traces-endpoint {value:?}: {why} (expected HOST:PORT or an http(s):// URL)");
+    let url = url::Url::parse(&full).map_err(|e| bad(&e.to_string()))?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(bad(&format!("scheme {:?} is not http or https", url.scheme())));
+    }
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err(bad("no host"));
+    }
+    Ok(full)
+}
+
+/// Checks `--otlp-traces-endpoint` (see [`otlp_endpoint_url`]).
+pub fn validate_otlp_endpoint(value: &str) -> Result<(), String> {
+    otlp_endpoint_url(value).map(|_| ())
 }
 
 /// What was wrong with a configuration, in words a user can act on.
@@ -677,6 +712,9 @@ impl GatewayConfig {
         }
         if self.log_dir.as_deref().is_some_and(|d| d.trim().is_empty()) {
             return bad("--log-dir must not be empty".into());
+        }
+        if self.enable_trace {
+            validate_otlp_endpoint(&self.otlp_traces_endpoint).map_err(ConfigError::Invalid)?;
         }
         for entry in &self.control_plane_api_keys {
             parse_control_plane_key(entry).map_err(ConfigError::Invalid)?;

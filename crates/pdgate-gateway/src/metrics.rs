@@ -133,6 +133,7 @@ impl Metrics {
     /// every test, hence the panics.
     pub fn new() -> Self {
         let r = Registry::new();
+        crate::tracing_export::register_metrics(&r);
         let m = Metrics {
             requests: counter(&r, "pdgate_requests_total", "Client requests by route and HTTP status", &["route", "status"]),
             duration: histogram(&r, "pdgate_request_duration_seconds", "End-to-end request latency", &["route"]),

@@ -20,11 +20,13 @@ use pdgate_protocol::answer::{check_json, check_sse_start, BadAnswer};
 use pdgate_protocol::logprobs::PrefillLogprobs;
 use pdgate_protocol::sse::SseScanner;
 use tokio::time::{timeout_at, Instant};
+use tracing::Instrument;
 
 use super::client::{AbortGuard, LegEvent, LegEvents, LegRequest, WorkerClient};
 use super::leg::{self, answering_deadline_error, deadline_error};
 use super::relay::{drain_prefill, wait_prefill, Finish, PrefillLeg, Relayed, Rewriter, StreamRelay};
 use super::resume::Resumer;
+use super::spans::{self, RelayTrace};
 use super::Ctx;
 
 /// What the relay does to the answer, from the plan.
@@ -164,7 +166,13 @@ pub async fn relay_leg(
 ) -> Result<Committed, GatewayError> {
     let leg = plan.leg;
     let mut abort = Some(abort);
-    let out = commit_and_relay(ctx, client, plan, body, watched, finish, &mut abort).await;
+    // The leg's span is current while it is sent (the worker gets it as its `traceparent`), and
+    // the relay's span is its child, so it lasts until the relay ends.
+    let span = spans::leg(leg, &plan.url);
+    let out = commit_and_relay(ctx, client, plan, body, watched, finish, &mut abort).instrument(span.clone()).await;
+    if let Err(e) = &out {
+        spans::failed(&span, e);
+    }
     if let (Err(e), Some(guard)) = (&out, abort.as_mut()) {
         if ended_at_worker(e, leg) {
             guard.disarm();
@@ -210,7 +218,7 @@ async fn commit_and_relay(
         let logprobs = if plan.merge_logprobs { Some(prefill_logprobs(&mut watched, deadline).await?) } else { None };
         observe_ttfb(ctx);
         let abort = abort.take().ok_or_else(|| GatewayError::internal("the relayed leg's abort guard is gone"))?;
-        let relayed = Relayed { leg, worker: plan.url, scanner, abort };
+        let relayed = Relayed { leg, worker: plan.url, scanner, abort, trace: RelayTrace::start() };
         let relay = StreamRelay::new(first, events, deadline, watched.leg, Rewriter::new(logprobs, plan.scan_usage), finish, relayed);
         let content_type = head.content_type.unwrap_or_else(|| HeaderValue::from_static("text/event-stream"));
         return Ok(Committed::Stream { status: head.status, content_type, relay: Box::new(relay) });
@@ -230,11 +238,14 @@ async fn commit_and_relay(
     ctx.state.record_outcome(&plan.url, Outcome::Success);
     drain_prefill(&ctx.state, watched.leg, deadline);
     observe_ttfb(ctx);
+    let mut trace = RelayTrace::start();
     let mut rewriter = Rewriter::new(logprobs, plan.scan_usage);
     let out = match rewriter.as_mut() {
         Some(r) => r.process_json(answer, bytes),
         None => bytes,
     };
+    trace.sent(out.len());
+    trace.ended(None);
     finish.done(rewriter.and_then(|r| r.cache));
     let ct = head.content_type.unwrap_or_else(|| HeaderValue::from_static("application/json"));
     Ok(Committed::Whole(build(head.status, ct, Body::from(out))))

@@ -7,7 +7,8 @@
 //! - `relay`:       the stream after commit, the prefill drain, the accounting at the end;
 //! - `client`:      the worker-client trait, its events and the abort guard;
 //! - `resume`:      continuing a stream on a new pair after its decode died;
-//! - `leg`:         HTTP leg helpers and the deadline errors.
+//! - `leg`:         HTTP leg helpers and the deadline errors;
+//! - `spans`:       the phase spans for `--enable-trace`.
 
 pub mod client;
 mod commit;
@@ -17,6 +18,7 @@ pub mod leg;
 pub mod placement;
 pub mod relay;
 mod resume;
+pub mod spans;
 mod transaction;
 
 pub use transaction::execute;

@@ -27,6 +27,7 @@ use tokio::time::{timeout_at, Instant};
 
 use super::client::{AbortGuard, LegEvent, LegEvents, LegFuture};
 use super::resume::Resumer;
+use super::spans::RelayTrace;
 use crate::metrics::InflightGuard;
 use crate::state::AppState;
 
@@ -185,6 +186,8 @@ pub struct Relayed {
     pub scanner: SseScanner,
     /// Tells the engine when the gateway gives this leg up (the client went away).
     pub abort: AbortGuard,
+    /// The relay's span (`--enable-trace`): bytes and chunks sent, how it ended.
+    pub trace: RelayTrace,
 }
 
 pub struct StreamRelay {
@@ -244,7 +247,11 @@ impl StreamRelay {
     }
 
     pub fn into_body(self) -> Body {
-        let stream = futures_util::stream::unfold(self, |mut relay| async move { relay.next_chunk().await.map(|chunk| (Ok::<Bytes, Infallible>(chunk), relay)) });
+        let stream = futures_util::stream::unfold(self, |mut relay| async move {
+            let chunk = relay.next_chunk().await?;
+            relay.relayed.trace.sent(chunk.len());
+            Some((Ok::<Bytes, Infallible>(chunk), relay))
+        });
         Body::from_stream(stream)
     }
 
@@ -309,6 +316,7 @@ impl StreamRelay {
             let id = crate::edge::scope::request_id();
             crate::edge::log_limit::warn_request(&f.state, id.as_deref(), "stream ended by an error after bytes reached the client", err, None);
         }
+        self.relayed.trace.ended(Some(err));
         // Close a half-sent event first, so the error event reads as an event of its own.
         let sep = if self.client_mid_event() { "\n\n" } else { "" };
         self.end();
@@ -327,6 +335,7 @@ impl StreamRelay {
             return Err(GatewayError::stream_truncated(leg));
         }
         self.record(Outcome::Success);
+        self.relayed.trace.ended(None);
         Ok(self.end())
     }
 

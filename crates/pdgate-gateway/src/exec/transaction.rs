@@ -26,13 +26,14 @@ use pdgate_core::route::{select_pair, select_regular};
 use pdgate_core::{ErrorKind, GatewayError, KvConnector, Leg, WorkerRole};
 use serde_json::{Map, Value};
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::client::{AbortGuard, LegRequest, WorkerClient};
 use super::commit::{relay_leg, Committed, RelayPlan, Watched};
 use super::placement;
 use super::relay::{Finish, PrefillLeg};
 use super::resume::Resumer;
-use super::{AttemptFailure, Ctx};
+use super::{spans, AttemptFailure, Ctx};
 use crate::metrics::InflightGuard;
 use crate::record::{Record, ROUTE_HEADER};
 use crate::registry::Runtime;
@@ -42,9 +43,12 @@ use crate::render::error_response;
 /// final, then finish.
 pub async fn execute(mut ctx: Ctx) -> Response {
     let mut record = Record::default();
-    if let Err(err) = admit(&ctx) {
+    let admit_span = spans::admit();
+    if let Err(err) = admit_span.in_scope(|| admit(&ctx)) {
+        spans::failed(&admit_span, &err);
         return finish(&ctx, error_response(&err), &record);
     }
+    drop(admit_span);
     // Learns, before the legs are built, whether this stream could be resumed (then the decode
     // is asked for token ids).
     let mut resumer = Resumer::prepare(&mut ctx);
@@ -63,11 +67,13 @@ pub async fn execute(mut ctx: Ctx) -> Response {
             ctx.request_id = crate::request_id::mint(ctx.client_request_id.as_deref());
             tracing::Span::current().record("request_id", ctx.request_id.as_str());
         }
-        let failure = match attempt(&ctx, &failed, placed, &mut record).await {
+        let attempt_span = spans::attempt(record.attempts, &ctx.request_id);
+        let failure = match attempt(&ctx, &failed, placed, &mut record).instrument(attempt_span.clone()).await {
             Ok(committed) => break committed.into_response(resumer.take().map(|r| r.bind(&ctx, &record))),
             Err(f) => f,
         };
         let err = &failure.error;
+        spans::failed(&attempt_span, err);
         if let Some(url) = &failure.worker {
             ctx.state.record_outcome(url, Outcome::of_attempt(err, ctx.started));
             ctx.state.note_worker_error(url, err);
@@ -131,8 +137,11 @@ fn admit(ctx: &Ctx) -> Result<(), GatewayError> {
 /// One attempt: select → prepare → send → commit → relay. Also how a resume continues a
 /// stream on a new pair (`resume.rs`).
 pub(super) async fn attempt(ctx: &Ctx, failed: &[String], placed: Option<Placement>, record: &mut Record) -> Result<Committed, AttemptFailure> {
-    let chosen = select(ctx, failed, placed)?;
+    let select_span = spans::select();
+    let chosen = select_span.in_scope(|| select(ctx, failed, placed)).inspect_err(|e| spans::failed(&select_span, e))?;
     let plan = &chosen.plan;
+    spans::selected(&select_span, plan.mode.as_str(), &chosen.policy, plan.prefill.as_ref().map(|p| p.url.as_str()), &plan.relayed.url);
+    drop(select_span);
     record.protocol = plan.mode.as_str();
     let prefill_url = plan.prefill.as_ref().map(|p| p.url.clone());
     match plan.mode {
@@ -266,21 +275,29 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
     let call = client.call(req, ctx.state.upstream.limits.max_response_bytes);
     let mut abort = AbortGuard::new(client, &leg.url, &leg.abort);
     let (state, url, tokens) = (ctx.state.clone(), leg.url.clone(), ctx.req.prompt_tokens);
-    let answer = Box::pin(async move {
-        let t = std::time::Instant::now();
-        let out = call.await;
-        // The leg ended at the worker, either way: nothing left to abort.
-        abort.disarm();
-        state.metrics.leg_duration.with_label_values(&["prefill", protocol]).observe(t.elapsed().as_secs_f64());
-        if out.is_ok() {
-            state.placer.observe_prefill(tokens, t.elapsed().as_secs_f64() * 1000.0);
-            state.metrics.placement.publish(&state.placer.fitted());
+    // The leg's span is current while it is sent: the worker gets it as its `traceparent`.
+    let span = spans::leg(Leg::Prefill, &leg.url);
+    let answer = Box::pin(
+        async move {
+            let t = std::time::Instant::now();
+            let out = call.await;
+            if let Err(e) = &out {
+                spans::failed(&tracing::Span::current(), e);
+            }
+            // The leg ended at the worker, either way: nothing left to abort.
+            abort.disarm();
+            state.metrics.leg_duration.with_label_values(&["prefill", protocol]).observe(t.elapsed().as_secs_f64());
+            if out.is_ok() {
+                state.placer.observe_prefill(tokens, t.elapsed().as_secs_f64() * 1000.0);
+                state.metrics.placement.publish(&state.placer.fitted());
+            }
+            if out.is_ok() && judge_success {
+                state.record_outcome(&url, Outcome::Success);
+            }
+            out
         }
-        if out.is_ok() && judge_success {
-            state.record_outcome(&url, Outcome::Success);
-        }
-        out
-    });
+        .instrument(span),
+    );
     PrefillLeg { url: leg.url.clone(), sent: std::time::Instant::now(), answer }
 }
 
@@ -350,6 +367,7 @@ fn accounting(ctx: &Ctx, plan: &PdPlan, prefill: Option<Arc<Runtime>>, relayed: 
 
 /// Finish: the decision record (bounded header, full log line), the ids, the request metrics.
 fn finish(ctx: &Ctx, mut response: Response, record: &Record) -> Response {
+    let _finish = spans::finish(&response).entered();
     // The full record (every room of a batch) goes to the debug log only, formatted only when
     // that level is on; the header is bounded (see `record`).
     tracing::debug!(request_id = %ctx.request_id, client_request_id = ctx.client_request_id.as_deref().unwrap_or("-"), route = %record.full(), status = response.status().as_u16(), "routed");
