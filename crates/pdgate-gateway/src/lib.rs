@@ -21,6 +21,7 @@ mod request_id;
 mod server;
 mod state;
 mod telemetry;
+mod token_load;
 mod upstream;
 mod worker_tls;
 mod workers_api;
