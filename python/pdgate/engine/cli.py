@@ -65,6 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=_env_float("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", 480.0),
                    help="seconds a NIXL-style prefill holds pages nobody pulled "
                         "(env VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
+    p.add_argument("--api-flavor", choices=["sglang", "vllm"], default=None,
+                   help="which engine's names /metrics exports its load under (sglang:* or vllm:*); "
+                        "default: vllm with --kv-transfer-config, else sglang")
+    p.add_argument("--vllm-endpoints-only", action="store_true",
+                   help="answer 404 on SGLang's own endpoints (/server_info, /get_server_info, "
+                        "/model_info, /v1/loads), as a real vLLM server does")
     p.add_argument("--log-level", default="info")
 
 
@@ -82,6 +88,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.disaggregation_mode is None:
         role = (cfg or {}).get("kv_role")
         args.disaggregation_mode = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(role, "null")
+    if getattr(args, "api_flavor", None) is None:
+        args.api_flavor = "vllm" if cfg else "sglang"
+    args.vllm_endpoints_only = bool(getattr(args, "vllm_endpoints_only", False))
     if cfg and cfg.get("engine_id") and not args.engine_id:
         args.engine_id = str(cfg["engine_id"])
     if not args.advertise_host:
