@@ -23,7 +23,7 @@ class EngineCollector:
     def collect(self):
         e, pool, st = self.e, self.e.pool.counters(), self.e.ctx.stats
         g = GaugeMetricFamily(P + "kv_pages", "KV pages by state", labels=["state"])
-        for state in ("free", "reserved", "in_use", "pinned"):
+        for state in ("free", "reserved", "in_use", "pinned", "cached"):
             g.add_metric([state], pool[state])
         yield g
         yield GaugeMetricFamily(P + "num_running_reqs", "Sequences decoding", value=len(e.scheduler.running))
@@ -55,7 +55,8 @@ class EngineCollector:
 def flavor_metrics(e, pool: dict):
     """The load gauges in SGLang's or vLLM's names (see the module doc)."""
     model, total = e.served_name, pool["total"]
-    usage = (total - pool["free"]) / total if total else 0.0
+    # Cached pages are evictable: free for new requests, as /v1/loads counts them.
+    usage = (total - pool["free"] - pool.get("cached", 0)) / total if total else 0.0
     running, waiting = len(e.scheduler.running), e.scheduler.num_waiting
     if getattr(e.args, "api_flavor", "sglang") == "vllm":
         labels, values = ["engine", "model_name"], ["0", model]
