@@ -27,7 +27,7 @@ from pdgate.workers import ReferenceWorker
 from tests.gateway.harness import wait_status
 
 pytestmark = pytest.mark.timeout(300)
-LONG_PROMPT = 1000  # tokens; prefilled 16 at a time, it takes seconds on the reference engine
+LONG_PROMPT = 4000  # tokens; prefilled 8 at a time, it takes seconds on the reference engine
 SHORT_PROMPT = 8
 
 
@@ -64,7 +64,7 @@ def wait_for(pred, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-@pytest.mark.parametrize("fleet", [(None, ["--chunked-prefill-size", "16"])], indirect=True)
+@pytest.mark.parametrize("fleet", [(None, ["--chunked-prefill-size", "8"])], indirect=True)
 def test_least_tokens_sends_short_prompts_to_the_idle_prefill(fleet: list[ReferenceWorker]) -> None:
     p1, p2, d = fleet
     options = dict(pd_disaggregation=True, port=0, prefill=[[p.url, p.bootstrap_port] for p in (p1, p2)], decode=[d.url],
