@@ -51,11 +51,11 @@ class GatewayOptions(TypedDict, total=False):
     """--decode: A decode worker, optionally followed by `kv_connector=NAME` and `label=KEY=VALUE` (repeatable). Repeat for more workers."""
     kv_connector: Literal["bootstrap", "nixl", "mooncake"]
     """--kv-connector: How KV moves between prefill and decode: SGLang bootstrap rendezvous, vLLM NIXL (pull) or vLLM Mooncake (push). Workers registered with their own connector override this. Default: "bootstrap"."""
-    policy: Literal["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash"]
+    policy: Literal["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash", "least_tokens", "most_free_kv"]
     """--policy: Policy for both pools unless --prefill-policy / --decode-policy say otherwise. Default: "round_robin"."""
-    prefill_policy: Literal["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash"] | None
+    prefill_policy: Literal["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash", "least_tokens", "most_free_kv"] | None
     """--prefill-policy: Policy for choosing the prefill worker in PD mode."""
-    decode_policy: Literal["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash"] | None
+    decode_policy: Literal["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash", "least_tokens", "most_free_kv"] | None
     """--decode-policy: Policy for choosing the decode worker in PD mode."""
     cache_threshold: float
     """--cache-threshold: cache_aware: minimum prefix match ratio (0.0-1.0) to route by cache affinity. Default: 0.3."""

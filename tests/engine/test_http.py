@@ -135,6 +135,25 @@ def test_info_loads_metrics_health(workers):
     assert httpx.get(nixl_p.url + "/server_info").json()["kv_transfer_config"]["kv_connector"] == "NixlConnector"
 
 
+def test_load_reports_in_each_flavor(workers):
+    """The load a gateway scrapes: SGLang's `/v1/loads` token fields, and the gauges in SGLang's
+    names (no --kv-transfer-config) or vLLM's (with it), as those engines spell them."""
+    p, _ = workers["sglang"]
+    ld = httpx.get(p.url + "/v1/loads").json()["loads"][0]
+    assert ld["num_waiting_uncached_tokens"] == 0 and ld["num_total_tokens"] == ld["num_used_tokens"]
+    m = httpx.get(p.url + "/metrics").text
+    assert 'sglang:cache_config_info{num_pages="4096",page_size="16"} 1.0' in m, m
+    for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:max_total_num_tokens"):
+        assert f'{name}{{model_name="tiny"}}' in m, name
+    assert "vllm:" not in m
+    nixl_p, _ = workers["nixl"]
+    m = httpx.get(nixl_p.url + "/metrics").text
+    assert 'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="4096"} 1.0' in m, m
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert f'{name}{{engine="0",model_name="tiny"}}' in m, name
+    assert "sglang:" not in m
+
+
 def test_bootstrap_batch_stream_chat_and_logprob_stitching(workers):
     """Room lists for a batch, a scalar room (R+i), streaming legs, chat, logprobs P + D."""
     p, d = workers["sglang"]

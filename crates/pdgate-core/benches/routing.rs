@@ -1,5 +1,5 @@
-//! Routing decision cost: every policy at 10, 1,000 and 10,000 workers, cache_aware over a tree
-//! of ~1M cached prefix characters, and the tree's memory. Run: `cargo bench -p pdgate-core`.
+//! Routing decision cost: every policy at 10, 1,000 and 10,000 workers, cache_aware and
+//! least_tokens over a tree of ~1M cached prefix characters, and the tree's memory. Run: `cargo bench -p pdgate-core`.
 //!
 //! Criterion measures the mean; after it, a percentile pass times single decisions
 //! (`Instant` around each call, ~20-30 ns of timer overhead included) and prints p50/p99 per case,
@@ -11,12 +11,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion};
+use pdgate_core::policy::LoadView;
 use pdgate_core::{make_policy, Policy, PolicyName, PoolSnapshot, RadixTree, RouteInput, WorkerRole, WorkerSpec, WorkerView};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 const SIZES: [usize; 3] = [10, 1_000, 10_000];
-const POLICIES: [PolicyName; 5] = [PolicyName::Random, PolicyName::RoundRobin, PolicyName::PowerOfTwo, PolicyName::ConsistentHash, PolicyName::CacheAware];
+const POLICIES: [PolicyName; 7] =
+    [PolicyName::Random, PolicyName::RoundRobin, PolicyName::PowerOfTwo, PolicyName::ConsistentHash, PolicyName::CacheAware, PolicyName::LeastTokens, PolicyName::MostFreeKv];
 /// Distinct system prompts; each request is one of them plus a unique question.
 const SYSTEM_PROMPTS: usize = 50;
 /// Characters of request text inserted into the tree before measuring.
@@ -25,10 +27,29 @@ const TREE_CHARS: usize = 1_000_000;
 struct Fleet {
     snap: PoolSnapshot,
     candidates: Vec<usize>,
-    loads: Vec<u64>,
+    loads: Loads,
     tree: RadixTree,
     texts: Vec<String>,
     keys: Vec<String>,
+}
+
+/// Requests, queued prompt tokens and free KV tokens per worker (the token policies read all).
+struct Loads {
+    requests: Vec<u64>,
+    prompt_tokens: Vec<u64>,
+    free_kv: Vec<Option<u64>>,
+}
+
+impl LoadView for Loads {
+    fn load(&self, w: usize) -> u64 {
+        self.requests[w]
+    }
+    fn prompt_tokens(&self, w: usize) -> u64 {
+        self.prompt_tokens[w]
+    }
+    fn free_kv_tokens(&self, w: usize) -> Option<u64> {
+        self.free_kv[w]
+    }
 }
 
 fn url(i: usize) -> String {
@@ -44,7 +65,10 @@ fn fleet(n: usize) -> Fleet {
     let views = (0..n).map(|i| WorkerView::new(Arc::new(WorkerSpec::new(&url(i), WorkerRole::Regular).unwrap_or_else(|e| panic!("{e}"))), true)).collect();
     let snap = PoolSnapshot::build(views, Default::default());
     let candidates = snap.eligible(WorkerRole::Regular).to_vec();
-    let loads = (0..n).map(|_| rng.random_range(0..32)).collect();
+    let requests = (0..n).map(|_| rng.random_range(0..32)).collect();
+    let prompt_tokens = (0..n).map(|_| rng.random_range(0..64_000)).collect();
+    let free_kv = (0..n).map(|i| (i % 10 != 0).then(|| rng.random_range(0..200_000))).collect();
+    let loads = Loads { requests, prompt_tokens, free_kv };
     let mut tree = RadixTree::new();
     let mut t = 0;
     while tree.size() < TREE_CHARS {
@@ -69,7 +93,9 @@ fn fleet(n: usize) -> Fleet {
 }
 
 fn decide(policy: &dyn Policy, f: &Fleet, i: usize, rng: &mut StdRng) -> usize {
-    let input = RouteInput { text: Some(&f.texts[i % f.texts.len()]), key: Some(&f.keys[i % f.keys.len()]), sequence: i as u64, loads: &f.loads, tree: Some(&f.tree) };
+    let text = &f.texts[i % f.texts.len()];
+    let prompt_tokens = text.len() as u64 / 4;
+    let input = RouteInput { text: Some(text), key: Some(&f.keys[i % f.keys.len()]), sequence: i as u64, loads: &f.loads, tree: Some(&f.tree), prompt_tokens, output_tokens: 512 };
     policy.select(&f.snap, &f.candidates, &input, rng).map(|s| s.worker).unwrap_or(usize::MAX)
 }
 

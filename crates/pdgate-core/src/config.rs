@@ -27,6 +27,10 @@ pub enum PolicyName {
     #[serde(alias = "consistent_hashing")]
     #[value(alias = "consistent_hashing")]
     ConsistentHash,
+    /// Fewest queued prompt tokens (with the radix tree's prefix credit); for prefill pools.
+    LeastTokens,
+    /// Enough free KV for prompt + max_tokens, then the smallest running batch; for decode pools.
+    MostFreeKv,
 }
 
 #[derive(Clone, Debug, Parser, Serialize, Deserialize, PartialEq)]

@@ -35,7 +35,9 @@ fn policy_names_are_snake_case_on_the_cli_and_in_json() {
     let schema = GatewayConfig::schema();
     let policy = schema["options"].as_array().unwrap().iter().find(|o| o["name"] == "policy").unwrap();
     let choices: Vec<&str> = policy["choices"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
-    assert_eq!(choices, ["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash"]);
+    assert_eq!(choices, ["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash", "least_tokens", "most_free_kv"]);
+    let c = cli(&["--prefill-policy", "least_tokens", "--decode-policy", "most_free_kv"]).unwrap();
+    assert_eq!((c.effective_prefill_policy(), c.effective_decode_policy()), (PolicyName::LeastTokens, PolicyName::MostFreeKv));
 }
 
 #[test]

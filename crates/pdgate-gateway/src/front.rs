@@ -198,6 +198,8 @@ pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     // Exact at scrape time, whatever changed the registry since the last periodic refresh.
     crate::discovery::refresh_worker_gauge(&state);
     state.metrics.refresh_workers(&state.registry.list(), state.registry.breaker_config());
+    let routing = state.registry.routing();
+    state.metrics.refresh_token_load(&routing, &state.loads(&routing.runtime));
     if let Some(a) = &state.admission {
         state.metrics.admission_waiting.set(a.waiting() as i64);
     }

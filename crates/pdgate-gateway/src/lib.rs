@@ -23,6 +23,7 @@ mod request_id;
 mod server;
 mod state;
 mod telemetry;
+mod token_load;
 mod tracing_export;
 mod upstream;
 mod worker_tls;

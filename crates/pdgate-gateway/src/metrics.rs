@@ -28,6 +28,10 @@ pub struct Metrics {
     pub inflight: IntGaugeVec,
     pub worker_healthy: IntGaugeVec,
     pub worker_load: IntGaugeVec,
+    /// What token-aware routing sees per worker, set at each scrape (`refresh_token_load`).
+    pub worker_queued: IntGaugeVec,
+    pub worker_prompt_tokens: IntGaugeVec,
+    pub worker_free_kv_tokens: IntGaugeVec,
     pub decisions: IntCounterVec,
     pub pairing_refusals: IntCounterVec,
     pub breaker_state: IntGaugeVec,
@@ -149,6 +153,24 @@ impl Metrics {
             pairing_refusals: counter(&r, "pdgate_pairing_refusals_total", "Requests refused for want of a compatible prefill/decode pair", &["mode"]),
             breaker_state: gauge(&r, "pdgate_worker_breaker_state", "Circuit breaker: 0 closed, 1 open, 2 half-open", &["worker"]),
             worker_load: gauge(&r, "pdgate_worker_load", "Engine-reported running + waiting requests (-1: unknown)", &["worker", "role"]),
+            worker_queued: gauge(
+                &r,
+                "pdgate_worker_queued_requests",
+                "Requests of this gateway queued or running on the worker, as routing counts them (a prefill's end at KV handoff)",
+                &["worker", "role"],
+            ),
+            worker_prompt_tokens: gauge(
+                &r,
+                "pdgate_worker_prompt_tokens",
+                "Prompt tokens queued on the worker as routing sees them: this gateway's + the engine-reported waiting",
+                &["worker", "role"],
+            ),
+            worker_free_kv_tokens: gauge(
+                &r,
+                "pdgate_worker_free_kv_tokens",
+                "Free KV tokens as routing sees them: engine report minus what this gateway placed since (-1: unknown)",
+                &["worker", "role"],
+            ),
             silent_recompute: counter(
                 &r,
                 "pdgate_pd_silent_recompute_total",
@@ -243,6 +265,17 @@ impl Metrics {
             self.breaker_state.with_label_values(&[url]).set(i64::from(e.runtime.breaker().state(now, breaker).as_gauge()));
             self.worker_healthy.with_label_values(&[url, role]).set(i64::from(e.health.healthy));
             self.inflight.with_label_values(&[url, role]);
+        }
+    }
+
+    /// The token load routing sees (`load`'s view), per worker; called at each scrape.
+    pub fn refresh_token_load(&self, routing: &crate::registry::Routing, view: &dyn pdgate_core::policy::LoadView) {
+        for (i, w) in routing.snapshot.workers().iter().enumerate() {
+            let labels = [w.spec.url.as_str(), w.spec.role.as_str()];
+            let queued = routing.runtime.get(i).map_or(0, |rt| rt.tokens.queued_requests.load(Ordering::Relaxed)).min(i64::MAX as u64) as i64;
+            self.worker_queued.with_label_values(&labels).set(queued);
+            self.worker_prompt_tokens.with_label_values(&labels).set(view.prompt_tokens(i).min(i64::MAX as u64) as i64);
+            self.worker_free_kv_tokens.with_label_values(&labels).set(view.free_kv_tokens(i).map_or(-1, |f| f.min(i64::MAX as u64) as i64));
         }
     }
 

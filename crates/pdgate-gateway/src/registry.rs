@@ -32,8 +32,15 @@ impl Source {
 /// Live per-worker counters, shared by the routing view and the requests using the worker.
 #[derive(Debug, Default)]
 pub struct Runtime {
-    /// Requests this gateway has in flight on the worker.
+    /// Requests this gateway has in flight on the worker, until nothing is owed to it any more
+    /// (a prefill's count lasts until its decode is done): what draining waits for. Routing
+    /// reads `tokens` instead (token_load.rs).
     pub inflight: AtomicU64,
+    /// Work queued on the worker in requests, prompt tokens and KV tokens, and the engine's
+    /// last token report (routing load).
+    pub tokens: crate::token_load::TokenLoad,
+    /// Which load endpoint answered last (load.rs), tried first at the next poll.
+    pub load_source: std::sync::atomic::AtomicU8,
     /// Engine-reported load (running + waiting requests), or -1 when unknown.
     pub polled_load: AtomicI64,
     /// When `polled_load` was read, as milliseconds since the registry started.
@@ -316,6 +323,26 @@ impl Registry {
         });
     }
 
+    /// Fills the unknown parts of a worker's runtime and KV layout from its load scrape (vLLM's
+    /// `cache_config_info`: vLLM has no `/server_info`). Registration and `/server_info` facts
+    /// win; the view is rebuilt only when something was learned.
+    pub fn learn_pairing(&self, id: &str, runtime: Option<&str>, layout: &KvLayout) {
+        let mut entries = self.lock();
+        let Some(e) = entries.iter_mut().find(|e| e.id == id) else { return };
+        let l = &e.spec.kv_layout;
+        let learns =
+            (e.spec.runtime.is_none() && runtime.is_some()) || (l.page_size.is_none() && layout.page_size.is_some()) || (l.kv_dtype.is_none() && layout.kv_dtype.is_some());
+        if !learns {
+            return;
+        }
+        let mut spec = (*e.spec).clone();
+        spec.runtime = spec.runtime.take().or_else(|| runtime.map(str::to_string));
+        spec.kv_layout.page_size = spec.kv_layout.page_size.or(layout.page_size);
+        spec.kv_layout.kv_dtype = spec.kv_layout.kv_dtype.take().or_else(|| layout.kv_dtype.clone());
+        e.spec = Arc::new(spec);
+        self.rebuild(&entries);
+    }
+
     /// The worker's pairing key as routing sees it.
     pub fn pairing_key(&self, e: &Entry) -> PairingKey {
         PairingKey::of(&e.spec, self.options.default_connector)
@@ -532,5 +559,18 @@ mod tests {
             assert_eq!(reg.observe_health(&e.id, true, 3, 2), Some(true));
         }
         assert!(reg.routing().snapshot.pd_ready());
+    }
+
+    #[test]
+    fn scraped_kv_keys_fill_only_unknown_parts() {
+        let mut p = spec("http://p:1", WorkerRole::Prefill);
+        p.kv_layout.kv_dtype = Some("fp8_e5m2".into());
+        let reg = Registry::new(vec![p], opts(), BreakerConfig::default());
+        let id = reg.list()[0].id.clone();
+        let scraped = KvLayout { page_size: Some(16), kv_dtype: Some("auto".into()), tp_size: None };
+        reg.learn_pairing(&id, Some("vllm"), &scraped);
+        let e = reg.get(&id).unwrap();
+        assert_eq!((e.spec.runtime.as_deref(), e.spec.kv_layout.page_size), (Some("vllm"), Some(16)));
+        assert_eq!(e.spec.kv_layout.kv_dtype.as_deref(), Some("fp8_e5m2"), "a registered fact wins");
     }
 }

@@ -69,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fault injection for tests: the engine SIGKILLs itself once it has sent a "
                         "stream chunk holding a sequence's N-th output token, or (whole answers) "
                         "once a sequence has generated N tokens; 0: off")
+    p.add_argument("--api-flavor", choices=["sglang", "vllm"], default=None,
+                   help="which engine's names /metrics exports its load under (sglang:* or vllm:*); "
+                        "default: vllm with --kv-transfer-config, else sglang")
+    p.add_argument("--vllm-endpoints-only", action="store_true",
+                   help="answer 404 on SGLang's own endpoints (/server_info, /get_server_info, "
+                        "/model_info, /v1/loads), as a real vLLM server does")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share full KV pages between requests with the same prefix (vLLM's flag; "
                         "--no-enable-prefix-caching or SGLang's --disable-radix-cache turn it off)")
@@ -109,6 +115,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.disaggregation_mode is None:
         role = (cfg or {}).get("kv_role")
         args.disaggregation_mode = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(role, "null")
+    if getattr(args, "api_flavor", None) is None:
+        args.api_flavor = "vllm" if cfg else "sglang"
+    args.vllm_endpoints_only = bool(getattr(args, "vllm_endpoints_only", False))
     if cfg and cfg.get("engine_id") and not args.engine_id:
         args.engine_id = str(cfg["engine_id"])
     if not args.advertise_host:

@@ -1,4 +1,12 @@
-"""Prometheus metrics, read from the engine's own counters at scrape time."""
+"""Prometheus metrics, read from the engine's own counters at scrape time.
+
+Besides its own `pdgate_engine_*` series, the engine exports its load under the names of the
+engine it stands in for (`--api-flavor`), so that a gateway's scrape of real engines is tested
+against it: SGLang's `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`,
+`sglang:max_total_num_tokens`, `sglang:cache_config_info{page_size,num_pages}`, or vLLM's
+`vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` (a fraction)
+and `vllm:cache_config_info{block_size,cache_dtype,num_gpu_blocks}` (value 1).
+"""
 
 from __future__ import annotations
 
@@ -41,6 +49,37 @@ class EngineCollector:
         for (proto, role, result), n in sorted(st.results.items()):
             t.add_metric([proto, role, result], n)
         yield t
+        yield from flavor_metrics(e, pool)
+
+
+def flavor_metrics(e, pool: dict):
+    """The load gauges in SGLang's or vLLM's names (see the module doc)."""
+    model, total = e.served_name, pool["total"]
+    # Cached pages are evictable: free for new requests, as /v1/loads counts them.
+    usage = (total - pool["free"] - pool.get("cached", 0)) / total if total else 0.0
+    running, waiting = len(e.scheduler.running), e.scheduler.num_waiting
+    if getattr(e.args, "api_flavor", "sglang") == "vllm":
+        labels, values = ["engine", "model_name"], ["0", model]
+        names = (("vllm:num_requests_running", "Number of requests in model execution batches.", running),
+                 ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting),
+                 ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage))
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=["block_size", "cache_dtype", "engine", "num_gpu_blocks"])
+        info.add_metric([str(e.pool.page_size), "auto", "0", str(total)], 1.0)
+    else:
+        labels, values = ["model_name"], [model]
+        names = (("sglang:num_running_reqs", "The number of running requests.", running),
+                 ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", waiting),
+                 ("sglang:token_usage", "The token usage.", usage),
+                 ("sglang:max_total_num_tokens", "Maximum total number of tokens.", total * e.pool.page_size))
+        info = GaugeMetricFamily("sglang:cache_config_info", "Information of the cache config.",
+                                 labels=["num_pages", "page_size"])
+        info.add_metric([str(total), str(e.pool.page_size)], 1.0)
+    for name, help_, value in names:
+        g = GaugeMetricFamily(name, help_, labels=labels)
+        g.add_metric(values, value)
+        yield g
+    yield info
 
 
 def render(engine) -> bytes:

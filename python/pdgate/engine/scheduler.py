@@ -57,6 +57,11 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.prefilling)
 
+    @property
+    def waiting_prompt_tokens(self) -> int:
+        """Prompt tokens still to prefill (SGLang's `num_waiting_uncached_tokens`)."""
+        return sum(max(0, len(s.tokens) - s.computed) for s in self.prefilling)
+
     # ---- the loop ----------------------------------------------------------------------
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

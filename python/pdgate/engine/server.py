@@ -34,11 +34,13 @@ def engine_app(engine: Engine) -> web.Application:
     r.add_get("/v1/models", api_openai.models)
     r.add_get("/health", health)
     r.add_get("/health_generate", health_generate)
-    r.add_get("/server_info", server_info)
-    r.add_get("/get_server_info", server_info)
-    r.add_get("/model_info", model_info)
-    r.add_get("/get_model_info", model_info)
-    r.add_get("/v1/loads", loads)
+    if not getattr(engine.args, "vllm_endpoints_only", False):
+        # SGLang's own endpoints; a real vLLM server has none of them.
+        r.add_get("/server_info", server_info)
+        r.add_get("/get_server_info", server_info)
+        r.add_get("/model_info", model_info)
+        r.add_get("/get_model_info", model_info)
+        r.add_get("/v1/loads", loads)
     r.add_get("/metrics", metrics_handler)
     r.add_post("/abort_request", abort_request)
     r.add_get("/debug/kv_transfers", debug_transfers)
@@ -132,8 +134,10 @@ def loads_dict(e: Engine) -> dict:
         "dp_rank": 0,
         "num_running_reqs": len(e.scheduler.running),
         "num_waiting_reqs": e.scheduler.num_waiting,
+        "num_waiting_uncached_tokens": e.scheduler.waiting_prompt_tokens,
         "num_live_reqs": len(e.live),
         "num_used_tokens": used_pages * e.pool.page_size,
+        "num_total_tokens": used_pages * e.pool.page_size + e.scheduler.waiting_prompt_tokens,
         "max_total_num_tokens": total_tokens,
         "token_usage": round(used_pages / pool["total"], 6),
         "kv_pages": pool,

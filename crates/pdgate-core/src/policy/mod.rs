@@ -3,8 +3,9 @@
 //! A policy reads the snapshot and the request, takes randomness as an argument and keeps no
 //! state: `select(snapshot, candidates, input, rng)`. What a policy needs to know about the
 //! world comes in through [`RouteInput`]: the gateway's round-robin counter, the workers' load
-//! (a [`LoadView`] over the gateway's in-flight counters and polled engine load), the request's
-//! text and the radix tree (cache-aware), the session key (consistent hashing).
+//! (a [`LoadView`] over the gateway's in-flight and token counters and polled engine load), the
+//! request's text and the radix tree (cache-aware, least_tokens), its prompt and output token
+//! counts (least_tokens, most_free_kv), the session key (consistent hashing).
 //!
 //! Every policy is O(1) in the size of the fleet, up to small constant bounds: the routing hot
 //! path must not scan thousands of workers per request. Policies that look for the least loaded
@@ -25,11 +26,15 @@ use crate::snapshot::PoolSnapshot;
 mod basic;
 mod cache_aware;
 mod consistent_hash;
+mod least_tokens;
+mod most_free_kv;
 mod power_of_two;
 
 pub use basic::{RandomPolicy, RoundRobinPolicy};
 pub use cache_aware::CacheAwarePolicy;
 pub use consistent_hash::{ConsistentHashPolicy, HashRing};
+pub use least_tokens::LeastTokensPolicy;
+pub use most_free_kv::{MostFreeKvPolicy, NO_ROOM};
 pub use power_of_two::{gen_pair, PowerOfTwoPolicy};
 
 /// The most candidates a policy looks at to find a least-loaded one; beyond this it samples.
@@ -91,13 +96,25 @@ pub struct RouteInput<'a> {
     pub sequence: u64,
     /// Worker loads by snapshot index (power of two, cache-aware).
     pub loads: &'a dyn LoadView,
-    /// The gateway's radix tree of recent prompts per worker (cache-aware).
+    /// The gateway's radix tree of recent prompts per worker (cache-aware, least_tokens).
     pub tree: Option<&'a RadixTree>,
+    /// The request's prompt length in tokens (`ParsedRequest::prompt_tokens`; least_tokens).
+    pub prompt_tokens: u64,
+    /// The output tokens the request may generate (its `max_tokens`, or the gateway's
+    /// assumption when it gave none); with the prompt, the KV it needs (most_free_kv).
+    pub output_tokens: u64,
 }
 
 impl Default for RouteInput<'_> {
     fn default() -> Self {
-        RouteInput { text: None, key: None, sequence: 0, loads: &NoLoad, tree: None }
+        RouteInput { text: None, key: None, sequence: 0, loads: &NoLoad, tree: None, prompt_tokens: 0, output_tokens: 0 }
+    }
+}
+
+impl RouteInput<'_> {
+    /// KV tokens the request will hold on its decode worker: prompt + output.
+    pub fn kv_tokens(&self) -> u64 {
+        self.prompt_tokens.saturating_add(self.output_tokens)
     }
 }
 
@@ -107,6 +124,8 @@ impl fmt::Debug for RouteInput<'_> {
             .field("text_len", &self.text.map(str::len))
             .field("key", &self.key)
             .field("sequence", &self.sequence)
+            .field("prompt_tokens", &self.prompt_tokens)
+            .field("output_tokens", &self.output_tokens)
             .field("tree_size", &self.tree.map(RadixTree::size))
             .finish()
     }
@@ -185,6 +204,8 @@ pub fn make_policy_with(name: PolicyName, options: &PolicyOptions) -> Box<dyn Po
         PolicyName::PowerOfTwo => Box::new(PowerOfTwoPolicy),
         PolicyName::CacheAware => Box::new(CacheAwarePolicy::new(*options)),
         PolicyName::ConsistentHash => Box::new(ConsistentHashPolicy),
+        PolicyName::LeastTokens => Box::new(LeastTokensPolicy),
+        PolicyName::MostFreeKv => Box::new(MostFreeKvPolicy),
     }
 }
 

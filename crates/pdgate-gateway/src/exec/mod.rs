@@ -33,6 +33,10 @@ use tokio::time::Instant;
 use crate::registry::Routing;
 use crate::state::AppState;
 
+/// The most tokens one request adds to a worker's counters (2^40): far beyond any context
+/// length, small enough that no sum of requests overflows.
+const MAX_COUNTED_TOKENS: u64 = 1 << 40;
+
 /// One client request on its way through the gateway.
 #[derive(Clone)]
 pub struct Ctx {
@@ -75,12 +79,33 @@ impl Ctx {
     /// key, the text and, when a policy reads it, the radix tree (locked for the decision only).
     pub fn decide<T>(&self, routing: &Routing, text: Option<&str>, select: impl FnOnce(&RouteInput<'_>) -> T) -> T {
         let loads = self.state.loads(&routing.runtime);
-        let input = RouteInput { text, key: self.session_key.as_deref(), sequence: self.state.next_sequence(), loads: &loads, ..RouteInput::default() };
+        let input = RouteInput {
+            text,
+            key: self.session_key.as_deref(),
+            sequence: self.state.next_sequence(),
+            loads: &loads,
+            prompt_tokens: self.req.prompt_tokens,
+            output_tokens: self.output_tokens(),
+            ..RouteInput::default()
+        };
         if !self.state.uses_tree() {
             return select(&input);
         }
         let tree = self.state.tree.lock().unwrap_or_else(|p| p.into_inner());
         select(&RouteInput { tree: Some(&tree), ..input })
+    }
+
+    /// Output tokens the request may generate over all its items (`max_tokens` × prompts × n;
+    /// 0 when it gave no `max_tokens`: the engine's default is not known here), bounded so
+    /// that a client's huge number cannot overflow the counters.
+    pub fn output_tokens(&self) -> u64 {
+        let per_item = self.req.max_tokens.map_or(0, |(v, _)| v);
+        per_item.saturating_mul(self.req.batch_items.unwrap_or(1) as u64).min(MAX_COUNTED_TOKENS)
+    }
+
+    /// KV tokens the request holds on its decode (or regular) worker: prompt + output.
+    pub fn kv_tokens(&self) -> u64 {
+        self.req.prompt_tokens.min(MAX_COUNTED_TOKENS) + self.output_tokens()
     }
 
     /// Records that the request's text went to `url`, for the cache-aware policies.

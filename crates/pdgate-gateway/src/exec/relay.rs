@@ -158,6 +158,9 @@ pub struct Finish {
     /// Held for their `Drop`: in-flight counts end with the response.
     #[allow(dead_code)]
     pub guards: Vec<InflightGuard>,
+    /// Held for its `Drop`: the relayed worker's queued work (KV tokens) ends with the response.
+    #[allow(dead_code)]
+    pub tokens: Option<crate::token_load::TokenGuard>,
 }
 
 impl Finish {

@@ -38,6 +38,7 @@ use crate::metrics::InflightGuard;
 use crate::record::{Record, ROUTE_HEADER};
 use crate::registry::Runtime;
 use crate::render::error_response;
+use crate::token_load::TokenGuard;
 
 /// Runs the request to its response: admit, then attempts until one commits or the error is
 /// final, then finish.
@@ -270,7 +271,7 @@ async fn prepare_relayed(ctx: &Ctx, client: &Arc<dyn WorkerClient>, plan: &PdPla
 /// Send: starts the prefill leg. Its worker hears a success when the whole answer is in (with
 /// `judge_success`; NIXL judges after reading the params); a prefill dropped unfinished is
 /// aborted at its engine.
-fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: Bytes, protocol: &'static str, judge_success: bool) -> PrefillLeg {
+fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: Bytes, protocol: &'static str, judge_success: bool, queued: Option<TokenGuard>) -> PrefillLeg {
     let req = LegRequest { url: leg.url.clone(), path: ctx.req.endpoint.path(), body, request_id: ctx.request_id.clone(), leg: Leg::Prefill, deadline: ctx.deadline };
     let call = client.call(req, ctx.state.upstream.limits.max_response_bytes);
     let mut abort = AbortGuard::new(client, &leg.url, &leg.abort);
@@ -284,8 +285,10 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
             if let Err(e) = &out {
                 spans::failed(&tracing::Span::current(), e);
             }
-            // The leg ended at the worker, either way: nothing left to abort.
+            // The leg ended at the worker, either way: nothing left to abort, and the KV was
+            // handed off (or never will be): the prompt no longer loads the prefill for routing.
             abort.disarm();
+            drop(queued);
             state.metrics.leg_duration.with_label_values(&["prefill", protocol]).observe(t.elapsed().as_secs_f64());
             if out.is_ok() {
                 state.placer.observe_prefill(tokens, t.elapsed().as_secs_f64() * 1000.0);
@@ -307,11 +310,11 @@ async fn run(ctx: &Ctx, chosen: Chosen) -> Result<Committed, GatewayError> {
     let Chosen { plan, prefill_runtime, relayed_runtime, .. } = chosen;
     let protocol = plan.mode.as_str();
     let relayed_body = prepare_relayed(ctx, &client, &plan).await?;
-    let mut finish = accounting(ctx, &plan, prefill_runtime, relayed_runtime);
+    let (mut finish, prefill_queued) = accounting(ctx, &plan, prefill_runtime, relayed_runtime);
     let mut watched = Watched { leg: None, answer: None, blame_silent_prefill: plan.order == Order::Concurrent, release: None };
     let body = match (plan.order, &plan.prefill, relayed_body) {
         (Order::PrefillFirst, Some(p), _) => {
-            let sent = send_prefill(ctx, &client, p, prefill_body(p, None)?, protocol, false);
+            let sent = send_prefill(ctx, &client, p, prefill_body(p, None)?, protocol, false, prefill_queued);
             let answer = sent.answer.await?;
             let body = nixl_decode_body(ctx, &p.url, &answer, &mut finish)?;
             ctx.state.record_outcome(&p.url, Outcome::Success);
@@ -319,7 +322,7 @@ async fn run(ctx: &Ctx, chosen: Chosen) -> Result<Committed, GatewayError> {
             body
         }
         (_, Some(p), Some(body)) => {
-            watched.leg = Some(send_prefill(ctx, &client, p, prefill_body(p, Some(&body))?, protocol, true));
+            watched.leg = Some(send_prefill(ctx, &client, p, prefill_body(p, Some(&body))?, protocol, true, prefill_queued));
             body
         }
         (_, None, Some(body)) => body,
@@ -352,17 +355,24 @@ fn nixl_decode_body(ctx: &Ctx, prefill: &str, answer: &Bytes, finish: &mut Finis
     to_bytes(&decided.body)
 }
 
-/// In-flight accounting for the attempt's workers. A prefill counts as in flight until the
-/// decode is done, not just until its own answer: with NIXL the decode pulls the KV from it
-/// afterwards, with Mooncake it pushes after answering.
-fn accounting(ctx: &Ctx, plan: &PdPlan, prefill: Option<Arc<Runtime>>, relayed: Arc<Runtime>) -> Finish {
+/// Accounting for the attempt's workers, two counts apart (token_load.rs). In flight (drain):
+/// a prefill counts until the decode is done, not just until its own answer: with NIXL the
+/// decode pulls the KV from it afterwards, with Mooncake it pushes after answering. Queued
+/// (routing): the prefill's prompt tokens until its leg ends (returned here, for the leg to
+/// hold); the relayed worker's KV tokens (and, regular, the prompt) until the response ends.
+fn accounting(ctx: &Ctx, plan: &PdPlan, prefill: Option<Arc<Runtime>>, relayed: Arc<Runtime>) -> (Finish, Option<TokenGuard>) {
     let m = &ctx.state.metrics;
     let role = if plan.mode == Mode::Regular { WorkerRole::Regular } else { WorkerRole::Decode };
     let mut guards = vec![InflightGuard::new(m, &relayed, &plan.relayed.url, role.as_str())];
+    let relayed_prompt = if plan.mode == Mode::Regular { ctx.req.prompt_tokens } else { 0 };
+    let tokens = Some(TokenGuard::new(&relayed, relayed_prompt, ctx.kv_tokens()));
+    let mut prefill_queued = None;
     if let (Some(rt), Some(p)) = (prefill, &plan.prefill) {
         guards.push(InflightGuard::new(m, &rt, &p.url, WorkerRole::Prefill.as_str()));
+        prefill_queued = Some(TokenGuard::new(&rt, ctx.req.prompt_tokens, 0));
     }
-    Finish { state: ctx.state.clone(), route: ctx.route, protocol: plan.mode.as_str(), started: ctx.started, recompute_counted: false, guards }
+    let finish = Finish { state: ctx.state.clone(), route: ctx.route, protocol: plan.mode.as_str(), started: ctx.started, recompute_counted: false, guards, tokens };
+    (finish, prefill_queued)
 }
 
 /// Finish: the decision record (bounded header, full log line), the ids, the request metrics.
