@@ -48,6 +48,8 @@ pub struct Metrics {
     pub queue_wait: prometheus::Histogram,
     /// The client edge (conn.rs, front.rs, hops.rs, log_limit.rs): every limit that fires.
     pub edge: Arc<EdgeMetrics>,
+    /// Latency objectives: TTFT/TPOT/E2E by placement, SLO results, goodput (goodput.rs).
+    pub slo: crate::goodput::SloMetrics,
 }
 
 /// Counters of the client edge, each present at 0 from the start so alerts can rate() them.
@@ -175,6 +177,7 @@ impl Metrics {
                 h
             },
             edge: Arc::new(EdgeMetrics::new(&r)),
+            slo: crate::goodput::SloMetrics::new(&r),
             registry: r,
         };
         // Present at 0 from the start, so an alert on them needs no prior failure.

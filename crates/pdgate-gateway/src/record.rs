@@ -25,6 +25,8 @@ pub use pdgate_core::plan::Rendezvous;
 #[derive(Clone, Debug, Default)]
 pub struct Record {
     pub protocol: &'static str,
+    /// How the request is placed (`colocated`, `disaggregated`): the latency metrics' label.
+    pub placement: &'static str,
     pub worker: Option<String>,
     pub prefill: Option<String>,
     pub decode: Option<String>,
@@ -156,6 +158,7 @@ mod tests {
             rendezvous: Some(Rendezvous::TransferId(long)),
             policy: Some("x".repeat(5000)),
             attempts: u32::MAX,
+            placement: "disaggregated",
         };
         let h = r.header_value();
         assert!(h.len() <= MAX_HEADER_LEN, "{} > {MAX_HEADER_LEN}", h.len());

@@ -21,6 +21,7 @@ use pdgate_protocol::logprobs::PrefillLogprobs;
 use pdgate_protocol::sse::SseScanner;
 use tokio::time::{timeout_at, Instant};
 
+use super::accounting::{usage_of, StreamTally};
 use super::client::{AbortGuard, LegEvent, LegEvents, LegRequest, WorkerClient};
 use super::leg::{self, answering_deadline_error, deadline_error};
 use super::relay::{drain_prefill, wait_prefill, Finish, PrefillLeg, Relayed, Rewriter, StreamRelay};
@@ -162,7 +163,7 @@ async fn commit_and_relay(
     plan: RelayPlan,
     body: Bytes,
     mut watched: Watched,
-    finish: Finish,
+    mut finish: Finish,
     abort: &mut Option<AbortGuard>,
 ) -> Result<Response, GatewayError> {
     let (deadline, leg) = (ctx.deadline, plan.leg);
@@ -174,6 +175,7 @@ async fn commit_and_relay(
         }
     })?;
     let (head, mut events) = (answer.head, answer.events);
+    finish.status = head.status.as_u16();
     if ctx.req.stream {
         let first = race(&mut watched, first_data(&mut events, leg, deadline)).await.map_err(|e| {
             // The decode answered its head and then waited: for its KV, if the prefill is
@@ -194,7 +196,8 @@ async fn commit_and_relay(
         observe_ttfb(ctx);
         let abort = abort.take().ok_or_else(|| GatewayError::internal("the relayed leg's abort guard is gone"))?;
         let relayed = Relayed { leg, worker: plan.url, scanner, abort };
-        let relay = StreamRelay::new(first, events, deadline, watched.leg, Rewriter::new(logprobs, plan.scan_usage), finish, relayed);
+        let tally = StreamTally::new(ctx.req.endpoint, ctx.strip_usage, ctx.req.batch_items.is_some());
+        let relay = StreamRelay::new(first, events, deadline, watched.leg, Rewriter::new(logprobs, plan.scan_usage), finish, relayed, tally);
         let ct = head.content_type.unwrap_or_else(|| HeaderValue::from_static("text/event-stream"));
         return Ok(build(head.status, ct, relay.into_body()));
     }
@@ -213,12 +216,13 @@ async fn commit_and_relay(
     ctx.state.record_outcome(&plan.url, Outcome::Success);
     drain_prefill(&ctx.state, watched.leg, deadline);
     observe_ttfb(ctx);
+    let usage = usage_of(&answer).unwrap_or_default();
     let mut rewriter = Rewriter::new(logprobs, plan.scan_usage);
     let out = match rewriter.as_mut() {
         Some(r) => r.process_json(answer, bytes),
         None => bytes,
     };
-    finish.done(rewriter.and_then(|r| r.cache));
+    finish.done(rewriter.and_then(|r| r.cache), None, None, usage);
     let ct = head.content_type.unwrap_or_else(|| HeaderValue::from_static("application/json"));
     Ok(build(head.status, ct, Body::from(out)))
 }

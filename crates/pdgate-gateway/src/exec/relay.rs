@@ -25,6 +25,7 @@ use pdgate_protocol::usage::{cache_report, CacheReport};
 use serde_json::Value;
 use tokio::time::{timeout_at, Instant};
 
+use super::accounting::{Account, Ending, StreamTally, Usage};
 use super::client::{AbortGuard, LegEvent, LegEvents, LegFuture};
 use crate::metrics::InflightGuard;
 use crate::state::AppState;
@@ -153,13 +154,22 @@ pub struct Finish {
     /// The request was already counted as a silent recompute (e.g. the prefill returned no
     /// `kv_transfer_params`): the decode's own report must not count it a second time.
     pub recompute_counted: bool,
+    /// The status the client got.
+    pub status: u16,
+    /// The request's latency accounting, recorded once when the response ends.
+    pub account: Option<Account>,
     /// Held for their `Drop`: in-flight counts end with the response.
     #[allow(dead_code)]
     pub guards: Vec<InflightGuard>,
 }
 
 impl Finish {
-    pub fn done(self, cache: Option<CacheReport>) {
+    /// The response ended: `error` names how, when it did not end complete; `first_content`
+    /// and `usage` are what the accounting saw of it.
+    pub fn done(mut self, cache: Option<CacheReport>, error: Option<String>, first_content: Option<std::time::Instant>, usage: Usage) {
+        if let Some(account) = self.account.take() {
+            account.finish(&self.state, Ending { status: self.status, error, first_content, usage }, std::time::Instant::now());
+        }
         let m = &self.state.metrics;
         m.duration.with_label_values(&[self.route]).observe(self.started.elapsed().as_secs_f64());
         if self.protocol != "regular" && !self.recompute_counted {
@@ -195,11 +205,15 @@ pub struct StreamRelay {
     finish: Option<Finish>,
     relayed: Relayed,
     done: bool,
+    /// First content token, usage (read, and stripped when the gateway asked for it).
+    tally: StreamTally,
+    /// Why the stream ended early, for the accounting.
+    error: Option<String>,
 }
 
 impl StreamRelay {
-    pub fn new(first: Bytes, events: LegEvents, deadline: Instant, prefill: Option<PrefillLeg>, rewriter: Option<Rewriter>, finish: Finish, relayed: Relayed) -> Self {
-        StreamRelay { first: Some(first), events, deadline, prefill, rewriter, finish: Some(finish), relayed, done: false }
+    pub fn new(first: Bytes, events: LegEvents, deadline: Instant, prefill: Option<PrefillLeg>, rewriter: Option<Rewriter>, finish: Finish, relayed: Relayed, tally: StreamTally) -> Self {
+        StreamRelay { first: Some(first), events, deadline, prefill, rewriter, finish: Some(finish), relayed, done: false, tally, error: None }
     }
 
     pub fn into_body(self) -> Body {
@@ -208,6 +222,7 @@ impl StreamRelay {
     }
 
     fn process(&mut self, chunk: Bytes) -> Bytes {
+        let chunk = self.tally.process(chunk, std::time::Instant::now());
         match self.rewriter.as_mut() {
             Some(r) => r.process_sse(chunk),
             None => chunk,
@@ -219,11 +234,25 @@ impl StreamRelay {
         if let Some(f) = &self.finish {
             drain_prefill(&f.state, self.prefill.take(), self.deadline);
         }
+        // Bytes the accounting held (an event without its blank line) go out as they came.
+        let held = self.tally.flush().map(|b| self.process_held(b));
         let tail = self.rewriter.as_mut().and_then(Rewriter::flush);
         if let Some(f) = self.finish.take() {
-            f.done(self.rewriter.as_ref().and_then(|r| r.cache));
+            let first = self.tally.first_content;
+            f.done(self.rewriter.as_ref().and_then(|r| r.cache), self.error.take(), first, self.tally.usage());
         }
-        tail
+        match (held, tail) {
+            (Some(h), Some(t)) => Some([h, t].concat().into()),
+            (h, t) => h.or(t),
+        }
+    }
+
+    /// Held bytes at the end pass the rewriter like any others.
+    fn process_held(&mut self, held: Bytes) -> Bytes {
+        match self.rewriter.as_mut() {
+            Some(r) => r.process_sse(held),
+            None => held,
+        }
     }
 
     /// Tells the relayed worker's breaker how the stream went.
@@ -243,7 +272,7 @@ impl StreamRelay {
     /// Whether the client has part of an event: a rewriting relay holds partial events back,
     /// a pass-through one has sent whatever the worker sent.
     fn client_mid_event(&self) -> bool {
-        let holds_back = self.rewriter.as_ref().is_some_and(|r| r.logprobs.is_some());
+        let holds_back = self.rewriter.as_ref().is_some_and(|r| r.logprobs.is_some()) || self.tally.holds_back();
         !holds_back && !self.relayed.scanner.at_boundary()
     }
 
@@ -254,6 +283,7 @@ impl StreamRelay {
         }
         self.record(Outcome::from_error(err));
         self.count_error(err);
+        self.error = Some(err.code());
         // Close a half-sent event first, so the error event reads as an event of its own.
         let sep = if self.client_mid_event() { "\n\n" } else { "" };
         self.end();
@@ -296,7 +326,11 @@ impl StreamRelay {
 
     async fn next_chunk(&mut self) -> Option<Bytes> {
         if let Some(first) = self.first.take() {
-            return Some(self.process(first));
+            let out = self.process(first);
+            // All of it held back (an event not yet complete): read on.
+            if !out.is_empty() {
+                return Some(out);
+            }
         }
         while !self.done {
             let event = tokio::select! {
@@ -345,7 +379,8 @@ impl Drop for StreamRelay {
         // The client went away mid-stream: dropping the events closes the decode connection,
         // dropping the prefill closes that leg too, and the guards abort both at their engines.
         if let Some(f) = self.finish.take() {
-            f.done(None);
+            let first = self.tally.first_content;
+            f.done(None, Some("client_disconnected".into()), first, self.tally.usage());
         }
     }
 }

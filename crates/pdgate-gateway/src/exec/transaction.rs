@@ -26,6 +26,7 @@ use pdgate_core::{ErrorKind, GatewayError, KvConnector, Leg, WorkerRole};
 use serde_json::{Map, Value};
 use tokio::time::Instant;
 
+use super::accounting::{placement_of, Account, Ending, Usage, Who};
 use super::client::{AbortGuard, LegRequest, WorkerClient};
 use super::commit::{relay_leg, RelayPlan, Watched};
 use super::relay::{Finish, PrefillLeg};
@@ -40,7 +41,7 @@ use crate::render::error_response;
 pub async fn execute(mut ctx: Ctx) -> Response {
     let mut record = Record::default();
     if let Err(err) = admit(&ctx) {
-        return finish(&ctx, error_response(&err), &record);
+        return finish(&ctx, error_response(&err), &record, Some(&err));
     }
     let mut failed: Vec<String> = Vec::new();
     ctx.state.retry_budget_deposit();
@@ -75,7 +76,8 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         }
         if !retry || refused {
             crate::edge::log_limit::warn_request(&ctx.state, Some(&ctx.request_id), "request failed", err, Some(&record.header_value()));
-            break error_response(err);
+            let response = error_response(err);
+            return finish(&ctx, response, &record, Some(err));
         }
         metrics.retries.with_label_values(&[err.reason()]).inc();
         if let Some(w) = failure.worker {
@@ -85,14 +87,14 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         let backoff = ctx.state.retry.backoff(record.attempts, &mut rand::rng());
         tokio::time::sleep(backoff.min(left)).await;
     };
-    finish(&ctx, response, &record)
+    finish(&ctx, response, &record, None)
 }
 
 /// Admit: a request for more tokens than the model's context length can never be served:
 /// refuse it (400 naming the field) instead of letting it wait on the workers.
 fn admit(ctx: &Ctx) -> Result<(), GatewayError> {
     if ctx.req.rewritten {
-        tracing::debug!(request_id = %ctx.request_id, "removed rendezvous fields the client sent (they are the gateway's)");
+        tracing::debug!(request_id = %ctx.request_id, strip_usage = ctx.strip_usage, "the body sent differs from the client's (rendezvous fields removed, or the stream's usage asked for)");
     }
     let Some((asked, field)) = ctx.req.max_tokens else { return Ok(()) };
     let Some(limit) = ctx.state.registry.routing().snapshot.context_limit(ctx.req.model.as_deref()) else { return Ok(()) };
@@ -107,6 +109,7 @@ async fn attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Result<Re
     let chosen = select(ctx, failed)?;
     let plan = &chosen.plan;
     record.protocol = plan.mode.as_str();
+    record.placement = placement_of(plan.mode);
     let prefill_url = plan.prefill.as_ref().map(|p| p.url.clone());
     match plan.mode {
         Mode::Regular => record.worker = Some(plan.relayed.url.clone()),
@@ -119,7 +122,7 @@ async fn attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Result<Re
     record.rendezvous = plan.rendezvous.clone();
     let relayed_url = plan.relayed.url.clone();
     let mode = plan.mode;
-    run(ctx, chosen).await.map_err(|error| {
+    run(ctx, chosen, record.attempts).await.map_err(|error| {
         if mode == Mode::Pd(KvConnector::Mooncake) {
             if let Some(p) = &prefill_url {
                 ctx.state.forget_engine_id(p);
@@ -253,12 +256,12 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
 }
 
 /// Runs a chosen plan: prepare, send the legs in the plan's order, commit and relay.
-async fn run(ctx: &Ctx, chosen: Chosen) -> Result<Response, GatewayError> {
+async fn run(ctx: &Ctx, chosen: Chosen, attempts: u32) -> Result<Response, GatewayError> {
     let client = ctx.state.client.clone();
     let Chosen { plan, prefill_runtime, relayed_runtime, .. } = chosen;
     let protocol = plan.mode.as_str();
     let relayed_body = prepare_relayed(ctx, &client, &plan).await?;
-    let mut finish = accounting(ctx, &plan, prefill_runtime, relayed_runtime);
+    let mut finish = accounting(ctx, &plan, prefill_runtime, relayed_runtime, attempts);
     let mut watched = Watched { leg: None, answer: None, blame_silent_prefill: plan.order == Order::Concurrent, release: None };
     let body = match (plan.order, &plan.prefill, relayed_body) {
         (Order::PrefillFirst, Some(p), _) => {
@@ -306,18 +309,48 @@ fn nixl_decode_body(ctx: &Ctx, prefill: &str, answer: &Bytes, finish: &mut Finis
 /// In-flight accounting for the attempt's workers. A prefill counts as in flight until the
 /// decode is done, not just until its own answer: with NIXL the decode pulls the KV from it
 /// afterwards, with Mooncake it pushes after answering.
-fn accounting(ctx: &Ctx, plan: &PdPlan, prefill: Option<Arc<Runtime>>, relayed: Arc<Runtime>) -> Finish {
+fn accounting(ctx: &Ctx, plan: &PdPlan, prefill: Option<Arc<Runtime>>, relayed: Arc<Runtime>, attempts: u32) -> Finish {
     let m = &ctx.state.metrics;
     let role = if plan.mode == Mode::Regular { WorkerRole::Regular } else { WorkerRole::Decode };
     let mut guards = vec![InflightGuard::new(m, &relayed, &plan.relayed.url, role.as_str())];
     if let (Some(rt), Some(p)) = (prefill, &plan.prefill) {
         guards.push(InflightGuard::new(m, &rt, &p.url, WorkerRole::Prefill.as_str()));
     }
-    Finish { state: ctx.state.clone(), route: ctx.route, protocol: plan.mode.as_str(), started: ctx.started, recompute_counted: false, guards }
+    let account = Account::new(ctx, placement_of(plan.mode), plan.mode.as_str(), || {
+        let (relayed, prefill) = (Some(plan.relayed.url.clone()), plan.prefill.as_ref().map(|p| p.url.clone()));
+        match plan.mode {
+            Mode::Regular => Who { worker: relayed, attempts, ..Who::default() },
+            Mode::Pd(_) => Who { prefill, decode: relayed, attempts, ..Who::default() },
+        }
+    });
+    Finish { state: ctx.state.clone(), route: ctx.route, protocol: plan.mode.as_str(), started: ctx.started, recompute_counted: false, status: 200, account: Some(account), guards }
+}
+
+/// A request that ends with an error response (nothing was committed): its accounting, as
+/// failed. Committed requests are accounted when their answer ends (`Finish::done`).
+fn account_failure(ctx: &Ctx, record: &Record, status: u16, err: &GatewayError) {
+    let placement = match record.placement {
+        "" if ctx.state.config.pd_disaggregation => "disaggregated",
+        "" => "colocated",
+        p => p,
+    };
+    let protocol = if record.protocol.is_empty() { "none" } else { record.protocol };
+    let account = Account::new(ctx, placement, protocol, || Who {
+        worker: record.worker.clone(),
+        prefill: record.prefill.clone(),
+        decode: record.decode.clone(),
+        attempts: record.attempts,
+        ..Who::default()
+    });
+    let end = Ending { status, error: Some(err.code()), first_content: None, usage: Usage::default() };
+    account.finish(&ctx.state, end, std::time::Instant::now());
 }
 
 /// Finish: the decision record (bounded header, full log line), the ids, the request metrics.
-fn finish(ctx: &Ctx, mut response: Response, record: &Record) -> Response {
+fn finish(ctx: &Ctx, mut response: Response, record: &Record, err: Option<&GatewayError>) -> Response {
+    if let Some(err) = err {
+        account_failure(ctx, record, response.status().as_u16(), err);
+    }
     // The full record (every room of a batch) goes to the debug log only, formatted only when
     // that level is on; the header is bounded (see `record`).
     tracing::debug!(request_id = %ctx.request_id, client_request_id = ctx.client_request_id.as_deref().unwrap_or("-"), route = %record.full(), status = response.status().as_u16(), "routed");
