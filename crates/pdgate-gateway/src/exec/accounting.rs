@@ -115,6 +115,13 @@ fn boundary(data: &[u8]) -> Option<(usize, usize)> {
     }
 }
 
+/// Data events in whole events, `[DONE]` left out.
+fn count_data_events(events: &[u8]) -> u64 {
+    let data = memmem::find_iter(events, b"data:").count();
+    let done = memmem::find_iter(events, b"[DONE]").count();
+    data.saturating_sub(done) as u64
+}
+
 /// The last data event in `chunk` that is not `[DONE]`, up to its end (or the chunk's).
 fn last_data_event(chunk: &Bytes) -> Option<Bytes> {
     let mut end = chunk.len();
@@ -171,9 +178,12 @@ impl StreamTally {
 
     /// One chunk from the worker, `now` being when it is relayed; returns what the client gets.
     pub fn process(&mut self, chunk: Bytes, now: Instant) -> Bytes {
-        let read = self.first_content.is_none() || !self.held.is_empty() || self.every_event || memmem::find(&chunk, b"\"usage\"").is_some();
+        // A chunk of whole events without usage (the usual one) passes unread; one that ends
+        // inside an event is read, so the rest of that event is held until it is complete.
+        let whole = chunk.ends_with(b"\n\n");
+        let read = self.first_content.is_none() || !self.held.is_empty() || self.every_event || !whole || memmem::find(&chunk, b"\"usage\"").is_some();
         if !read {
-            self.events += memmem::find_iter(&chunk, b"data:").count() as u64;
+            self.events += count_data_events(&chunk);
             if self.endpoint == Endpoint::Generate {
                 if let Some(last) = last_data_event(&chunk) {
                     self.last = Some(last);
@@ -212,6 +222,15 @@ impl StreamTally {
     }
 
     fn event(&mut self, raw: &[u8], now: Instant) -> Verdict {
+        if self.first_content.is_some() && !self.every_event && memmem::find(raw, b"\"usage\"").is_none() {
+            // Read only for its boundary: counted, not parsed.
+            let n = count_data_events(raw);
+            self.events += n;
+            if n > 0 && self.endpoint == Endpoint::Generate {
+                self.last = Some(Bytes::copy_from_slice(raw));
+            }
+            return Verdict::Keep;
+        }
         let Some(text) = event_data(raw) else { return Verdict::Keep };
         if text.trim() == "[DONE]" {
             return Verdict::Keep;
