@@ -33,7 +33,8 @@ impl SloTargets {
     pub fn with_headers<'a>(self, header: impl Fn(&str) -> Option<&'a [u8]>) -> Result<SloTargets, BadSloHeader> {
         let pick = |names: [&'static str; 2], default: f64| -> Result<f64, BadSloHeader> {
             let Some((name, raw)) = names.iter().find_map(|n| header(n).map(|v| (*n, v))) else { return Ok(default) };
-            parse_ms(raw).ok_or_else(|| BadSloHeader { header: name, message: format!("header '{name}' must be a positive number of milliseconds, not {:?}", String::from_utf8_lossy(raw)) })
+            parse_ms(raw)
+                .ok_or_else(|| BadSloHeader { header: name, message: format!("header '{name}' must be a positive number of milliseconds, not {:?}", String::from_utf8_lossy(raw)) })
         };
         Ok(SloTargets { ttft_ms: pick(TTFT_HEADERS, self.ttft_ms)?, tpot_ms: pick(TPOT_HEADERS, self.tpot_ms)? })
     }

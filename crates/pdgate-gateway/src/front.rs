@@ -122,7 +122,8 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
     // its ids through this span.
     let span = tracing::info_span!("request", request_id = %request_id, client_request_id = client_request_id.as_deref().unwrap_or("-"), route);
     let scope = Arc::new(RequestScope { request_id: request_id.clone(), via, span });
-    let mut resp = scope::run(scope.clone(), execute(Ctx { state, req, raw, request_id, client_request_id, session_key, deadline, started, arrival_unix_s, route, slo, strip_usage })).await;
+    let mut resp =
+        scope::run(scope.clone(), execute(Ctx { state, req, raw, request_id, client_request_id, session_key, deadline, started, arrival_unix_s, route, slo, strip_usage })).await;
     // For the body wrapper in edge/conn.rs: the relay's stream warnings name the request.
     resp.extensions_mut().insert(scope);
     resp

@@ -85,7 +85,8 @@ async fn usage_the_client_asked_for_is_kept() {
     let w = regular(Fault::None).await;
     let (_gw, url) = gateway(json!({"worker_urls": [w.url]})).await;
     wait_ready(&url).await;
-    let (status, text) = post(&url, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "stream": true, "stream_options": {"include_usage": true}})).await;
+    let (status, text) =
+        post(&url, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "stream": true, "stream_options": {"include_usage": true}})).await;
     assert_eq!(status, 200);
     assert!(text.contains("\"usage\":{"), "{text}");
     let (_, whole) = post(&url, "/v1/completions", json!({"prompt": "hi"})).await;
@@ -171,9 +172,7 @@ async fn slo_headers_set_the_objectives_and_bad_ones_are_refused_by_name() {
 
 #[tokio::test]
 async fn a_request_log_that_cannot_be_opened_stops_the_start() {
-    let mut cfg = pdgate_gateway::GatewayConfig::default();
-    cfg.port = 0;
-    cfg.request_log = Some("/nonexistent-dir-pdgate/requests.jsonl".into());
+    let cfg = pdgate_gateway::GatewayConfig { port: 0, request_log: Some("/nonexistent-dir-pdgate/requests.jsonl".into()), ..Default::default() };
     let err = pdgate_gateway::start(cfg).await.err().expect("start refused");
     assert!(err.to_string().contains("request log"), "{err}");
 }

@@ -195,9 +195,9 @@ async fn commit_and_relay(
         let logprobs = if plan.merge_logprobs { Some(prefill_logprobs(&mut watched, deadline).await?) } else { None };
         observe_ttfb(ctx);
         let abort = abort.take().ok_or_else(|| GatewayError::internal("the relayed leg's abort guard is gone"))?;
-        let relayed = Relayed { leg, worker: plan.url, scanner, abort };
         let tally = StreamTally::new(ctx.req.endpoint, ctx.strip_usage, ctx.req.batch_items.is_some());
-        let relay = StreamRelay::new(first, events, deadline, watched.leg, Rewriter::new(logprobs, plan.scan_usage), finish, relayed, tally);
+        let relayed = Relayed { leg, worker: plan.url, scanner, abort, tally };
+        let relay = StreamRelay::new(first, events, deadline, watched.leg, Rewriter::new(logprobs, plan.scan_usage), finish, relayed);
         let ct = head.content_type.unwrap_or_else(|| HeaderValue::from_static("text/event-stream"));
         return Ok(build(head.status, ct, relay.into_body()));
     }

@@ -194,6 +194,8 @@ pub struct Relayed {
     pub scanner: SseScanner,
     /// Tells the engine when the gateway gives this leg up (the client went away).
     pub abort: AbortGuard,
+    /// First content token, usage (read, and stripped when the gateway asked for it).
+    pub tally: StreamTally,
 }
 
 pub struct StreamRelay {
@@ -205,15 +207,13 @@ pub struct StreamRelay {
     finish: Option<Finish>,
     relayed: Relayed,
     done: bool,
-    /// First content token, usage (read, and stripped when the gateway asked for it).
-    tally: StreamTally,
     /// Why the stream ended early, for the accounting.
     error: Option<String>,
 }
 
 impl StreamRelay {
-    pub fn new(first: Bytes, events: LegEvents, deadline: Instant, prefill: Option<PrefillLeg>, rewriter: Option<Rewriter>, finish: Finish, relayed: Relayed, tally: StreamTally) -> Self {
-        StreamRelay { first: Some(first), events, deadline, prefill, rewriter, finish: Some(finish), relayed, done: false, tally, error: None }
+    pub fn new(first: Bytes, events: LegEvents, deadline: Instant, prefill: Option<PrefillLeg>, rewriter: Option<Rewriter>, finish: Finish, relayed: Relayed) -> Self {
+        StreamRelay { first: Some(first), events, deadline, prefill, rewriter, finish: Some(finish), relayed, done: false, error: None }
     }
 
     pub fn into_body(self) -> Body {
@@ -222,7 +222,7 @@ impl StreamRelay {
     }
 
     fn process(&mut self, chunk: Bytes) -> Bytes {
-        let chunk = self.tally.process(chunk, std::time::Instant::now());
+        let chunk = self.relayed.tally.process(chunk, std::time::Instant::now());
         match self.rewriter.as_mut() {
             Some(r) => r.process_sse(chunk),
             None => chunk,
@@ -235,11 +235,11 @@ impl StreamRelay {
             drain_prefill(&f.state, self.prefill.take(), self.deadline);
         }
         // Bytes the accounting held (an event without its blank line) go out as they came.
-        let held = self.tally.flush().map(|b| self.process_held(b));
+        let held = self.relayed.tally.flush().map(|b| self.process_held(b));
         let tail = self.rewriter.as_mut().and_then(Rewriter::flush);
         if let Some(f) = self.finish.take() {
-            let first = self.tally.first_content;
-            f.done(self.rewriter.as_ref().and_then(|r| r.cache), self.error.take(), first, self.tally.usage());
+            let first = self.relayed.tally.first_content;
+            f.done(self.rewriter.as_ref().and_then(|r| r.cache), self.error.take(), first, self.relayed.tally.usage());
         }
         match (held, tail) {
             (Some(h), Some(t)) => Some([h, t].concat().into()),
@@ -272,7 +272,7 @@ impl StreamRelay {
     /// Whether the client has part of an event: a rewriting relay holds partial events back,
     /// a pass-through one has sent whatever the worker sent.
     fn client_mid_event(&self) -> bool {
-        let holds_back = self.rewriter.as_ref().is_some_and(|r| r.logprobs.is_some()) || self.tally.holds_back();
+        let holds_back = self.rewriter.as_ref().is_some_and(|r| r.logprobs.is_some()) || self.relayed.tally.holds_back();
         !holds_back && !self.relayed.scanner.at_boundary()
     }
 
@@ -379,8 +379,8 @@ impl Drop for StreamRelay {
         // The client went away mid-stream: dropping the events closes the decode connection,
         // dropping the prefill closes that leg too, and the guards abort both at their engines.
         if let Some(f) = self.finish.take() {
-            let first = self.tally.first_content;
-            f.done(None, Some("client_disconnected".into()), first, self.tally.usage());
+            let first = self.relayed.tally.first_content;
+            f.done(None, Some("client_disconnected".into()), first, self.relayed.tally.usage());
         }
     }
 }
