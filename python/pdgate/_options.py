@@ -189,3 +189,11 @@ class GatewayOptions(TypedDict, total=False):
     """--vllm-pd-disaggregation: vLLM router's spelling of --pd-disaggregation: PD mode, with `nixl` as the KV connector unless --kv-connector says otherwise."""
     control_plane_api_keys: list[str] | tuple[str, ...]
     """--control-plane-api-keys: Admin keys in SMG's spelling, `ID:NAME:admin:KEY` (repeatable): each KEY opens the worker API like --admin-api-key. The `user` role (read-only) is not supported yet."""
+    slo_ttft_ms: float
+    """--slo-ttft-ms: Time-to-first-token objective in milliseconds (arrival at the gateway to the first content token relayed); a request may set its own with `x-slo-ttft-ms` (or llm-d's `x-llm-d-slo-ttft-ms`). Default: 1000.0."""
+    slo_tpot_ms: float
+    """--slo-tpot-ms: Time-per-output-token objective in milliseconds, (E2E - TTFT) / (output tokens - 1); per request: `x-slo-tpot-ms` (or `x-llm-d-slo-tpot-ms`). Default: 50.0."""
+    goodput_window_secs: int
+    """--goodput-window-secs: Seconds over which `pdgate_goodput_requests_per_second` counts the requests that met both objectives. Default: 60. Range: 0 to 18446744073709551615."""
+    request_log: str | None
+    """--request-log: Append one JSON line per finished request to this file (arrival, route, placement, workers, tokens, TTFT/TPOT/E2E, status, attempts); written off the request path, lines that would wait are dropped and counted (`pdgate_request_log_dropped_total`)."""
