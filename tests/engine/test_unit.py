@@ -105,7 +105,7 @@ def test_small_preset_is_tens_of_millions():
 def test_pool_counters_are_exact():
     pool = KVPool(10, 4, 1, 1, 2)
     a = pool.reserve(4)
-    assert pool.counters() | {} == {"free": 6, "reserved": 4, "in_use": 0, "pinned": 0, "total": 10, "page_size": 4}
+    assert pool.counters() | {} == {"free": 6, "reserved": 4, "in_use": 0, "pinned": 0, "cached": 0, "total": 10, "page_size": 4}
     pool.commit(a[:2])
     pool.pin(a[2:])
     assert (pool.counters()["in_use"], pool.counters()["pinned"]) == (2, 2)

@@ -11,6 +11,8 @@ mod config_json;
 mod config_serde;
 pub mod error;
 pub mod health;
+pub mod kv_events;
+pub mod kv_index;
 pub mod pairing;
 pub mod plan;
 pub mod policy;

@@ -57,7 +57,7 @@ def _items(body: dict, prompts: list[list[int]], sp: dict, rid_base: str, lp: tu
         if isinstance(d.get("seed"), int) and c:
             d["seed"] += c
         items.append(GenItem(rid=_item_rid(body, rid_base, i, total), input_ids=list(prompts[pi]),
-                             params=params_from_dict(d), return_logprob=lp[0], top_logprobs_num=lp[1],
+                             params=params_from_dict(d), return_logprob=lp[0], top_logprobs_num=lp[1], input_logprobs=False,
                              kv_transfer_params=kvp, **bootstrap_fields(body, i, total)))
     return items, n
 

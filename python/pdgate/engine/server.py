@@ -17,6 +17,7 @@ from . import api_native, api_openai, metrics
 from .engine import Engine
 from .http_common import error_body, error_response, read_json
 from .items import GenItem
+from .kv_events import config_dict
 from .sampling import BadRequest, params_from_dict
 from .sequence import EngineError
 
@@ -41,6 +42,8 @@ def engine_app(engine: Engine) -> web.Application:
     r.add_get("/metrics", metrics_handler)
     r.add_post("/abort_request", abort_request)
     r.add_get("/debug/kv_transfers", debug_transfers)
+    r.add_route("*", "/flush_cache", flush_cache)
+    r.add_post("/reset_prefix_cache", flush_cache)
     return app
 
 
@@ -98,6 +101,7 @@ def info_dict(e: Engine) -> dict:
         "chunked_prefill_size": a.chunked_prefill_size, "tp_size": 1, "dp_size": 1, "pp_size": 1,
         "context_length": e.cfg.max_position, "kv_side_channel_port": e.ctx.port,
         "kv_layout": e.ctx.layout, "engine": "pdgate-reference", "version": "0.1.0",
+        "disable_radix_cache": not a.enable_prefix_caching, "kv_events_config": config_dict(a.kv_events_config),
     })
     return d
 
@@ -121,7 +125,7 @@ async def model_info(request: web.Request) -> web.Response:
 
 def loads_dict(e: Engine) -> dict:
     pool = e.pool.counters()
-    used_pages = pool["total"] - pool["free"]
+    used_pages = pool["total"] - pool["free"] - pool["cached"]  # cached pages are evictable
     total_tokens = pool["total"] * e.pool.page_size
     st = e.ctx.stats
     return {"loads": [{
@@ -133,6 +137,7 @@ def loads_dict(e: Engine) -> dict:
         "max_total_num_tokens": total_tokens,
         "token_usage": round(used_pages / pool["total"], 6),
         "kv_pages": pool,
+        "prefix_cache": e.prefix_cache_stats(),
         "disaggregation": {
             "mode": e.mode, "transfer_backend": e.args.disaggregation_transfer_backend,
             "kv_connector": (e.kv_transfer_config or {}).get("kv_connector"),
@@ -171,6 +176,17 @@ async def abort_request(request: web.Request) -> web.Response:
         raise BadRequest("rid (a non-empty string) or abort_all is required", "rid")
     n = e.abort_matching(rid, abort_all)
     return web.json_response({"aborted": n > 0, "count": n})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """SGLang's `/flush_cache` and vLLM's `POST /reset_prefix_cache`: empty the prefix cache
+    (KV event AllBlocksCleared). Refused with 400 while a request holds pages, as SGLang does."""
+    if request.method not in ("GET", "POST"):
+        raise web.HTTPMethodNotAllowed(request.method, ["GET", "POST"])
+    if not request.app["engine"].flush_cache():
+        return web.json_response(error_body("Cache not flushed: requests are holding KV pages",
+                                            "invalid_request_error", "cache_busy"), status=400)
+    return web.Response(text="Cache flushed.\n")
 
 
 async def debug_transfers(request: web.Request) -> web.Response:
