@@ -380,7 +380,10 @@ impl Drop for StreamRelay {
         // dropping the prefill closes that leg too, and the guards abort both at their engines.
         if let Some(f) = self.finish.take() {
             let first = self.relayed.tally.first_content;
-            f.done(None, Some("client_disconnected".into()), first, self.relayed.tally.usage());
+            // A client that had `[DONE]` got the whole answer, even if it left before the
+            // worker closed its stream.
+            let error = (!self.relayed.scanner.saw_done()).then(|| "client_disconnected".to_string());
+            f.done(None, error, first, self.relayed.tally.usage());
         }
     }
 }
