@@ -37,11 +37,17 @@ def test_length_distributions() -> None:
 
 
 def test_trace_lines_in_each_accepted_shape(tmp_path: Path) -> None:
-    # A request-log line (issue 13's fields: absolute arrival, route, placement, token counts).
-    log_line = {"arrival_unix_ms": 1_700_000_000_500, "route": "/v1/completions", "placement": "disaggregated",
-                "workers": ["http://p", "http://d"], "prompt_tokens": 120, "output_tokens": 30,
-                "cached_tokens": 0, "ttft_ms": 80.0, "tpot_ms": 9.0, "e2e_ms": 350.0, "status": 200, "attempts": 1}
-    lines = [log_line, {**log_line, "arrival_unix_ms": 1_700_000_002_000, "prompt_tokens": 7},
+    # A --request-log line as the gateway writes it (docs/goodput.md), and one of a request that
+    # failed before the engine reported its prompt: not replayable, skipped.
+    log_line = {"arrival_unix_s": 1_700_000_000.5, "request_id": "r-1", "client_request_id": None,
+                "route": "/v1/completions", "model": "m", "stream": True, "placement": "disaggregated",
+                "protocol": "bootstrap", "worker": None, "prefill": "http://p", "decode": "http://d",
+                "prompt_tokens": 120, "output_tokens": 30, "cached_tokens": 0, "ttft_ms": 80.0,
+                "tpot_ms": 9.0, "e2e_ms": 350.0, "slo_ttft_ms": 1000.0, "slo_tpot_ms": 50.0,
+                "slo_result": "met", "status": 200, "error": None, "attempts": 1}
+    failed = {**log_line, "prompt_tokens": None, "output_tokens": None, "slo_result": "failed",
+              "status": 502, "error": "worker_status"}
+    lines = [log_line, failed, {**log_line, "arrival_unix_s": 1_700_000_002.0, "prompt_tokens": 7},
              {"prompt": "hello there", "output_len": 3, "timestamp": 0.25}]
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")

@@ -478,6 +478,17 @@ pub struct GatewayConfig {
     /// (0.98: about the last 50 count).
     #[arg(long, default_value_t = 0.98)]
     pub placement_forgetting: f64,
+
+    /// Seconds over which `pdgate_goodput_requests_per_second` counts the requests that met
+    /// both objectives.
+    #[arg(long, default_value_t = 60)]
+    pub goodput_window_secs: u64,
+
+    /// Append one JSON line per finished request to this file (arrival, route, placement,
+    /// workers, tokens, TTFT/TPOT/E2E, status, attempts); written off the request path, lines
+    /// that would wait are dropped and counted (`pdgate_request_log_dropped_total`).
+    #[arg(long, value_name = "PATH")]
+    pub request_log: Option<String>,
 }
 
 /// One `--control-plane-api-keys` entry: `ID:NAME:ROLE:KEY`; the key itself may contain `:`.
@@ -703,6 +714,14 @@ impl GatewayConfig {
         if self.breaker_window_secs == 0 {
             return bad("--breaker-window-secs (--cb-window-duration-secs) must be at least 1".into());
         }
+        for (flag, v) in [("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-tpot-ms", self.slo_tpot_ms)] {
+            if !(v.is_finite() && v > 0.0) {
+                return bad(format!("{flag} must be a positive number of milliseconds, not {v}"));
+            }
+        }
+        if self.goodput_window_secs == 0 || self.goodput_window_secs > 86_400 {
+            return bad(format!("--goodput-window-secs must be between 1 and 86400, not {}", self.goodput_window_secs));
+        }
         if self.max_concurrent_requests < -1 {
             return bad(format!("--max-concurrent-requests must be -1, 0 or positive, not {}", self.max_concurrent_requests));
         }
@@ -808,6 +827,11 @@ impl GatewayConfig {
             return bad("--service-discovery-port must be at least 1".into());
         }
         Ok(())
+    }
+
+    /// The objectives a request is judged by when it sends no header of its own.
+    pub fn slo_targets(&self) -> crate::slo::SloTargets {
+        crate::slo::SloTargets { ttft_ms: self.slo_ttft_ms, tpot_ms: self.slo_tpot_ms }
     }
 
     /// The request bounds, as the parser takes them.

@@ -22,6 +22,7 @@ pub mod registration;
 pub mod retry;
 pub mod retry_budget;
 pub mod route;
+pub mod slo;
 pub mod snapshot;
 pub mod worker;
 

@@ -71,6 +71,7 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
     let (parts, body) = req.into_parts();
     let headers = parts.headers;
     let started = std::time::Instant::now();
+    let arrival_unix_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
     let route = endpoint.path();
     if state.is_draining() {
         // Graceful shutdown: refuse at once, and close the connection so the client's next
@@ -104,10 +105,15 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
             return client_error(&state, route, &err, started);
         }
     };
-    let req = match parse_request(endpoint, &raw, &state.limits) {
+    let mut req = match parse_request(endpoint, &raw, &state.limits) {
         Ok(r) => r,
         Err(e) => return client_error(&state, route, &GatewayError::invalid(e.param.as_deref(), e.message), started),
     };
+    let slo = match state.config.slo_targets().with_headers(|name| headers.get(name).map(|v| v.as_bytes())) {
+        Ok(t) => t,
+        Err(e) => return client_error(&state, route, &GatewayError::invalid(Some(e.header), e.message), started),
+    };
+    let strip_usage = crate::exec::accounting::ask_for_usage(&mut req);
     // The client's id only after validation; the legs get a minted one (see `request_id`).
     let client_request_id = request_id::client_id(&headers, &state.config.request_id_headers);
     let request_id = request_id::mint(client_request_id.as_deref());
@@ -138,7 +144,7 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
         }
     }
     let scope = Arc::new(RequestScope { request_id: request_id.clone(), via, span, client_trace });
-    let mut resp = scope::run(scope.clone(), execute(Ctx { state, req, raw, request_id, client_request_id, session_key, deadline, started, route })).await;
+    let mut resp = scope::run(scope.clone(), execute(Ctx { state, req, raw, request_id, client_request_id, session_key, deadline, started, arrival_unix_s, route, slo, strip_usage })).await;
     // For the body wrapper in edge/conn.rs: the relay's stream warnings name the request.
     resp.extensions_mut().insert(scope);
     resp
@@ -203,6 +209,7 @@ pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     if let Some(a) = &state.admission {
         state.metrics.admission_waiting.set(a.waiting() as i64);
     }
+    state.goodput.refresh(&state.metrics.slo);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
 }
 

@@ -56,6 +56,8 @@ pub struct Metrics {
     pub edge: Arc<EdgeMetrics>,
     /// Placement decisions, recoveries and the cost model (exec/placement.rs).
     pub placement: crate::exec::placement::PlacementMetrics,
+    /// Latency objectives: TTFT/TPOT/E2E by placement, SLO results, goodput (goodput.rs).
+    pub slo: crate::goodput::SloMetrics,
 }
 
 /// Counters of the client edge, each present at 0 from the start so alerts can rate() them.
@@ -209,6 +211,7 @@ impl Metrics {
             },
             edge: Arc::new(EdgeMetrics::new(&r)),
             placement: crate::exec::placement::PlacementMetrics::new(&r),
+            slo: crate::goodput::SloMetrics::new(&r),
             registry: r,
         };
         // Present at 0 from the start, so an alert on them needs no prior failure.

@@ -25,6 +25,8 @@ pub use pdgate_core::plan::Rendezvous;
 #[derive(Clone, Debug, Default)]
 pub struct Record {
     pub protocol: &'static str,
+    /// How the request ran (`colocated`, `disaggregated`): the latency metrics' label.
+    pub placed_as: &'static str,
     pub worker: Option<String>,
     pub prefill: Option<String>,
     pub decode: Option<String>,
@@ -184,6 +186,7 @@ mod tests {
             attempts: u32::MAX,
             placement: Some(("disaggregated", "slo_missed_remote_lower")),
             recovery: Some(("recompute_colocated", "only_colocated_fits_deadline")),
+            placed_as: "disaggregated",
         };
         let h = r.header_value();
         assert!(h.len() <= MAX_HEADER_LEN, "{} > {MAX_HEADER_LEN}", h.len());

@@ -35,6 +35,9 @@ pub enum StartError {
     /// The worker client cannot be built (`--worker-ca-cert`, `--worker-api-key`).
     #[error("{0}")]
     Upstream(String),
+    /// `--request-log` cannot be opened for appending.
+    #[error("cannot open the request log {path}: {source}")]
+    RequestLog { path: String, source: std::io::Error },
 }
 
 pub struct RunningGateway {
@@ -113,7 +116,9 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     announce_admin_api(&config, addr);
     let limits = Limits::from_config(&config);
     let registry = Registry::new(Vec::new(), options, BreakerConfig::from_config(&config));
+    let log_path = config.request_log.clone().unwrap_or_default();
     let mut state = AppState::new(config, registry, upstream);
+    state.open_request_log().map_err(|source| StartError::RequestLog { path: log_path, source })?;
     state.edge.own = own;
     let state = Arc::new(state);
     // The static flags are the first source of membership changes (membership.rs).

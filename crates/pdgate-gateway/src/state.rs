@@ -48,13 +48,18 @@ pub struct AppState {
     pub admission: Option<crate::admission::Admission>,
     /// `--pd-placement`, early rejection and the cost model (exec/placement.rs).
     pub placer: crate::exec::placement::Placer,
+    /// The goodput window and the `--request-log` writer (goodput.rs).
+    pub goodput: crate::goodput::Goodput,
 }
 
 impl AppState {
     /// `upstream` is built from the same config by the caller (`Upstream::from_config`), which
     /// can fail on a bad worker CA bundle; nothing here can.
+    /// `--request-log` is opened by the caller ([`AppState::open_request_log`]), since opening
+    /// a file can fail.
     pub fn new(config: GatewayConfig, registry: Registry, upstream: Upstream) -> Self {
         AppState {
+            goodput: crate::goodput::Goodput::new(&config, None),
             client: Arc::new(HttpClient::new(upstream.clone())),
             upstream,
             placer: crate::exec::placement::Placer::from_config(&config),
@@ -85,6 +90,15 @@ impl AppState {
             self.metrics.placement.prime(&self.placer);
         }
         self
+    }
+
+    /// Opens `--request-log` (when set) and starts its writer.
+    pub fn open_request_log(&mut self) -> std::io::Result<()> {
+        if let Some(path) = &self.config.request_log {
+            let log = crate::request_log::RequestLog::open(path, self.metrics.slo.log_dropped.clone())?;
+            self.goodput = crate::goodput::Goodput::new(&self.config, Some(log));
+        }
+        Ok(())
     }
 
     /// The load view policies read, over the workers of one routing view.

@@ -11,9 +11,10 @@ custom datasets and hand-written traces all replay:
   `prompt_tokens`, `input_tokens`, `input_len`, `prompt_len`.
 - output tokens: `output_tokens`, `completion_tokens`, `output_len`, `max_tokens`.
 
-Issue 13's request log had not landed when this was written; the names above are the ones it
-describes (arrival time, prompt/output tokens). When it lands, its test line in
-tests/bench/test_trace.py must be checked against the real format.
+pdgate's `--request-log` lines (docs/goodput.md) carry `arrival_unix_s`, `prompt_tokens` and
+`output_tokens`. A logged request that failed before its engine reported the prompt's length
+(`prompt_tokens` null, no prompt text: the log never holds prompts) cannot be replayed and is
+skipped; tests/bench/test_bench_dataset.py and tests/gateway/test_goodput_e2e.py read real lines.
 """
 
 from __future__ import annotations
@@ -85,11 +86,21 @@ def parse_trace_line(text: str) -> TraceLine:
     return line
 
 
+def _unreplayable_log_line(text: str) -> bool:
+    """A request-log line whose prompt length is unknown (the request failed early)."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return False
+    return (isinstance(obj, dict) and "slo_result" in obj and obj.get("prompt_tokens") is None
+            and obj.get("prompt") is None)
+
+
 def read_trace(path: str) -> list[TraceLine]:
     lines = []
     with open(path, encoding="utf-8") as f:
         for number, text in enumerate(f, 1):
-            if not text.strip():
+            if not text.strip() or _unreplayable_log_line(text):
                 continue
             try:
                 lines.append(parse_trace_line(text))

@@ -22,6 +22,7 @@ use pdgate_protocol::sse::SseScanner;
 use tokio::time::{timeout_at, Instant};
 use tracing::Instrument;
 
+use super::accounting::{usage_of, StreamTally};
 use super::client::{AbortGuard, LegEvent, LegEvents, LegRequest, WorkerClient};
 use super::leg::{self, answering_deadline_error, deadline_error};
 use super::relay::{drain_prefill, wait_prefill, Finish, PrefillLeg, Relayed, Rewriter, StreamRelay};
@@ -187,7 +188,7 @@ async fn commit_and_relay(
     plan: RelayPlan,
     body: Bytes,
     mut watched: Watched,
-    finish: Finish,
+    mut finish: Finish,
     abort: &mut Option<AbortGuard>,
 ) -> Result<Committed, GatewayError> {
     let (deadline, leg) = (ctx.deadline, plan.leg);
@@ -199,6 +200,7 @@ async fn commit_and_relay(
         }
     })?;
     let (head, mut events) = (answer.head, answer.events);
+    finish.status = head.status.as_u16();
     if ctx.req.stream {
         let first = race(&mut watched, first_data(&mut events, leg, deadline)).await.map_err(|e| {
             // The decode answered its head and then waited: for its KV, if the prefill is
@@ -218,7 +220,8 @@ async fn commit_and_relay(
         let logprobs = if plan.merge_logprobs { Some(prefill_logprobs(&mut watched, deadline).await?) } else { None };
         observe_ttfb(ctx);
         let abort = abort.take().ok_or_else(|| GatewayError::internal("the relayed leg's abort guard is gone"))?;
-        let relayed = Relayed { leg, worker: plan.url, scanner, abort, trace: RelayTrace::start() };
+        let tally = StreamTally::new(ctx.req.endpoint, ctx.strip_usage, ctx.req.batch_items.is_some());
+        let relayed = Relayed { leg, worker: plan.url, scanner, abort, trace: RelayTrace::start(), tally };
         let relay = StreamRelay::new(first, events, deadline, watched.leg, Rewriter::new(logprobs, plan.scan_usage), finish, relayed);
         let content_type = head.content_type.unwrap_or_else(|| HeaderValue::from_static("text/event-stream"));
         return Ok(Committed::Stream { status: head.status, content_type, relay: Box::new(relay) });
@@ -239,6 +242,7 @@ async fn commit_and_relay(
     drain_prefill(&ctx.state, watched.leg, deadline);
     observe_ttfb(ctx);
     let mut trace = RelayTrace::start();
+    let usage = usage_of(&answer).unwrap_or_default();
     let mut rewriter = Rewriter::new(logprobs, plan.scan_usage);
     let out = match rewriter.as_mut() {
         Some(r) => r.process_json(answer, bytes),
@@ -246,7 +250,7 @@ async fn commit_and_relay(
     };
     trace.sent(out.len());
     trace.ended(None);
-    finish.done(rewriter.and_then(|r| r.cache));
+    finish.done(rewriter.and_then(|r| r.cache), None, None, usage);
     let ct = head.content_type.unwrap_or_else(|| HeaderValue::from_static("application/json"));
     Ok(Committed::Whole(build(head.status, ct, Body::from(out))))
 }

@@ -10,6 +10,7 @@
 //! - `leg`:         HTTP leg helpers and the deadline errors;
 //! - `spans`:       the phase spans for `--enable-trace`.
 
+pub mod accounting;
 pub mod client;
 mod commit;
 pub mod http_client;
@@ -52,8 +53,15 @@ pub struct Ctx {
     /// Affinity key for consistent hashing: `x-session-id` header, else the body's `user`.
     pub session_key: Option<String>,
     pub deadline: Instant,
+    /// Arrival at the gateway (TTFT and E2E count from here), and the same instant as unix
+    /// seconds for the request log.
     pub started: std::time::Instant,
+    pub arrival_unix_s: f64,
     pub route: &'static str,
+    /// The objectives this request is judged by (`--slo-*-ms`, or its own headers).
+    pub slo: pdgate_core::slo::SloTargets,
+    /// The gateway asked the engine for the stream's usage: the relay strips it again.
+    pub strip_usage: bool,
 }
 
 impl Ctx {

@@ -66,9 +66,7 @@ impl Placer {
         self.model().observe_transfer(bytes, ms);
     }
 
-    /// Hook for the latency accounting: a finished request's TPOT, ms. Not connected yet: the
-    /// per-request TPOT is measured by the goodput accounting, which calls this once merged.
-    #[allow(dead_code)]
+    /// A finished disaggregated stream's TPOT, ms, from the latency accounting (accounting.rs).
     pub fn observe_decode_step(&self, tpot_ms: f64) {
         self.model().observe_decode_step(tpot_ms);
     }

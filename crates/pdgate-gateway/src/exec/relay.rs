@@ -25,6 +25,7 @@ use pdgate_protocol::usage::{cache_report, CacheReport};
 use serde_json::Value;
 use tokio::time::{timeout_at, Instant};
 
+use super::accounting::{Account, Ending, StreamTally, Usage};
 use super::client::{AbortGuard, LegEvent, LegEvents, LegFuture};
 use super::resume::Resumer;
 use super::spans::RelayTrace;
@@ -155,6 +156,10 @@ pub struct Finish {
     /// The request was already counted as a silent recompute (e.g. the prefill returned no
     /// `kv_transfer_params`): the decode's own report must not count it a second time.
     pub recompute_counted: bool,
+    /// The status the client got.
+    pub status: u16,
+    /// The request's latency accounting, recorded once when the response ends.
+    pub account: Option<Account>,
     /// Held for their `Drop`: in-flight counts end with the response.
     #[allow(dead_code)]
     pub guards: Vec<InflightGuard>,
@@ -164,7 +169,12 @@ pub struct Finish {
 }
 
 impl Finish {
-    pub fn done(self, cache: Option<CacheReport>) {
+    /// The response ended: `error` names how, when it did not end complete; `first_content`
+    /// and `usage` are what the accounting saw of it.
+    pub fn done(mut self, cache: Option<CacheReport>, error: Option<String>, first_content: Option<std::time::Instant>, usage: Usage) {
+        if let Some(account) = self.account.take() {
+            account.finish(&self.state, Ending { status: self.status, error, first_content, usage }, std::time::Instant::now());
+        }
         let m = &self.state.metrics;
         m.duration.with_label_values(&[self.route]).observe(self.started.elapsed().as_secs_f64());
         if self.protocol != "regular" && !self.recompute_counted {
@@ -191,6 +201,8 @@ pub struct Relayed {
     pub abort: AbortGuard,
     /// The relay's span (`--enable-trace`): bytes and chunks sent, how it ended.
     pub trace: RelayTrace,
+    /// First content token, usage (read, and stripped when the gateway asked for it).
+    pub tally: StreamTally,
 }
 
 pub struct StreamRelay {
@@ -206,11 +218,13 @@ pub struct StreamRelay {
     resumer: Option<Box<Resumer>>,
     /// A continuation's accounting (its workers' in-flight counts), held until the stream ends.
     held: Vec<Finish>,
+    /// Why the stream ended early, for the accounting.
+    error: Option<String>,
 }
 
 impl StreamRelay {
     pub fn new(first: Bytes, events: LegEvents, deadline: Instant, prefill: Option<PrefillLeg>, rewriter: Option<Rewriter>, finish: Finish, relayed: Relayed) -> Self {
-        StreamRelay { first: Some(first), events, deadline, prefill, rewriter, finish: Some(finish), relayed, done: false, resumer: None, held: Vec::new() }
+        StreamRelay { first: Some(first), events, deadline, prefill, rewriter, finish: Some(finish), relayed, done: false, resumer: None, held: Vec::new(), error: None }
     }
 
     pub fn with_resumer(mut self, resumer: Option<Resumer>) -> Self {
@@ -231,6 +245,9 @@ impl StreamRelay {
         self.held.extend(next.finish.take());
         // `next` leaves with the dead leg (its abort guard already disarmed).
         std::mem::swap(&mut self.relayed, &mut next.relayed);
+        // The accounting is the client's view of one answer: its first content token came on the
+        // dead leg, so the first leg's tally goes on (the continuation's usage is what it reads).
+        std::mem::swap(&mut self.relayed.tally, &mut next.relayed.tally);
         next.done = true;
     }
 
@@ -259,6 +276,7 @@ impl StreamRelay {
     }
 
     fn process(&mut self, chunk: Bytes) -> Bytes {
+        let chunk = self.relayed.tally.process(chunk, std::time::Instant::now());
         let chunk = match self.rewriter.as_mut() {
             Some(r) => r.process_sse(chunk),
             None => chunk,
@@ -274,11 +292,25 @@ impl StreamRelay {
         if let Some(f) = &self.finish {
             drain_prefill(&f.state, self.prefill.take(), self.deadline);
         }
+        // Bytes the accounting held (an event without its blank line) go out as they came.
+        let held = self.relayed.tally.flush().map(|b| self.process_held(b));
         let tail = self.rewriter.as_mut().and_then(Rewriter::flush);
         if let Some(f) = self.finish.take() {
-            f.done(self.rewriter.as_ref().and_then(|r| r.cache));
+            let first = self.relayed.tally.first_content;
+            f.done(self.rewriter.as_ref().and_then(|r| r.cache), self.error.take(), first, self.relayed.tally.usage());
         }
-        tail
+        match (held, tail) {
+            (Some(h), Some(t)) => Some([h, t].concat().into()),
+            (h, t) => h.or(t),
+        }
+    }
+
+    /// Held bytes at the end pass the rewriter like any others.
+    fn process_held(&mut self, held: Bytes) -> Bytes {
+        match self.rewriter.as_mut() {
+            Some(r) => r.process_sse(held),
+            None => held,
+        }
     }
 
     /// Tells the relayed worker's breaker how the stream went.
@@ -298,7 +330,9 @@ impl StreamRelay {
     /// Whether the client has part of an event: a rewriting relay holds partial events back,
     /// a pass-through one has sent whatever the worker sent.
     fn client_mid_event(&self) -> bool {
-        let holds_back = self.rewriter.as_ref().is_some_and(|r| r.logprobs.is_some()) || self.resumer.as_ref().is_some_and(|r| r.tracking());
+        let holds_back = self.rewriter.as_ref().is_some_and(|r| r.logprobs.is_some())
+            || self.resumer.as_ref().is_some_and(|r| r.tracking())
+            || self.relayed.tally.holds_back();
         !holds_back && !self.relayed.scanner.at_boundary()
     }
 
@@ -320,6 +354,7 @@ impl StreamRelay {
             crate::edge::log_limit::warn_request(&f.state, id.as_deref(), "stream ended by an error after bytes reached the client", err, None);
         }
         self.relayed.trace.ended(Some(err));
+        self.error = Some(err.code());
         // Close a half-sent event first, so the error event reads as an event of its own.
         let sep = if self.client_mid_event() { "\n\n" } else { "" };
         self.end();
@@ -433,7 +468,11 @@ impl Drop for StreamRelay {
         // The client went away mid-stream: dropping the events closes the decode connection,
         // dropping the prefill closes that leg too, and the guards abort both at their engines.
         if let Some(f) = self.finish.take() {
-            f.done(None);
+            let first = self.relayed.tally.first_content;
+            // A client that had `[DONE]` got the whole answer, even if it left before the
+            // worker closed its stream.
+            let error = (!self.relayed.scanner.saw_done()).then(|| "client_disconnected".to_string());
+            f.done(None, error, first, self.relayed.tally.usage());
         }
     }
 }

@@ -28,6 +28,7 @@ use serde_json::{Map, Value};
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use super::accounting::{placement_of, Account, Ending, Usage, Who};
 use super::client::{AbortGuard, LegRequest, WorkerClient};
 use super::commit::{relay_leg, Committed, RelayPlan, Watched};
 use super::placement;
@@ -47,7 +48,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
     let admit_span = spans::admit();
     if let Err(err) = admit_span.in_scope(|| admit(&ctx)) {
         spans::failed(&admit_span, &err);
-        return finish(&ctx, error_response(&err), &record);
+        return finish(&ctx, error_response(&err), &record, Some(&err));
     }
     drop(admit_span);
     // Learns, before the legs are built, whether this stream could be resumed (then the decode
@@ -56,7 +57,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
     // Place (PD mode): disaggregated, colocated, or rejected early; then wait for decode room.
     let mut placed = match placement::place_request(&ctx, &mut record).await {
         Ok(placed) => placed,
-        Err(refusal) => return finish(&ctx, refusal, &record),
+        Err(refusal) => return finish(&ctx, refusal, &record, None),
     };
     let mut failed: Vec<String> = Vec::new();
     let mut whole_resumes = 0;
@@ -106,7 +107,8 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         let resume = (!retry || refused) && super::resume::resume_whole(&ctx, err, &mut whole_resumes);
         if (!retry || refused) && !resume {
             crate::edge::log_limit::warn_request(&ctx.state, Some(&ctx.request_id), "request failed", err, Some(&record.header_value()));
-            break error_response(err);
+            let response = error_response(err);
+            return finish(&ctx, response, &record, Some(err));
         }
         if !resume {
             metrics.retries.with_label_values(&[err.reason()]).inc();
@@ -118,14 +120,14 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         let backoff = ctx.state.retry.backoff(record.attempts, &mut rand::rng());
         tokio::time::sleep(backoff.min(left)).await;
     };
-    finish(&ctx, response, &record)
+    finish(&ctx, response, &record, None)
 }
 
 /// Admit: a request for more tokens than the model's context length can never be served:
 /// refuse it (400 naming the field) instead of letting it wait on the workers.
 fn admit(ctx: &Ctx) -> Result<(), GatewayError> {
     if ctx.req.rewritten {
-        tracing::debug!(request_id = %ctx.request_id, "removed rendezvous fields the client sent (they are the gateway's)");
+        tracing::debug!(request_id = %ctx.request_id, strip_usage = ctx.strip_usage, "the body sent differs from the client's (rendezvous fields removed, or the stream's usage asked for)");
     }
     let Some((asked, field)) = ctx.req.max_tokens else { return Ok(()) };
     let Some(limit) = ctx.state.registry.routing().snapshot.context_limit(ctx.req.model.as_deref()) else { return Ok(()) };
@@ -144,6 +146,7 @@ pub(super) async fn attempt(ctx: &Ctx, failed: &[String], placed: Option<Placeme
     spans::selected(&select_span, plan.mode.as_str(), &chosen.policy, plan.prefill.as_ref().map(|p| p.url.as_str()), &plan.relayed.url);
     drop(select_span);
     record.protocol = plan.mode.as_str();
+    record.placed_as = placement_of(plan.mode);
     let prefill_url = plan.prefill.as_ref().map(|p| p.url.clone());
     match plan.mode {
         Mode::Regular => record.worker = Some(plan.relayed.url.clone()),
@@ -156,7 +159,7 @@ pub(super) async fn attempt(ctx: &Ctx, failed: &[String], placed: Option<Placeme
     record.rendezvous = plan.rendezvous.clone();
     let relayed_url = plan.relayed.url.clone();
     let mode = plan.mode;
-    run(ctx, chosen).await.map_err(|error| {
+    run(ctx, chosen, record.attempts).await.map_err(|error| {
         if mode == Mode::Pd(KvConnector::Mooncake) {
             if let Some(p) = &prefill_url {
                 ctx.state.forget_engine_id(p);
@@ -305,12 +308,12 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
 }
 
 /// Runs a chosen plan: prepare, send the legs in the plan's order, commit and relay.
-async fn run(ctx: &Ctx, chosen: Chosen) -> Result<Committed, GatewayError> {
+async fn run(ctx: &Ctx, chosen: Chosen, attempts: u32) -> Result<Committed, GatewayError> {
     let client = ctx.state.client.clone();
     let Chosen { plan, prefill_runtime, relayed_runtime, .. } = chosen;
     let protocol = plan.mode.as_str();
     let relayed_body = prepare_relayed(ctx, &client, &plan).await?;
-    let (mut finish, prefill_queued) = accounting(ctx, &plan, prefill_runtime, relayed_runtime);
+    let (mut finish, prefill_queued) = accounting(ctx, &plan, prefill_runtime, relayed_runtime, attempts);
     let mut watched = Watched { leg: None, answer: None, blame_silent_prefill: plan.order == Order::Concurrent, release: None };
     let body = match (plan.order, &plan.prefill, relayed_body) {
         (Order::PrefillFirst, Some(p), _) => {
@@ -360,7 +363,7 @@ fn nixl_decode_body(ctx: &Ctx, prefill: &str, answer: &Bytes, finish: &mut Finis
 /// decode pulls the KV from it afterwards, with Mooncake it pushes after answering. Queued
 /// (routing): the prefill's prompt tokens until its leg ends (returned here, for the leg to
 /// hold); the relayed worker's KV tokens (and, regular, the prompt) until the response ends.
-fn accounting(ctx: &Ctx, plan: &PdPlan, prefill: Option<Arc<Runtime>>, relayed: Arc<Runtime>) -> (Finish, Option<TokenGuard>) {
+fn accounting(ctx: &Ctx, plan: &PdPlan, prefill: Option<Arc<Runtime>>, relayed: Arc<Runtime>, attempts: u32) -> (Finish, Option<TokenGuard>) {
     let m = &ctx.state.metrics;
     let role = if plan.mode == Mode::Regular { WorkerRole::Regular } else { WorkerRole::Decode };
     let mut guards = vec![InflightGuard::new(m, &relayed, &plan.relayed.url, role.as_str())];
@@ -371,12 +374,42 @@ fn accounting(ctx: &Ctx, plan: &PdPlan, prefill: Option<Arc<Runtime>>, relayed: 
         guards.push(InflightGuard::new(m, &rt, &p.url, WorkerRole::Prefill.as_str()));
         prefill_queued = Some(TokenGuard::new(&rt, ctx.req.prompt_tokens, 0));
     }
-    let finish = Finish { state: ctx.state.clone(), route: ctx.route, protocol: plan.mode.as_str(), started: ctx.started, recompute_counted: false, guards, tokens };
+    let account = Account::new(ctx, placement_of(plan.mode), plan.mode.as_str(), || {
+        let (relayed, prefill) = (Some(plan.relayed.url.clone()), plan.prefill.as_ref().map(|p| p.url.clone()));
+        match plan.mode {
+            Mode::Regular => Who { worker: relayed, attempts, ..Who::default() },
+            Mode::Pd(_) => Who { prefill, decode: relayed, attempts, ..Who::default() },
+        }
+    });
+    let finish = Finish { state: ctx.state.clone(), route: ctx.route, protocol: plan.mode.as_str(), started: ctx.started, recompute_counted: false, status: 200, account: Some(account), guards, tokens };
     (finish, prefill_queued)
 }
 
+/// A request that ends with an error response (nothing was committed): its accounting, as
+/// failed. Committed requests are accounted when their answer ends (`Finish::done`).
+fn account_failure(ctx: &Ctx, record: &Record, status: u16, err: &GatewayError) {
+    let placement = match record.placed_as {
+        "" if ctx.state.config.pd_disaggregation => "disaggregated",
+        "" => "colocated",
+        p => p,
+    };
+    let protocol = if record.protocol.is_empty() { "none" } else { record.protocol };
+    let account = Account::new(ctx, placement, protocol, || Who {
+        worker: record.worker.clone(),
+        prefill: record.prefill.clone(),
+        decode: record.decode.clone(),
+        attempts: record.attempts,
+        ..Who::default()
+    });
+    let end = Ending { status, error: Some(err.code()), first_content: None, usage: Usage::default() };
+    account.finish(&ctx.state, end, std::time::Instant::now());
+}
+
 /// Finish: the decision record (bounded header, full log line), the ids, the request metrics.
-fn finish(ctx: &Ctx, mut response: Response, record: &Record) -> Response {
+fn finish(ctx: &Ctx, mut response: Response, record: &Record, err: Option<&GatewayError>) -> Response {
+    if let Some(err) = err {
+        account_failure(ctx, record, response.status().as_u16(), err);
+    }
     let _finish = spans::finish(&response).entered();
     // The full record (every room of a batch) goes to the debug log only, formatted only when
     // that level is on; the header is bounded (see `record`).

@@ -350,6 +350,9 @@ fn mooncake(s: &MockState, body: &Value, stream: bool, fault: Fault) -> Response
 /// A completion in the shape of the endpoint the body looks like; `usage` = (prompt, cached).
 fn answer(body: &Value, stream: bool, fault: Fault, meta: Value, usage: Option<(u64, u64)>) -> Response {
     let is_generate = body.get("text").is_some() || body.get("input_ids").is_some();
+    // A regular OpenAI worker reports usage in a stream only when asked, as engines do.
+    let asked = body.pointer("/stream_options/include_usage") == Some(&json!(true));
+    let usage = if usage.is_none() && stream && asked && !is_generate { Some((5, 0)) } else { usage };
     let usage_v = usage.map(|(p, c)| json!({"prompt_tokens": p, "completion_tokens": 3, "total_tokens": p + 3, "prompt_tokens_details": {"cached_tokens": c}}));
     let batch = body.get("text").and_then(Value::as_array).map(Vec::len);
     if let Some(broken) = broken_answer(stream, fault) {
