@@ -360,7 +360,7 @@ impl Account {
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
         let Account { arrival_unix_s, slo, placement, protocol, route, streamed, who, .. } = self;
         // The placement cost model's decode step: a disaggregated stream's measured TPOT.
-        if placement == "disaggregated" && !f.failed && f.output_tokens >= 2 {
+        if placement == "disaggregated" && !f.failed && f.output_tokens.is_some_and(|n| n >= 2) {
             if let Some(tpot) = f.tpot() {
                 state.placer.observe_decode_step(ms(tpot));
             }
