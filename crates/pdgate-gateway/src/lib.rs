@@ -10,6 +10,7 @@ mod edge;
 mod exec;
 mod front;
 mod health;
+pub mod kv_sub;
 mod load;
 mod membership;
 mod metrics;

@@ -1,0 +1,141 @@
+//! The gateway's view of what every worker's KV cache holds, fed by the engines' KV events
+//! (docs/kv-events.md): one subscription task per worker that registered a `kv_events`
+//! endpoint, all applying to one [`KvIndex`] behind a mutex held for one batch or one match.
+//!
+//! Every gateway replica subscribes to the same publishers, so all replicas hold the same view
+//! without talking to each other.
+
+pub mod subscriber;
+pub mod zmtp;
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pdgate_core::kv_events::DecodedBatch;
+use pdgate_core::kv_index::{IndexStats, KvIndex, SeqCheck, WorkerSlot};
+use tokio::task::JoinHandle;
+
+pub use subscriber::SubTimings;
+
+/// Counters the index does not keep itself.
+#[derive(Debug, Default)]
+pub struct SubMetrics {
+    /// Successful connections to a publisher (each one resets that worker's view).
+    pub connects: AtomicU64,
+    /// Replay requests (gap fills and catch-ups after a connect).
+    pub replays: AtomicU64,
+    /// Replays that did not fill their range (no answer, or the buffer no longer had it).
+    pub replay_failures: AtomicU64,
+    /// Messages that were not `(topic, 8-byte seq, payload)`.
+    pub bad_messages: AtomicU64,
+}
+
+struct Sub {
+    slot: WorkerSlot,
+    endpoints: (String, Option<String>),
+    task: JoinHandle<()>,
+}
+
+/// The index and the counters, shared with the subscription tasks.
+pub struct KvShared {
+    index: Mutex<KvIndex>,
+    pub metrics: SubMetrics,
+}
+
+impl KvShared {
+    /// The index, for one short operation. A panic inside one leaves it usable (no operation
+    /// awaits or calls out while holding it), so a poisoned lock is taken over.
+    pub fn lock(&self) -> MutexGuard<'_, KvIndex> {
+        self.index.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn apply(&self, slot: WorkerSlot, seq: u64, batch: &DecodedBatch) -> SeqCheck {
+        self.lock().apply(slot, seq, batch)
+    }
+}
+
+/// The shared index and the subscriptions feeding it; dropping it ends them.
+pub struct KvView {
+    shared: Arc<KvShared>,
+    subs: Mutex<HashMap<String, Sub>>,
+    timings: SubTimings,
+}
+
+impl KvView {
+    /// `seed`: random per process in production (keys a client cannot aim at); `max_blocks`
+    /// bounds the index (worker-block entries).
+    pub fn new(seed: u64, max_blocks: usize, timings: SubTimings) -> KvView {
+        let shared = Arc::new(KvShared { index: Mutex::new(KvIndex::new(seed, max_blocks)), metrics: SubMetrics::default() });
+        KvView { shared, subs: Mutex::new(HashMap::new()), timings }
+    }
+
+    pub fn metrics(&self) -> &SubMetrics {
+        &self.shared.metrics
+    }
+
+    fn lock(&self) -> MutexGuard<'_, KvIndex> {
+        self.shared.lock()
+    }
+
+    /// Subscribe to a worker's publisher (idempotent; new endpoints restart it from empty).
+    pub fn watch(&self, worker_url: &str, endpoint: &str, replay: Option<&str>) {
+        let endpoints = (endpoint.to_string(), replay.map(str::to_string));
+        let mut subs = self.subs.lock().unwrap_or_else(|p| p.into_inner());
+        if subs.get(worker_url).is_some_and(|s| s.endpoints == endpoints) {
+            return;
+        }
+        if let Some(old) = subs.remove(worker_url) {
+            self.drop_sub(old);
+        }
+        let slot = self.lock().add_worker();
+        let task = tokio::spawn(subscriber::run(Arc::clone(&self.shared), slot, endpoints.0.clone(), endpoints.1.clone(), self.timings));
+        subs.insert(worker_url.to_string(), Sub { slot, endpoints, task });
+    }
+
+    /// End a worker's subscription and drop its view.
+    pub fn unwatch(&self, worker_url: &str) {
+        let old = self.subs.lock().unwrap_or_else(|p| p.into_inner()).remove(worker_url);
+        if let Some(old) = old {
+            self.drop_sub(old);
+        }
+    }
+
+    fn drop_sub(&self, sub: Sub) {
+        sub.task.abort();
+        self.lock().remove_worker(sub.slot);
+    }
+
+    /// Whether this worker publishes KV events to us (it registered an endpoint).
+    pub fn is_watched(&self, worker_url: &str) -> bool {
+        self.subs.lock().unwrap_or_else(|p| p.into_inner()).contains_key(worker_url)
+    }
+
+    /// For each watched worker holding a prefix of `tokens`: its URL and how many leading
+    /// tokens it holds.
+    pub fn matches(&self, tokens: &[u32]) -> HashMap<String, usize> {
+        let by_slot = self.lock().match_tokens(tokens);
+        let subs = self.subs.lock().unwrap_or_else(|p| p.into_inner());
+        subs.iter().filter_map(|(url, s)| by_slot.iter().find(|(slot, _)| *slot == s.slot).map(|(_, n)| (url.clone(), *n))).collect()
+    }
+
+    /// Blocks a worker's view holds (0 when not watched).
+    pub fn worker_blocks(&self, worker_url: &str) -> usize {
+        let slot = self.subs.lock().unwrap_or_else(|p| p.into_inner()).get(worker_url).map(|s| s.slot);
+        slot.map_or(0, |s| self.lock().worker_blocks(s))
+    }
+
+    /// The index's counters and its size in bytes (estimate), for metrics.
+    pub fn stats(&self) -> (IndexStats, usize) {
+        let index = self.lock();
+        (index.stats(), index.memory_bytes())
+    }
+}
+
+impl Drop for KvView {
+    fn drop(&mut self) {
+        for (_, sub) in self.subs.get_mut().unwrap_or_else(|p| p.into_inner()).drain() {
+            sub.task.abort();
+        }
+    }
+}
