@@ -9,7 +9,7 @@ pub mod subscriber;
 pub mod zmtp;
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use pdgate_core::kv_events::DecodedBatch;
@@ -129,6 +129,41 @@ impl KvView {
     pub fn stats(&self) -> (IndexStats, usize) {
         let index = self.lock();
         (index.stats(), index.memory_bytes())
+    }
+}
+
+impl KvView {
+    /// The KV event metrics in the Prometheus text format, appended to `/metrics` (empty while
+    /// no worker publishes events).
+    pub fn metrics_text(&self) -> String {
+        use std::fmt::Write;
+        let watched = self.subs.lock().unwrap_or_else(|p| p.into_inner()).len();
+        if watched == 0 {
+            return String::new();
+        }
+        let (st, bytes) = self.stats();
+        let m = self.metrics();
+        let rows: [(&str, &str, &str, u64); 14] = [
+            ("pdgate_kv_events_subscriptions", "gauge", "Workers whose KV events this gateway subscribes to", watched as u64),
+            ("pdgate_kv_index_blocks", "gauge", "Worker-block entries in the KV event index", st.blocks as u64),
+            ("pdgate_kv_index_bytes", "gauge", "Estimated heap of the KV event index", bytes as u64),
+            ("pdgate_kv_events_blocks_stored_total", "counter", "Blocks stored by applied KV events", st.stored),
+            ("pdgate_kv_events_blocks_removed_total", "counter", "Blocks removed by applied KV events", st.removed),
+            ("pdgate_kv_events_orphans_total", "counter", "Stored blocks whose parent the view did not know", st.orphans),
+            ("pdgate_kv_events_over_capacity_total", "counter", "Stored blocks ignored because the index was full", st.over_capacity),
+            ("pdgate_kv_events_undecodable_total", "counter", "KV events (or whole payloads) that could not be decoded", st.undecodable),
+            ("pdgate_kv_events_gaps_total", "counter", "Sequence gaps seen in a worker's KV event stream", st.gaps),
+            ("pdgate_kv_events_resets_total", "counter", "Worker views reset (connect, unfilled gap)", st.resets),
+            ("pdgate_kv_events_connects_total", "counter", "Connections made to KV event publishers", m.connects.load(Ordering::Relaxed)),
+            ("pdgate_kv_events_replays_total", "counter", "Replay requests sent to KV event replay sockets", m.replays.load(Ordering::Relaxed)),
+            ("pdgate_kv_events_replay_failures_total", "counter", "Replays that did not fill their range", m.replay_failures.load(Ordering::Relaxed)),
+            ("pdgate_kv_events_bad_messages_total", "counter", "Messages that were not (topic, seq, payload)", m.bad_messages.load(Ordering::Relaxed)),
+        ];
+        let mut out = String::new();
+        for (name, kind, help, value) in rows {
+            let _ = write!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n");
+        }
+        out
     }
 }
 
