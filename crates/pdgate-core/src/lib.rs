@@ -14,6 +14,7 @@ pub mod health;
 pub mod kv_events;
 pub mod kv_index;
 pub mod pairing;
+pub mod placement;
 pub mod plan;
 pub mod policy;
 pub mod radix;

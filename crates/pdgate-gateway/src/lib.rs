@@ -4,6 +4,7 @@
 
 mod access_log;
 mod admission;
+mod admission_queue;
 mod auth;
 mod discovery;
 mod edge;

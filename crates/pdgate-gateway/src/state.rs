@@ -51,6 +51,8 @@ pub struct AppState {
     pub admission: Option<crate::admission::Admission>,
     /// What each worker that publishes KV events holds (kv_sub). Fed, not yet read by routing.
     pub kv_view: crate::kv_sub::KvView,
+    /// `--pd-placement`, early rejection and the cost model (exec/placement.rs).
+    pub placer: crate::exec::placement::Placer,
 }
 
 impl AppState {
@@ -60,6 +62,7 @@ impl AppState {
         AppState {
             client: Arc::new(HttpClient::new(upstream.clone())),
             upstream,
+            placer: crate::exec::placement::Placer::from_config(&config),
             metrics: {
                 let m = Metrics::new();
                 m.prime(&config);
@@ -80,6 +83,14 @@ impl AppState {
             registry,
             config,
         }
+        .primed()
+    }
+
+    fn primed(self) -> Self {
+        if self.config.pd_disaggregation {
+            self.metrics.placement.prime(&self.placer);
+        }
+        self
     }
 
     /// The load view policies read, over the workers of one routing view.

@@ -65,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=_env_float("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", 480.0),
                    help="seconds a NIXL-style prefill holds pages nobody pulled "
                         "(env VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
+    p.add_argument("--fault-kill-after-tokens", type=int, default=0,
+                   help="fault injection for tests: the engine SIGKILLs itself once it has sent a "
+                        "stream chunk holding a sequence's N-th output token, or (whole answers) "
+                        "once a sequence has generated N tokens; 0: off")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share full KV pages between requests with the same prefix (vLLM's flag; "
                         "--no-enable-prefix-caching or SGLang's --disable-radix-cache turn it off)")
@@ -75,6 +79,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", '
                         '"topic": "kv@pod@model"}\': publish the prefix cache\'s KV events over ZMQ')
     p.add_argument("--log-level", default="info")
+    p.add_argument("--grpc-service", choices=["sglang", "vllm"], default=None,
+                   help="serve gRPC on --port (SGLang's scheduler service or vLLM's engine service, "
+                        "the smg-grpc-proto contract) with the HTTP surface on --port + 1")
+    p.add_argument("--smg-grpc-mode", dest="grpc_service", action="store_const", const="sglang",
+                   help="SGLang's flag: the same as --grpc-service sglang")
+    p.add_argument("--export-tokenizer", metavar="DIR", default=None,
+                   help="write the model's Hugging Face tokenizer files (tokenizer.json, "
+                        "tokenizer_config.json with the chat template, config.json, "
+                        "generation_config.json) into DIR and exit: a gateway's --model-path")
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -107,6 +120,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.export_tokenizer:
+        from .hf_export import export
+
+        for path in export(args.model, args.export_tokenizer):
+            print(path)
+        return 0
     from .parent_watch import install_from_env
     from .server import serve  # numpy and aiohttp load only when a worker really runs
 

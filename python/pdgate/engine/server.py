@@ -199,14 +199,27 @@ async def serve(args) -> int:
     app = engine_app(engine)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
-    log.info("listening on http://%s:%d", args.host, args.port)
+    grpc_service = getattr(args, "grpc_service", None)
+    http_port = args.port
+    if grpc_service:
+        from .grpc_server import sidecar_port
+
+        http_port = sidecar_port(args)
+    await web.TCPSite(runner, args.host, http_port).start()
+    log.info("listening on http://%s:%d", args.host, http_port)
+    grpc_server = None
+    if grpc_service:  # bound before the engine is ready, so a healthy sidecar means gRPC is up
+        from .grpc_server import start_grpc
+
+        grpc_server = await start_grpc(engine, grpc_service, args.host, args.port)
     await engine.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if grpc_server is not None:
+        await grpc_server.stop(grace=1.0)
     await engine.stop()
     await runner.cleanup()
     return 0
