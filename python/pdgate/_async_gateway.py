@@ -168,12 +168,15 @@ class AsyncGateway:
         kv_connector: Literal["bootstrap", "nixl", "mooncake"] | None = None,
         kv_engine_id: str | None = None,
         labels: Mapping[str, str] | None = None,
+        kv_events: str | None = None,
+        kv_events_replay: str | None = None,
     ) -> dict[str, Any]:
         """Register a worker (``POST /workers``); see :meth:`pdgate.Gateway.add_worker`."""
         from pdgate._workers_api import worker_spec
 
         workers = self._workers()
-        return await workers.add(worker_spec(url, worker_type, bootstrap_port, kv_connector, kv_engine_id, labels))
+        return await workers.add(worker_spec(url, worker_type, bootstrap_port, kv_connector, kv_engine_id, labels,
+                                       kv_events, kv_events_replay))
 
     async def remove_worker(self, worker_id_or_url: str, *, wait: bool = False,
                             timeout: float | None = None) -> dict[str, Any]:

@@ -46,9 +46,9 @@ class GatewayOptions(TypedDict, total=False):
     pd_disaggregation: bool
     """--pd-disaggregation: Run in prefill/decode disaggregated mode."""
     prefill: list[str | list[str | int | None] | tuple[str | int | None, ...] | PrefillWorker] | tuple[str | list[str | int | None] | tuple[str | int | None, ...] | PrefillWorker, ...]
-    """--prefill: A prefill worker, optionally its bootstrap port (`none` for the engine default), then any of `kv_connector=NAME` (overrides the global connector), `kv_engine_id=ID` (a Mooncake prefill's engine id) and `label=KEY=VALUE` (repeatable). Repeat for more workers."""
+    """--prefill: A prefill worker, optionally its bootstrap port (`none` for the engine default), then any of `kv_connector=NAME` (overrides the global connector), `kv_engine_id=ID` (a Mooncake prefill's engine id), `kv_events=tcp://HOST:PORT` and `kv_events_replay=tcp://HOST:PORT` (the engine's KV event publisher and replay socket) and `label=KEY=VALUE` (repeatable). Repeat for more workers."""
     decode: list[str | list[str] | tuple[str, ...] | DecodeWorker] | tuple[str | list[str] | tuple[str, ...] | DecodeWorker, ...]
-    """--decode: A decode worker, optionally followed by `kv_connector=NAME` and `label=KEY=VALUE` (repeatable). Repeat for more workers."""
+    """--decode: A decode worker, optionally followed by `kv_connector=NAME`, `kv_events=tcp://HOST:PORT`, `kv_events_replay=tcp://HOST:PORT` and `label=KEY=VALUE` (repeatable). Repeat for more workers."""
     kv_connector: Literal["bootstrap", "nixl", "mooncake"]
     """--kv-connector: How KV moves between prefill and decode: SGLang bootstrap rendezvous, vLLM NIXL (pull) or vLLM Mooncake (push). Workers registered with their own connector override this. Default: "bootstrap"."""
     policy: Literal["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash"]

@@ -44,11 +44,13 @@ def worker_path(worker_id_or_url: str) -> str:
 
 
 def worker_spec(url: str, worker_type: str | None, bootstrap_port: int | None, kv_connector: str | None,
-                kv_engine_id: str | None, labels: Mapping[str, str] | None) -> dict[str, Any]:
+                kv_engine_id: str | None, labels: Mapping[str, str] | None,
+                kv_events: str | None = None, kv_events_replay: str | None = None) -> dict[str, Any]:
     """The ``POST /workers`` body: only what was given, so the gateway's defaults apply."""
     spec: dict[str, Any] = {"url": url}
     optional = {"worker_type": worker_type, "bootstrap_port": bootstrap_port,
-                "kv_connector": kv_connector, "kv_engine_id": kv_engine_id}
+                "kv_connector": kv_connector, "kv_engine_id": kv_engine_id,
+                "kv_events": kv_events, "kv_events_replay": kv_events_replay}
     spec.update({k: v for k, v in optional.items() if v is not None})
     if labels:
         spec["labels"] = dict(labels)

@@ -140,6 +140,8 @@ class Gateway:
         kv_connector: Literal["bootstrap", "nixl", "mooncake"] | None = None,
         kv_engine_id: str | None = None,
         labels: Mapping[str, str] | None = None,
+        kv_events: str | None = None,
+        kv_events_replay: str | None = None,
     ) -> dict[str, Any]:
         """Register a worker (``POST /workers``) and return it as ``list_workers()`` shows it.
 
@@ -147,11 +149,14 @@ class Gateway:
         gateway reads the engine's ``/server_info`` and health-checks it before answering.
         Raises :class:`pdgate.WorkerError`: ``.status`` 409 if the URL is registered, 400 if
         invalid (e.g. the engine reports another ``disaggregation_mode``), 401/403 for the key.
+        ``kv_events`` / ``kv_events_replay``: the engine's KV event publisher and replay socket
+        (``tcp://host:port``), for ``cache_aware`` routing on the engines' KV events.
         """
         from pdgate._workers_api import worker_spec
 
         workers = self._workers()
-        return workers.add(worker_spec(url, worker_type, bootstrap_port, kv_connector, kv_engine_id, labels))
+        return workers.add(worker_spec(url, worker_type, bootstrap_port, kv_connector, kv_engine_id, labels,
+                                       kv_events, kv_events_replay))
 
     def remove_worker(self, worker_id_or_url: str, *, wait: bool = False,
                       timeout: float | None = None) -> dict[str, Any]:

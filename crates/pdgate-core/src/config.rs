@@ -55,13 +55,15 @@ pub struct GatewayConfig {
 
     /// A prefill worker, optionally its bootstrap port (`none` for the engine default), then
     /// any of `kv_connector=NAME` (overrides the global connector), `kv_engine_id=ID` (a
-    /// Mooncake prefill's engine id) and `label=KEY=VALUE` (repeatable). Repeat for more workers.
+    /// Mooncake prefill's engine id), `kv_events=tcp://HOST:PORT` and `kv_events_replay=tcp://HOST:PORT`
+    /// (the engine's KV event publisher and replay socket) and `label=KEY=VALUE` (repeatable).
+    /// Repeat for more workers.
     #[arg(long, num_args = 1.., action = ArgAction::Append, value_names = ["URL", "BOOTSTRAP_PORT"])]
     #[serde(deserialize_with = "crate::config_serde::prefill_list")]
     pub prefill: Vec<Vec<String>>,
 
-    /// A decode worker, optionally followed by `kv_connector=NAME` and `label=KEY=VALUE`
-    /// (repeatable). Repeat for more workers.
+    /// A decode worker, optionally followed by `kv_connector=NAME`, `kv_events=tcp://HOST:PORT`,
+    /// `kv_events_replay=tcp://HOST:PORT` and `label=KEY=VALUE` (repeatable). Repeat for more workers.
     #[arg(long, num_args = 1.., action = ArgAction::Append, value_name = "URL")]
     #[serde(deserialize_with = "crate::config_serde::decode_list")]
     pub decode: Vec<Vec<String>>,

@@ -38,7 +38,7 @@ fn entry_tokens(v: &Value, with_port: bool) -> Result<Vec<String>, String> {
             let url = map.get("url").and_then(Value::as_str).ok_or("worker entry needs \"url\"")?;
             let mut tokens = vec![url.to_string()];
             for key in map.keys() {
-                let known = matches!(key.as_str(), "url" | "kv_connector" | "kv_engine_id" | "labels") || (with_port && key == "bootstrap_port");
+                let known = matches!(key.as_str(), "url" | "kv_connector" | "kv_engine_id" | "kv_events" | "kv_events_replay" | "labels") || (with_port && key == "bootstrap_port");
                 if !known {
                     return Err(format!("unknown key {key:?} in a worker entry"));
                 }
@@ -51,6 +51,11 @@ fn entry_tokens(v: &Value, with_port: bool) -> Result<Vec<String>, String> {
             }
             if let Some(id) = map.get("kv_engine_id").filter(|c| !c.is_null()) {
                 tokens.push(format!("kv_engine_id={}", json_token(id)?));
+            }
+            for key in ["kv_events", "kv_events_replay"] {
+                if let Some(ep) = map.get(key).filter(|c| !c.is_null()) {
+                    tokens.push(format!("{key}={}", json_token(ep)?));
+                }
             }
             if let Some(labels) = map.get("labels").filter(|c| !c.is_null()) {
                 let labels = labels.as_object().ok_or("worker entry \"labels\" must be an object")?;

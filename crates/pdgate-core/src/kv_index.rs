@@ -283,6 +283,11 @@ impl KvIndex {
         out.extend(alive.into_iter().map(|s| (s, depth)));
     }
 
+    /// The sequence number this worker's next batch should have (None: any, the view is fresh).
+    pub fn next_seq(&self, slot: WorkerSlot) -> Option<u64> {
+        self.workers.get(slot as usize).and_then(Option::as_ref).and_then(|w| w.next_seq)
+    }
+
     /// How many blocks a worker's view holds.
     pub fn worker_blocks(&self, slot: WorkerSlot) -> usize {
         self.workers.get(slot as usize).and_then(Option::as_ref).map_or(0, |w| w.blocks.len())

@@ -31,6 +31,14 @@ pub struct WorkerRegistration {
     pub kv_engine_id: Option<String>,
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// The engine's KV event publisher (`tcp://host:port`, a ZMQ PUB), e.g. vLLM's
+    /// `--kv-events-config` `endpoint` as seen from the gateway.
+    #[serde(default)]
+    pub kv_events: Option<String>,
+    /// Its replay socket (ROUTER, `replay_endpoint`); without one a sequence gap resets the
+    /// worker's view instead of being replayed.
+    #[serde(default)]
+    pub kv_events_replay: Option<String>,
 }
 
 /// A registration that cannot be a worker: which field, and why.
@@ -92,6 +100,11 @@ impl WorkerRegistration {
         if let Some(key) = self.labels.keys().find(|k| k.trim().is_empty()) {
             return Err(bad("labels", format!("label key {key:?} is empty")));
         }
+        if self.kv_events_replay.is_some() && self.kv_events.is_none() {
+            return Err(bad("kv_events_replay", "kv_events_replay needs kv_events (the publisher it replays)"));
+        }
+        spec.kv_events = self.kv_events.as_deref().map(kv_events_endpoint).transpose().map_err(|m| bad("kv_events", m))?;
+        spec.kv_events_replay = self.kv_events_replay.as_deref().map(kv_events_endpoint).transpose().map_err(|m| bad("kv_events_replay", m))?;
         spec.bootstrap_port = self.bootstrap_port;
         spec.kv_connector = self.kv_connector.as_deref().map(KvConnector::parse).transpose().map_err(|m| bad("kv_connector", m))?;
         spec.kv_engine_id = self.kv_engine_id;
@@ -112,6 +125,10 @@ pub fn from_tokens(tokens: &[String], role: WorkerRole) -> Result<WorkerRegistra
             reg.kv_connector = Some(KvConnector::parse(name)?.as_str().to_string());
         } else if let Some(id) = token.strip_prefix("kv_engine_id=") {
             reg.kv_engine_id = Some(id.to_string());
+        } else if let Some(ep) = token.strip_prefix("kv_events=") {
+            reg.kv_events = Some(ep.to_string());
+        } else if let Some(ep) = token.strip_prefix("kv_events_replay=") {
+            reg.kv_events_replay = Some(ep.to_string());
         } else if let Some(kv) = token.strip_prefix("label=") {
             let (k, v) = crate::config::parse_label(kv).ok_or_else(|| format!("label {kv:?} after {flag} {url}: expected label=KEY=VALUE"))?;
             reg.labels.insert(k.to_string(), v.to_string());
@@ -122,6 +139,21 @@ pub fn from_tokens(tokens: &[String], role: WorkerRole) -> Result<WorkerRegistra
         }
     }
     Ok(reg)
+}
+
+/// A KV event endpoint the gateway connects to: `tcp://host:port`, a concrete host (the
+/// engine binds `tcp://*:port`; the gateway needs an address it can reach).
+pub fn kv_events_endpoint(ep: &str) -> Result<String, String> {
+    let rest = ep.strip_prefix("tcp://").ok_or_else(|| format!("KV events endpoint {ep:?} must be tcp://host:port"))?;
+    let (host, port) = rest.rsplit_once(':').ok_or_else(|| format!("KV events endpoint {ep:?} has no port"))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() || host == "*" || host.contains('/') {
+        return Err(format!("KV events endpoint {ep:?} needs the host the gateway connects to (not * or empty)"));
+    }
+    match port.parse::<u16>() {
+        Ok(0) | Err(_) => Err(format!("KV events endpoint {ep:?}: port must be 1-65535")),
+        Ok(_) => Ok(ep.to_string()),
+    }
 }
 
 fn parse_port(token: &str) -> Result<Option<u16>, String> {
@@ -167,6 +199,18 @@ mod tests {
     }
 
     #[test]
+    fn kv_events_endpoints_from_flags_and_json() {
+        let flags = from_tokens(&tokens(&["http://p:1", "kv_events=tcp://p:5557", "kv_events_replay=tcp://p:5558"]), WorkerRole::Prefill).unwrap();
+        assert_eq!(flags.bootstrap_port, None, "kv_events= is not taken for a port");
+        let json: WorkerRegistration =
+            serde_json::from_str(r#"{"url": "http://p:1", "worker_type": "prefill", "kv_events": "tcp://p:5557", "kv_events_replay": "tcp://p:5558"}"#).unwrap();
+        let spec = flags.into_spec(true).unwrap();
+        assert_eq!((spec.kv_events.as_deref(), spec.kv_events_replay.as_deref()), (Some("tcp://p:5557"), Some("tcp://p:5558")));
+        assert_eq!(json.into_spec(true).unwrap(), spec);
+        assert_eq!(kv_events_endpoint("tcp://[::1]:5557").unwrap(), "tcp://[::1]:5557");
+    }
+
+    #[test]
     fn mistakes_name_their_field() {
         let reg = |json: &str| serde_json::from_str::<WorkerRegistration>(json).unwrap();
         let cases = [
@@ -177,6 +221,11 @@ mod tests {
             (r#"{"url": "http://w:1", "worker_type": "decode", "bootstrap_port": 9000}"#, true, "bootstrap_port"),
             (r#"{"url": "http://w:1", "worker_type": "decode", "kv_engine_id": "e"}"#, true, "kv_engine_id"),
             (r#"{"url": "http://w:1", "worker_type": "prefill", "kv_connector": "lmcache"}"#, true, "kv_connector"),
+            (r#"{"url": "http://w:1", "worker_type": "prefill", "kv_events": "tcp://*:5557"}"#, true, "kv_events"),
+            (r#"{"url": "http://w:1", "worker_type": "prefill", "kv_events": "http://w:5557"}"#, true, "kv_events"),
+            (r#"{"url": "http://w:1", "kv_events": "tcp://w:0"}"#, false, "kv_events"),
+            (r#"{"url": "http://w:1", "kv_events_replay": "tcp://w:5558"}"#, false, "kv_events_replay"),
+            (r#"{"url": "http://w:1", "kv_events": "tcp://w:5557", "kv_events_replay": "tcp://w"}"#, false, "kv_events_replay"),
         ];
         for (json, pd, param) in cases {
             assert_eq!(reg(json).into_spec(pd).unwrap_err().param, param, "{json}");

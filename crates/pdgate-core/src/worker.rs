@@ -94,6 +94,12 @@ pub struct WorkerSpec {
     /// Mooncake prefill: its engine id as registered (else learned from its bootstrap `/query`).
     #[serde(default)]
     pub kv_engine_id: Option<String>,
+    /// The engine's KV event publisher (`tcp://host:port`), when it publishes one.
+    #[serde(default)]
+    pub kv_events: Option<String>,
+    /// Its replay socket; `None`: a sequence gap resets the worker's view.
+    #[serde(default)]
+    pub kv_events_replay: Option<String>,
 }
 
 impl WorkerSpec {
@@ -113,7 +119,19 @@ impl WorkerSpec {
         }
         // The parsed form: scheme and host lower-cased, so one worker has one URL.
         let url = parsed.as_str().trim_end_matches('/').to_string();
-        Ok(WorkerSpec { url, role, host, bootstrap_port: None, kv_connector: None, labels: BTreeMap::new(), runtime: None, kv_layout: KvLayout::default(), kv_engine_id: None })
+        Ok(WorkerSpec {
+            url,
+            role,
+            host,
+            bootstrap_port: None,
+            kv_connector: None,
+            labels: BTreeMap::new(),
+            runtime: None,
+            kv_layout: KvLayout::default(),
+            kv_engine_id: None,
+            kv_events: None,
+            kv_events_replay: None,
+        })
     }
 
     /// Whether the gateway reaches this worker over TLS (an `https://` URL).

@@ -210,7 +210,8 @@ pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         state.metrics.admission_waiting.set(a.waiting() as i64);
     }
     state.goodput.refresh(&state.metrics.slo);
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
+    let text = state.metrics.render() + &state.kv_view.metrics_text();
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
 async fn not_found(uri: Uri) -> Response {

@@ -12,6 +12,7 @@ mod exec;
 mod front;
 mod goodput;
 mod health;
+pub mod kv_sub;
 mod load;
 mod log_file;
 mod membership;

@@ -31,7 +31,13 @@ pub enum Change {
 pub fn apply(state: &Arc<AppState>, change: Change) -> Result<Entry, RegistryError> {
     match change {
         // A registered Mooncake engine id seeds the worker's runtime record (registry.rs).
-        Change::Add(spec, source) => state.registry.add(spec, source),
+        Change::Add(spec, source) => {
+            let entry = state.registry.add(spec, source)?;
+            if let Some(endpoint) = &entry.spec.kv_events {
+                state.kv_view.watch(&entry.spec.url, endpoint, entry.spec.kv_events_replay.as_deref());
+            }
+            Ok(entry)
+        }
         Change::Drain(key) => drain(state, &key),
         Change::SetEnabled(key, enabled) => state.registry.set_enabled(&key, enabled),
         Change::Remove(id) => {

@@ -21,6 +21,9 @@ use crate::metrics::Metrics;
 use crate::registry::{Registry, Runtime};
 use crate::upstream::Upstream;
 
+/// Bound of the KV event index (worker-block entries; about 60 bytes each). Not yet a flag.
+const KV_INDEX_MAX_BLOCKS: usize = 4 << 20;
+
 pub struct AppState {
     pub config: GatewayConfig,
     pub registry: Registry,
@@ -46,6 +49,8 @@ pub struct AppState {
     pub edge: crate::edge::Edge,
     /// `--max-concurrent-requests` and its queue; `None` without a limit.
     pub admission: Option<crate::admission::Admission>,
+    /// What each worker that publishes KV events holds (kv_sub). Fed, not yet read by routing.
+    pub kv_view: crate::kv_sub::KvView,
     /// `--pd-placement`, early rejection and the cost model (exec/placement.rs).
     pub placer: crate::exec::placement::Placer,
     /// The goodput window and the `--request-log` writer (goodput.rs).
@@ -79,6 +84,7 @@ impl AppState {
             sequence: AtomicU64::new(0),
             tree: Mutex::new(RadixTree::new()),
             edge: crate::edge::Edge::new(),
+            kv_view: crate::kv_sub::KvView::new(rand::random(), KV_INDEX_MAX_BLOCKS, crate::kv_sub::SubTimings::default()),
             registry,
             config,
         }
@@ -209,6 +215,7 @@ impl AppState {
 
     /// Forgets a removed worker's cached prefixes.
     pub fn forget_worker(&self, url: &str) {
+        self.kv_view.unwatch(url);
         if self.uses_tree() {
             self.tree.lock().unwrap_or_else(|p| p.into_inner()).remove_tenant(url);
         }

@@ -46,6 +46,8 @@ pub fn worker_json(state: &AppState, e: &Entry) -> Value {
         "bootstrap_port": e.spec.bootstrap_port,
         "kv_connector": connector.as_str(),
         "kv_engine_id": e.spec.kv_engine_id,
+        "kv_events": e.spec.kv_events,
+        "kv_events_replay": e.spec.kv_events_replay,
         "labels": e.spec.labels,
         "source": e.source.as_str(),
         "healthy": e.health.healthy,

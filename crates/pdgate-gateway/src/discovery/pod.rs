@@ -18,6 +18,11 @@ pub const BOOTSTRAP_PORT_ANNOTATION: &str = "sglang.ai/bootstrap-port";
 pub const KV_CONNECTOR_ANNOTATION: &str = "smg.ai/kv-connector";
 /// Engine id of a (Mooncake) prefill, as SMG reads it.
 pub const KV_ENGINE_ID_ANNOTATION: &str = "smg.ai/kv-engine-id";
+/// The engine's KV event publisher: a port (on the pod IP), `tcp://*:PORT` (as the engine's
+/// `--kv-events-config` binds it; read as the pod IP) or `tcp://host:port`.
+pub const KV_EVENTS_ANNOTATION: &str = "pdgate.ai/kv-events-endpoint";
+/// Its replay socket, in the same forms.
+pub const KV_EVENTS_REPLAY_ANNOTATION: &str = "pdgate.ai/kv-events-replay-endpoint";
 
 /// Labels put on every worker that discovery adds, naming the pod it came from.
 pub const NAMESPACE_LABEL: &str = "k8s.namespace";
@@ -88,6 +93,17 @@ fn annotation<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
     pod.metadata.annotations.as_ref()?.get(key).map(|v| v.trim()).filter(|v| !v.is_empty())
 }
 
+/// A KV event annotation as an address on this pod: a bare port or a `*` host means the pod IP.
+fn on_pod(value: &str, host: &str) -> String {
+    if value.parse::<u16>().is_ok() {
+        return format!("tcp://{host}:{value}");
+    }
+    match value.strip_prefix("tcp://*:") {
+        Some(port) => format!("tcp://{host}:{port}"),
+        None => value.to_string(),
+    }
+}
+
 fn port_annotation(pod: &Pod, key: &str) -> Result<Option<u16>, String> {
     match annotation(pod, key) {
         None => Ok(None),
@@ -139,9 +155,13 @@ fn candidate(pod: &Pod, role: WorkerRole, ip: &str, default_port: u16) -> Result
         reg.kv_engine_id = annotation(pod, KV_ENGINE_ID_ANNOTATION).map(str::to_string);
     }
     reg.kv_connector = annotation(pod, KV_CONNECTOR_ANNOTATION).map(str::to_string);
+    reg.kv_events = annotation(pod, KV_EVENTS_ANNOTATION).map(|v| on_pod(v, &host));
+    reg.kv_events_replay = annotation(pod, KV_EVENTS_REPLAY_ANNOTATION).map(|v| on_pod(v, &host));
     let mut spec = reg.into_spec(role != WorkerRole::Regular).map_err(|e| match e.param {
         "kv_connector" => format!("annotation {KV_CONNECTOR_ANNOTATION}: {}", e.message),
         "kv_engine_id" => format!("annotation {KV_ENGINE_ID_ANNOTATION}: {}", e.message),
+        "kv_events" => format!("annotation {KV_EVENTS_ANNOTATION}: {}", e.message),
+        "kv_events_replay" => format!("annotation {KV_EVENTS_REPLAY_ANNOTATION}: {}", e.message),
         _ => e.message,
     })?;
     let meta = &pod.metadata;
@@ -190,6 +210,16 @@ mod tests {
         assert_eq!(c.spec.kv_engine_id.as_deref(), Some("e1"));
         assert_eq!(c.spec.labels.get(UID_LABEL).map(String::as_str), Some("u-1"));
         assert_eq!(c.spec.labels.get(POD_LABEL).map(String::as_str), Some("p-0"));
+    }
+
+    #[test]
+    fn kv_event_annotations_address_the_pod() {
+        let ann = json!({"pdgate.ai/kv-events-endpoint": "tcp://*:5557", "pdgate.ai/kv-events-replay-endpoint": "5558"});
+        let Verdict::Worker(c) = verdict(&pod(json!({"app": "p"}), ann, ready("10.0.0.7")), &prefill(), 8000) else { panic!("not a worker") };
+        assert_eq!((c.spec.kv_events.as_deref(), c.spec.kv_events_replay.as_deref()), (Some("tcp://10.0.0.7:5557"), Some("tcp://10.0.0.7:5558")));
+        let bad = pod(json!({"app": "p"}), json!({"pdgate.ai/kv-events-endpoint": "udp://x:1"}), ready("10.0.0.7"));
+        let Verdict::Refused(reason) = verdict(&bad, &prefill(), 8000) else { panic!("a bad endpoint is refused") };
+        assert!(reason.contains(KV_EVENTS_ANNOTATION), "{reason}");
     }
 
     #[test]

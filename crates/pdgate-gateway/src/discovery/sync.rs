@@ -24,7 +24,13 @@ pub struct Syncer {
 /// has a new uid; a changed annotation changes the spec).
 fn same_worker(e: &Entry, c: &Candidate) -> bool {
     let (a, b) = (&*e.spec, &c.spec);
-    a.role == b.role && a.bootstrap_port == b.bootstrap_port && a.kv_connector == b.kv_connector && a.labels == b.labels && a.kv_engine_id == b.kv_engine_id
+    a.role == b.role
+        && a.bootstrap_port == b.bootstrap_port
+        && a.kv_connector == b.kv_connector
+        && a.labels == b.labels
+        && a.kv_engine_id == b.kv_engine_id
+        && a.kv_events == b.kv_events
+        && a.kv_events_replay == b.kv_events_replay
 }
 
 impl Syncer {

@@ -1,0 +1,176 @@
+//! The gateway's view of what every worker's KV cache holds, fed by the engines' KV events
+//! (docs/kv-events.md): one subscription task per worker that registered a `kv_events`
+//! endpoint, all applying to one [`KvIndex`] behind a mutex held for one batch or one match.
+//!
+//! Every gateway replica subscribes to the same publishers, so all replicas hold the same view
+//! without talking to each other.
+
+pub mod subscriber;
+pub mod zmtp;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pdgate_core::kv_events::DecodedBatch;
+use pdgate_core::kv_index::{IndexStats, KvIndex, SeqCheck, WorkerSlot};
+use tokio::task::JoinHandle;
+
+pub use subscriber::SubTimings;
+
+/// Counters the index does not keep itself.
+#[derive(Debug, Default)]
+pub struct SubMetrics {
+    /// Successful connections to a publisher (each one resets that worker's view).
+    pub connects: AtomicU64,
+    /// Replay requests (gap fills and catch-ups after a connect).
+    pub replays: AtomicU64,
+    /// Replays that did not fill their range (no answer, or the buffer no longer had it).
+    pub replay_failures: AtomicU64,
+    /// Messages that were not `(topic, 8-byte seq, payload)`.
+    pub bad_messages: AtomicU64,
+}
+
+struct Sub {
+    slot: WorkerSlot,
+    endpoints: (String, Option<String>),
+    task: JoinHandle<()>,
+}
+
+/// The index and the counters, shared with the subscription tasks.
+pub struct KvShared {
+    index: Mutex<KvIndex>,
+    pub metrics: SubMetrics,
+}
+
+impl KvShared {
+    /// The index, for one short operation. A panic inside one leaves it usable (no operation
+    /// awaits or calls out while holding it), so a poisoned lock is taken over.
+    pub fn lock(&self) -> MutexGuard<'_, KvIndex> {
+        self.index.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn apply(&self, slot: WorkerSlot, seq: u64, batch: &DecodedBatch) -> SeqCheck {
+        self.lock().apply(slot, seq, batch)
+    }
+}
+
+/// The shared index and the subscriptions feeding it; dropping it ends them.
+pub struct KvView {
+    shared: Arc<KvShared>,
+    subs: Mutex<HashMap<String, Sub>>,
+    timings: SubTimings,
+}
+
+impl KvView {
+    /// `seed`: random per process in production (keys a client cannot aim at); `max_blocks`
+    /// bounds the index (worker-block entries).
+    pub fn new(seed: u64, max_blocks: usize, timings: SubTimings) -> KvView {
+        let shared = Arc::new(KvShared { index: Mutex::new(KvIndex::new(seed, max_blocks)), metrics: SubMetrics::default() });
+        KvView { shared, subs: Mutex::new(HashMap::new()), timings }
+    }
+
+    pub fn metrics(&self) -> &SubMetrics {
+        &self.shared.metrics
+    }
+
+    fn lock(&self) -> MutexGuard<'_, KvIndex> {
+        self.shared.lock()
+    }
+
+    /// Subscribe to a worker's publisher (idempotent; new endpoints restart it from empty).
+    pub fn watch(&self, worker_url: &str, endpoint: &str, replay: Option<&str>) {
+        let endpoints = (endpoint.to_string(), replay.map(str::to_string));
+        let mut subs = self.subs.lock().unwrap_or_else(|p| p.into_inner());
+        if subs.get(worker_url).is_some_and(|s| s.endpoints == endpoints) {
+            return;
+        }
+        if let Some(old) = subs.remove(worker_url) {
+            self.drop_sub(old);
+        }
+        let slot = self.lock().add_worker();
+        let task = tokio::spawn(subscriber::run(Arc::clone(&self.shared), slot, endpoints.0.clone(), endpoints.1.clone(), self.timings));
+        subs.insert(worker_url.to_string(), Sub { slot, endpoints, task });
+    }
+
+    /// End a worker's subscription and drop its view.
+    pub fn unwatch(&self, worker_url: &str) {
+        let old = self.subs.lock().unwrap_or_else(|p| p.into_inner()).remove(worker_url);
+        if let Some(old) = old {
+            self.drop_sub(old);
+        }
+    }
+
+    fn drop_sub(&self, sub: Sub) {
+        sub.task.abort();
+        self.lock().remove_worker(sub.slot);
+    }
+
+    /// Whether this worker publishes KV events to us (it registered an endpoint).
+    pub fn is_watched(&self, worker_url: &str) -> bool {
+        self.subs.lock().unwrap_or_else(|p| p.into_inner()).contains_key(worker_url)
+    }
+
+    /// For each watched worker holding a prefix of `tokens`: its URL and how many leading
+    /// tokens it holds.
+    pub fn matches(&self, tokens: &[u32]) -> HashMap<String, usize> {
+        let by_slot = self.lock().match_tokens(tokens);
+        let subs = self.subs.lock().unwrap_or_else(|p| p.into_inner());
+        subs.iter().filter_map(|(url, s)| by_slot.iter().find(|(slot, _)| *slot == s.slot).map(|(_, n)| (url.clone(), *n))).collect()
+    }
+
+    /// Blocks a worker's view holds (0 when not watched).
+    pub fn worker_blocks(&self, worker_url: &str) -> usize {
+        let slot = self.subs.lock().unwrap_or_else(|p| p.into_inner()).get(worker_url).map(|s| s.slot);
+        slot.map_or(0, |s| self.lock().worker_blocks(s))
+    }
+
+    /// The index's counters and its size in bytes (estimate), for metrics.
+    pub fn stats(&self) -> (IndexStats, usize) {
+        let index = self.lock();
+        (index.stats(), index.memory_bytes())
+    }
+}
+
+impl KvView {
+    /// The KV event metrics in the Prometheus text format, appended to `/metrics` (empty while
+    /// no worker publishes events).
+    pub fn metrics_text(&self) -> String {
+        use std::fmt::Write;
+        let watched = self.subs.lock().unwrap_or_else(|p| p.into_inner()).len();
+        if watched == 0 {
+            return String::new();
+        }
+        let (st, bytes) = self.stats();
+        let m = self.metrics();
+        let rows: [(&str, &str, &str, u64); 14] = [
+            ("pdgate_kv_events_subscriptions", "gauge", "Workers whose KV events this gateway subscribes to", watched as u64),
+            ("pdgate_kv_index_blocks", "gauge", "Worker-block entries in the KV event index", st.blocks as u64),
+            ("pdgate_kv_index_bytes", "gauge", "Estimated heap of the KV event index", bytes as u64),
+            ("pdgate_kv_events_blocks_stored_total", "counter", "Blocks stored by applied KV events", st.stored),
+            ("pdgate_kv_events_blocks_removed_total", "counter", "Blocks removed by applied KV events", st.removed),
+            ("pdgate_kv_events_orphans_total", "counter", "Stored blocks whose parent the view did not know", st.orphans),
+            ("pdgate_kv_events_over_capacity_total", "counter", "Stored blocks ignored because the index was full", st.over_capacity),
+            ("pdgate_kv_events_undecodable_total", "counter", "KV events (or whole payloads) that could not be decoded", st.undecodable),
+            ("pdgate_kv_events_gaps_total", "counter", "Sequence gaps seen in a worker's KV event stream", st.gaps),
+            ("pdgate_kv_events_resets_total", "counter", "Worker views reset (connect, unfilled gap)", st.resets),
+            ("pdgate_kv_events_connects_total", "counter", "Connections made to KV event publishers", m.connects.load(Ordering::Relaxed)),
+            ("pdgate_kv_events_replays_total", "counter", "Replay requests sent to KV event replay sockets", m.replays.load(Ordering::Relaxed)),
+            ("pdgate_kv_events_replay_failures_total", "counter", "Replays that did not fill their range", m.replay_failures.load(Ordering::Relaxed)),
+            ("pdgate_kv_events_bad_messages_total", "counter", "Messages that were not (topic, seq, payload)", m.bad_messages.load(Ordering::Relaxed)),
+        ];
+        let mut out = String::new();
+        for (name, kind, help, value) in rows {
+            let _ = write!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n");
+        }
+        out
+    }
+}
+
+impl Drop for KvView {
+    fn drop(&mut self) {
+        for (_, sub) in self.subs.get_mut().unwrap_or_else(|p| p.into_inner()).drain() {
+            sub.task.abort();
+        }
+    }
+}
