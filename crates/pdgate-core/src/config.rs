@@ -749,11 +749,7 @@ impl GatewayConfig {
 
     fn validate_placement(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
-        for (flag, v) in [("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-tpot-ms", self.slo_tpot_ms)] {
-            if !(v.is_finite() && v > 0.0) {
-                return bad(format!("{flag} must be a positive number of milliseconds, not {v}"));
-            }
-        }
+        // The SLO flags themselves are checked with the other SMG-era options above.
         if !(self.admission_slack == 0.0 || (self.admission_slack.is_finite() && self.admission_slack >= 1.0)) {
             return bad(format!("--admission-slack must be 0 (off) or at least 1, not {}", self.admission_slack));
         }

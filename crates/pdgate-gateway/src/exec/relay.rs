@@ -330,9 +330,7 @@ impl StreamRelay {
     /// Whether the client has part of an event: a rewriting relay holds partial events back,
     /// a pass-through one has sent whatever the worker sent.
     fn client_mid_event(&self) -> bool {
-        let holds_back = self.rewriter.as_ref().is_some_and(|r| r.logprobs.is_some())
-            || self.resumer.as_ref().is_some_and(|r| r.tracking())
-            || self.relayed.tally.holds_back();
+        let holds_back = self.rewriter.as_ref().is_some_and(|r| r.logprobs.is_some()) || self.resumer.as_ref().is_some_and(|r| r.tracking()) || self.relayed.tally.holds_back();
         !holds_back && !self.relayed.scanner.at_boundary()
     }
 

@@ -381,7 +381,17 @@ fn accounting(ctx: &Ctx, plan: &PdPlan, prefill: Option<Arc<Runtime>>, relayed: 
             Mode::Pd(_) => Who { prefill, decode: relayed, attempts, ..Who::default() },
         }
     });
-    let finish = Finish { state: ctx.state.clone(), route: ctx.route, protocol: plan.mode.as_str(), started: ctx.started, recompute_counted: false, status: 200, account: Some(account), guards, tokens };
+    let finish = Finish {
+        state: ctx.state.clone(),
+        route: ctx.route,
+        protocol: plan.mode.as_str(),
+        started: ctx.started,
+        recompute_counted: false,
+        status: 200,
+        account: Some(account),
+        guards,
+        tokens,
+    };
     (finish, prefill_queued)
 }
 
