@@ -14,6 +14,7 @@ mod load;
 mod membership;
 mod metrics;
 mod metrics_listener;
+pub mod prompt_ids;
 mod record;
 mod registry;
 mod render;

@@ -35,6 +35,9 @@ pub enum StartError {
     /// The worker client cannot be built (`--worker-ca-cert`, `--worker-api-key`).
     #[error("{0}")]
     Upstream(String),
+    /// `--model-path` / `--tokenizer-path` cannot be loaded.
+    #[error("{0}")]
+    Tokenizer(String),
 }
 
 pub struct RunningGateway {
@@ -96,6 +99,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     config.validate()?;
     let workers = config.workers()?;
     let upstream = Upstream::from_config(&config).map_err(StartError::Upstream)?;
+    let tokenizer = crate::prompt_ids::load(&config).map_err(StartError::Tokenizer)?;
     let discovery = crate::discovery::prepare(&config).await.map_err(StartError::Discovery)?;
     let bind = format!("{}:{}", config.host, config.port);
     let listener = TcpListener::bind(&bind).await.map_err(|source| StartError::Bind { addr: bind.clone(), source })?;
@@ -112,6 +116,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     let registry = Registry::new(Vec::new(), options, BreakerConfig::from_config(&config));
     let mut state = AppState::new(config, registry, upstream);
     state.edge.own = own;
+    state.tokenizer = tokenizer;
     let state = Arc::new(state);
     // The static flags are the first source of membership changes (membership.rs).
     for spec in workers {

@@ -46,6 +46,8 @@ pub struct AppState {
     pub edge: crate::edge::Edge,
     /// `--max-concurrent-requests` and its queue; `None` without a limit.
     pub admission: Option<crate::admission::Admission>,
+    /// `--model-path` / `--tokenizer-path`'s tokenizer, loaded at start-up (prompt_ids.rs).
+    pub tokenizer: Option<Arc<pdgate_tokenizer::ModelTokenizer>>,
 }
 
 impl AppState {
@@ -61,6 +63,7 @@ impl AppState {
                 m
             },
             admission: crate::admission::Admission::from_config(&config),
+            tokenizer: None,
             regular_policy: make_policy_with(config.policy, &PolicyOptions::from_config(&config)),
             prefill_policy: make_policy_with(config.effective_prefill_policy(), &PolicyOptions::from_config(&config)),
             decode_policy: make_policy_with(config.effective_decode_policy(), &PolicyOptions::from_config(&config)),
