@@ -60,7 +60,7 @@ def assert_clean(*workers: ReferenceWorker, timeout: float = 10) -> None:
         def clean(w=w):
             ld = loads(w)
             kv, dis = ld["kv_pages"], ld["disaggregation"]
-            return (kv["reserved"] == kv["in_use"] == kv["pinned"] == 0 and kv["free"] == kv["total"]
+            return (kv["reserved"] == kv["in_use"] == kv["pinned"] == 0 and kv["free"] + kv.get("cached", 0) == kv["total"]
                     and ld["num_live_reqs"] == 0 and dis["held_for_pull"] == 0
                     and dis["pending_registrations"] == 0
                     and not any(dis["transfers_in_flight"].values())) and ld

@@ -105,7 +105,7 @@ def test_small_preset_is_tens_of_millions():
 def test_pool_counters_are_exact():
     pool = KVPool(10, 4, 1, 1, 2)
     a = pool.reserve(4)
-    assert pool.counters() | {} == {"free": 6, "reserved": 4, "in_use": 0, "pinned": 0, "total": 10, "page_size": 4}
+    assert pool.counters() | {} == {"free": 6, "reserved": 4, "in_use": 0, "pinned": 0, "cached": 0, "total": 10, "page_size": 4}
     pool.commit(a[:2])
     pool.pin(a[2:])
     assert (pool.counters()["in_use"], pool.counters()["pinned"]) == (2, 2)
@@ -226,3 +226,27 @@ def test_sink_rejects_frames_of_another_attempt_and_outside_reservation():
         asyncio.run(run(lambda t: {"tag": dict(t, attempt="old"), "dst": [4, 5]}))
     with pytest.raises(EngineError, match="outside the reservation"):
         asyncio.run(run(lambda t: {"tag": t, "dst": [4, 6]}))
+
+
+def test_output_after_a_prompt_ending_inside_a_character_completes_it():
+    """A continued answer (prompt + generated ids) yields exactly the text the first stream still
+    held back: the output is decoded after the prompt's tail, as vLLM's detokenizer does."""
+    from types import SimpleNamespace
+
+    from pdgate.engine.outputs import output_text, visible_text
+    from pdgate.engine.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    answer = list("é€!".encode()) + [0xFF, 0x41]  # multi-byte characters and an invalid byte
+    prompt = [256, 104, 105]
+
+    def seq(prompt_ids: list[int], out: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(tokens=prompt_ids + out, prompt_len=len(prompt_ids), output_ids=out,
+                               finish_reason=None, finished=False, params=SamplingParams())
+
+    whole = output_text(tok, seq(prompt, answer))
+    for k in range(1, len(answer)):
+        sent = visible_text(tok, seq(prompt, answer[:k]), False)
+        rest = output_text(tok, seq(prompt + answer[:k], answer[k:]))
+        assert sent + rest == whole, k
+    assert output_text(tok, seq(prompt, [104])) == "h", "a clean prompt end: the output alone"

@@ -34,7 +34,7 @@ def loads(w: ReferenceWorker) -> dict[str, Any]:
 def idle(w: ReferenceWorker) -> bool:
     ld = loads(w)
     kv, dis = ld["kv_pages"], ld["disaggregation"]
-    return (kv["free"] == kv["total"] and ld["num_live_reqs"] == 0 and dis["held_for_pull"] == 0
+    return (kv["free"] + kv.get("cached", 0) == kv["total"] and ld["num_live_reqs"] == 0 and dis["held_for_pull"] == 0
             and dis["pending_registrations"] == 0 and not any(dis["transfers_in_flight"].values()))
 
 

@@ -37,6 +37,7 @@ SAMPLE_VALUES = {
     "log_level": "debug",
     "cache_threshold": "0.5",
     "retry_jitter_factor": "0.5",
+    "placement_forgetting": "0.5",
     "request_id_headers": "x-my-id",
     "control_plane_api_keys": "k1:ops:admin:secret",
 }

@@ -79,7 +79,7 @@ def prefill_state(w: ReferenceWorker) -> dict:
 def prefill_idle(w: ReferenceWorker) -> bool:
     ld = prefill_state(w)
     kv = ld["kv_pages"]
-    return (kv["pinned"] == kv["reserved"] == kv["in_use"] == 0 and kv["free"] == kv["total"]
+    return (kv["pinned"] == kv["reserved"] == kv["in_use"] == 0 and kv["free"] + kv.get("cached", 0) == kv["total"]
             and ld["disaggregation"]["held_for_pull"] == 0 and ld["num_live_reqs"] == 0)
 
 

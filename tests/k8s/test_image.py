@@ -61,7 +61,8 @@ def test_the_image_installs_the_complete_runtime_dependencies() -> None:
     assert "/wheels/*.whl" in install and "--no-deps" not in install, "the wheel with its dependencies"
     assert re.search(r'python -c "import pdgate\._core, .*pdgate\.engine\.server', install), "a missing module fails the build"
     # The distribution names of modules the package imports at start, as far as they differ.
-    distribution = {"prometheus_client": "prometheus-client", "yaml": "pyyaml"}
+    distribution = {"prometheus_client": "prometheus-client", "yaml": "pyyaml", "grpc": "grpcio", "google": "protobuf",
+                    "zmq": "pyzmq"}
     needed = {distribution.get(m, m).lower().replace("_", "-"): where for m, where in module_level_imports().items()}
     missing = set(needed) - pyproject_dependencies()
     assert not missing, f"imported at start but not in pyproject.toml's dependencies: {({m: needed[m] for m in missing})}"

@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 
 mod errors;
 mod handle;
+mod placement;
 
 // The same allocator as the standalone binary (see crates/pdgate-gateway/src/main.rs); it serves
 // Rust allocations only, Python keeps its own.
@@ -64,5 +65,6 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(normalize_config, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_class::<handle::GatewayHandle>()?;
+    m.add_class::<placement::PlacementModel>()?;
     Ok(())
 }

@@ -8,6 +8,7 @@ use clap::{ArgAction, CommandFactory, Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
 
 use crate::pairing::PairingMode;
+use crate::placement::{CostPriors, PlacementMode};
 use crate::worker::{KvConnector, WorkerRole, WorkerSpec};
 
 /// Routing policy names. Every policy is a pure function over a pool snapshot (see `policy`).
@@ -145,8 +146,8 @@ pub struct GatewayConfig {
 
     // --- Tokenizer (crates/pdgate-tokenizer, docs/tokenizer.md) ---
     /// A local Hugging Face model directory (or a `tokenizer.json` file) whose tokenizer and
-    /// chat template the gateway loads at start-up. With it, prompt token counts are exact (the
-    /// prompt is tokenized, chat through the template) instead of estimated from bytes.
+    /// chat template the gateway loads and validates at start-up. Not yet used by the routes:
+    /// prompt token counts are still estimated (`--chars-per-token`) until they are wired to it.
     #[arg(long, value_name = "PATH")]
     pub model_path: Option<String>,
 
@@ -167,6 +168,12 @@ pub struct GatewayConfig {
     /// Upper bound of one retry backoff.
     #[arg(long, default_value_t = 1000)]
     pub retry_max_backoff_ms: u64,
+
+    /// Most times one stream is continued on a new prefill/decode pair after its decode died
+    /// mid-answer (prompt + generated token ids, the same client stream); 0 turns resuming off.
+    /// Always within the request's deadline (docs/architecture.md, "Resume").
+    #[arg(long, default_value_t = 1)]
+    pub max_resumes: u32,
 
     // --- Overload protection (pdgate-core retry_budget.rs, docs/architecture.md) ---
     /// Retry budget shared by all requests: retries in the window may be at most this fraction
@@ -234,6 +241,12 @@ pub struct GatewayConfig {
     /// Most entries in `tools` (and the legacy `functions`). OpenAI allows 128.
     #[arg(long, default_value_t = 512)]
     pub max_tools: usize,
+
+    /// UTF-8 bytes per token, to estimate a text prompt's token count for token-based load
+    /// (`least_tokens`, `most_free_kv`); token-id prompts are counted exactly. 4.0 suits
+    /// English with BPE tokenizers; the reference engine's byte-level presets need 1.
+    #[arg(long, default_value_t = 4.0)]
+    pub chars_per_token: f64,
 
     /// Seconds between active health checks of each worker.
     #[arg(long, default_value_t = 5)]
@@ -372,9 +385,23 @@ pub struct GatewayConfig {
     #[arg(long)]
     pub log_json: bool,
 
-    /// Also write logs to `pdgate.log` in this directory (created when missing).
+    /// Also write logs to `pdgate.log` in this directory (created when missing), rotated daily
+    /// (UTC) as SMG rotates: the past day's file becomes `pdgate.log.YYYY-MM-DD`.
     #[arg(long, value_name = "DIR")]
     pub log_dir: Option<String>,
+
+    // --- Tracing (crates/pdgate-gateway/src/tracing_export.rs, docs/observability.md) ---
+    /// Export OpenTelemetry traces (a span per request and per phase: admit, attempt, select,
+    /// the prefill and decode legs, relay, finish) over OTLP/gRPC to --otlp-traces-endpoint,
+    /// and send each leg's W3C `traceparent` to its worker. Off: no exporter, and a client's
+    /// valid `traceparent`/`tracestate` are passed on to the workers unchanged.
+    #[arg(long)]
+    pub enable_trace: bool,
+
+    /// OTLP/gRPC collector for --enable-trace: `host:port` (`http://` is assumed) or a full
+    /// `http://` / `https://` URL.
+    #[arg(long, value_name = "HOST:PORT", default_value = "localhost:4317")]
+    pub otlp_traces_endpoint: String,
 
     /// Most inference requests served at once; more wait in a FIFO queue. 0 or -1: no limit
     /// (SMG's -1 derives one from the host; pdgate has none by default, and
@@ -400,6 +427,64 @@ pub struct GatewayConfig {
     /// worker API like --admin-api-key. The `user` role (read-only) is not supported yet.
     #[arg(long, num_args = 1.., value_name = "ID:NAME:ROLE:KEY")]
     pub control_plane_api_keys: Vec<String>,
+
+    /// Time-to-first-token objective in milliseconds (arrival at the gateway to the first
+    /// content token relayed); a request may set its own with `x-slo-ttft-ms`
+    /// (or llm-d's `x-llm-d-slo-ttft-ms`).
+    #[arg(long, default_value_t = 1000.0)]
+    pub slo_ttft_ms: f64,
+
+    /// Time-per-output-token objective in milliseconds, (E2E - TTFT) / (output tokens - 1);
+    /// per request: `x-slo-tpot-ms` (or `x-llm-d-slo-tpot-ms`).
+    #[arg(long, default_value_t = 50.0)]
+    pub slo_tpot_ms: f64,
+
+    // --- Placement (pdgate-core placement/, docs/placement.md) ---
+    /// Where PD-mode requests run: `disaggregated` (every request on a prefill/decode pair),
+    /// `colocated` (on one worker of the regular pool, given with --worker-urls), or
+    /// `conditional` (per request, by the cost model's predicted TTFT and the stall on running
+    /// decodes).
+    #[arg(long, value_enum, default_value_t = PlacementMode::Disaggregated)]
+    pub pd_placement: PlacementMode,
+
+    /// Early rejection: a PD-mode request whose predicted TTFT (time waited + prefill queue +
+    /// prefill + transfer + decode wait) exceeds the TTFT objective times this is answered 429
+    /// `overloaded` at once. 0 turns early rejection off; otherwise at least 1.
+    #[arg(long, default_value_t = 2.0)]
+    pub admission_slack: f64,
+
+    /// Cost model prior: fixed cost of one prefill, ms (learned online from there).
+    #[arg(long, default_value_t = 20.0)]
+    pub placement_prefill_base_ms: f64,
+
+    /// Cost model prior: prefill cost per prompt token, ms.
+    #[arg(long, default_value_t = 0.035)]
+    pub placement_prefill_ms_per_token: f64,
+
+    /// Cost model prior: one decode step (TPOT), ms.
+    #[arg(long, default_value_t = 45.0)]
+    pub placement_decode_step_ms: f64,
+
+    /// KV cache bytes per prompt token (model and dtype dependent; not learned).
+    #[arg(long, default_value_t = 327_680.0)]
+    pub placement_kv_bytes_per_token: f64,
+
+    /// Cost model prior: fixed cost of one KV transfer, ms.
+    #[arg(long, default_value_t = 12.0)]
+    pub placement_link_setup_ms: f64,
+
+    /// Cost model prior: KV link bandwidth, GiB/s.
+    #[arg(long, default_value_t = 22.0)]
+    pub placement_link_gib_per_s: f64,
+
+    /// How many observations the cost model's priors are worth.
+    #[arg(long, default_value_t = 10.0)]
+    pub placement_prior_weight: f64,
+
+    /// Weight the cost model keeps of older observations at each new one, in (0, 1]
+    /// (0.98: about the last 50 count).
+    #[arg(long, default_value_t = 0.98)]
+    pub placement_forgetting: f64,
 }
 
 /// One `--control-plane-api-keys` entry: `ID:NAME:ROLE:KEY`; the key itself may contain `:`.
@@ -458,6 +543,27 @@ pub fn validate_log_level(value: &str) -> Result<(), String> {
     } else {
         Err(format!("--log-level {value:?}: expected one of {} (or TARGET=LEVEL directives)", LOG_LEVELS.join(", ")))
     }
+}
+
+/// `--otlp-traces-endpoint` as the exporter's URL: `host:port` gets SMG's `http://`; a URL keeps
+/// its scheme, which must be `http` or `https`, and needs a host.
+pub fn otlp_endpoint_url(value: &str) -> Result<String, String> {
+    let value = value.trim();
+    let full = if value.contains("://") { value.to_string() } else { format!("http://{value}") };
+    let bad = |why: &str| format!("--otlp-traces-endpoint {value:?}: {why} (expected HOST:PORT or an http(s):// URL)");
+    let url = url::Url::parse(&full).map_err(|e| bad(&e.to_string()))?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(bad(&format!("scheme {:?} is not http or https", url.scheme())));
+    }
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err(bad("no host"));
+    }
+    Ok(full)
+}
+
+/// Checks `--otlp-traces-endpoint` (see [`otlp_endpoint_url`]).
+pub fn validate_otlp_endpoint(value: &str) -> Result<(), String> {
+    otlp_endpoint_url(value).map(|_| ())
 }
 
 /// What was wrong with a configuration, in words a user can act on.
@@ -546,8 +652,12 @@ impl GatewayConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         if self.pd_disaggregation {
-            if !self.worker_urls.is_empty() {
-                return bad("--worker-urls is for regular mode; use --prefill/--decode with --pd-disaggregation".into());
+            // In PD mode, regular workers are the colocated pool of --pd-placement.
+            if !self.worker_urls.is_empty() && self.pd_placement == PlacementMode::Disaggregated {
+                return bad(
+                    "--worker-urls is for regular mode; use --prefill/--decode with --pd-disaggregation (or give it with --pd-placement colocated|conditional: the colocated pool)"
+                        .into(),
+                );
             }
         } else if !self.prefill.is_empty() || !self.decode.is_empty() {
             return bad("--prefill/--decode need --pd-disaggregation".into());
@@ -569,6 +679,9 @@ impl GatewayConfig {
         }
         if self.balance_rel_threshold.is_nan() || self.balance_rel_threshold < 1.0 {
             return bad(format!("--balance-rel-threshold must be at least 1.0, not {}", self.balance_rel_threshold));
+        }
+        if !self.chars_per_token.is_finite() || self.chars_per_token <= 0.0 {
+            return bad(format!("--chars-per-token must be a number above 0, not {}", self.chars_per_token));
         }
         if !self.retry_budget_ratio.is_finite() || self.retry_budget_ratio < 0.0 || self.retry_budget_window_secs == 0 {
             return bad(format!("--retry-budget-ratio must be a number >= 0 (not {}) and --retry-budget-window-secs at least 1", self.retry_budget_ratio));
@@ -611,10 +724,41 @@ impl GatewayConfig {
         if self.log_dir.as_deref().is_some_and(|d| d.trim().is_empty()) {
             return bad("--log-dir must not be empty".into());
         }
+        if self.enable_trace {
+            validate_otlp_endpoint(&self.otlp_traces_endpoint).map_err(ConfigError::Invalid)?;
+        }
         for entry in &self.control_plane_api_keys {
             parse_control_plane_key(entry).map_err(ConfigError::Invalid)?;
         }
-        Ok(())
+        self.validate_placement()
+    }
+
+    fn validate_placement(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        for (flag, v) in [("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-tpot-ms", self.slo_tpot_ms)] {
+            if !(v.is_finite() && v > 0.0) {
+                return bad(format!("{flag} must be a positive number of milliseconds, not {v}"));
+            }
+        }
+        if !(self.admission_slack == 0.0 || (self.admission_slack.is_finite() && self.admission_slack >= 1.0)) {
+            return bad(format!("--admission-slack must be 0 (off) or at least 1, not {}", self.admission_slack));
+        }
+        self.cost_priors().check().map_err(|e| ConfigError::Invalid(format!("--placement-*: {e}")))
+    }
+
+    /// The cost model's starting point, from the `--placement-*` options.
+    pub fn cost_priors(&self) -> CostPriors {
+        CostPriors {
+            prefill_base_ms: self.placement_prefill_base_ms,
+            prefill_ms_per_token: self.placement_prefill_ms_per_token,
+            decode_step_ms: self.placement_decode_step_ms,
+            kv_bytes_per_token: self.placement_kv_bytes_per_token,
+            link_setup_ms: self.placement_link_setup_ms,
+            link_gib_per_s: self.placement_link_gib_per_s,
+            prior_weight: self.placement_prior_weight,
+            forgetting: self.placement_forgetting,
+            ..CostPriors::default()
+        }
     }
 
     /// Attempts per request, the first included: `--retry-max-retries` in SMG's meaning, one
@@ -683,6 +827,7 @@ impl GatewayConfig {
             max_stop_bytes: self.max_stop_bytes,
             max_logit_bias: self.max_logit_bias,
             max_tools: self.max_tools,
+            chars_per_token: self.chars_per_token,
         }
     }
 

@@ -85,6 +85,9 @@ pub enum ErrorKind {
     Overloaded,
     /// The request waited `--queue-timeout-secs` in the admission queue (408).
     QueueTimeout,
+    /// Early rejection: no path is predicted to give the first token within the TTFT
+    /// objective times `--admission-slack` (429, code `overloaded`).
+    PredictedOverload,
 }
 
 /// Every `reason()` a retry may have: `pdgate_retries_total{reason}` exists for each from the
@@ -184,6 +187,9 @@ impl GatewayError {
     pub fn overloaded(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Overloaded, Source::Gateway, message)
     }
+    pub fn predicted_overload(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::PredictedOverload, Source::Gateway, message)
+    }
     pub fn queue_timeout(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::QueueTimeout, Source::Gateway, message)
     }
@@ -230,7 +236,7 @@ impl GatewayError {
             ErrorKind::LoopDetected => 508,
             ErrorKind::AdminApiClosed => 403,
             ErrorKind::ShuttingDown => 503,
-            ErrorKind::Overloaded => 429,
+            ErrorKind::Overloaded | ErrorKind::PredictedOverload => 429,
             ErrorKind::QueueTimeout => 408,
         }
     }
@@ -264,6 +270,7 @@ impl GatewayError {
             ErrorKind::AdminApiClosed => "admin_api_closed".into(),
             ErrorKind::ShuttingDown => "shutting_down".into(),
             ErrorKind::Overloaded => "too_many_requests".into(),
+            ErrorKind::PredictedOverload => "overloaded".into(),
             ErrorKind::QueueTimeout => "queue_timeout".into(),
         }
     }
@@ -278,7 +285,7 @@ impl GatewayError {
             Source::Worker => "upstream_error",
             Source::Gateway => match self.kind {
                 ErrorKind::Timeout | ErrorKind::TimeoutWhileAnswering | ErrorKind::QueueTimeout => "timeout_error",
-                ErrorKind::Overloaded => "rate_limit_error",
+                ErrorKind::Overloaded | ErrorKind::PredictedOverload => "rate_limit_error",
                 ErrorKind::Internal => "internal_error",
                 ErrorKind::LoopDetected => "loop_detected_error",
                 _ => "service_unavailable_error",

@@ -93,3 +93,20 @@ fn metrics_listener_and_log_options() {
     assert_eq!((d.prometheus_port, d.prometheus_host.as_str()), (None, "127.0.0.1"));
     assert!(cli(&["--log-dir", ""]).is_err());
 }
+
+#[test]
+fn trace_flags_as_smg_names_and_defaults_them() {
+    let d = cli(&[]).unwrap();
+    assert!(!d.enable_trace);
+    assert_eq!(d.otlp_traces_endpoint, "localhost:4317", "SMG's default collector");
+    let c = cli(&["--enable-trace", "--otlp-traces-endpoint", "otel-collector:4317"]).unwrap();
+    assert!(c.enable_trace);
+    assert_eq!(pdgate_core::config::otlp_endpoint_url(&c.otlp_traces_endpoint).unwrap(), "http://otel-collector:4317", "host:port means http://, as SMG");
+    assert_eq!(pdgate_core::config::otlp_endpoint_url("https://collector.example:4317").unwrap(), "https://collector.example:4317");
+    for bad in ["ftp://collector:4317", "http://:4317", "not a url at all"] {
+        let err = cli(&["--enable-trace", "--otlp-traces-endpoint", bad]).unwrap_err();
+        assert!(err.contains("--otlp-traces-endpoint"), "{bad}: {err}");
+    }
+    // Without --enable-trace the endpoint is not used, so it is not checked either (as SMG).
+    assert!(cli(&["--otlp-traces-endpoint", "ftp://x"]).is_ok());
+}

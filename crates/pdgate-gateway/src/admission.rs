@@ -2,15 +2,16 @@
 //! `--max-concurrent-requests`, `--queue-size` and `--queue-timeout-secs`.
 //!
 //! A request takes one of `limit` permits and holds it until its response body ends (a stream
-//! holds it for the whole stream). Without a free permit it waits in line, first come first
-//! served (tokio's semaphore is fair); when `queue_size` requests already wait it is answered
-//! 429 at once, and one that waited `queue_timeout` is answered 408, as SMG answers both.
-//! This is tower's `ConcurrencyLimit` (the same semaphore) plus the queue bound and the
-//! timeout, which tower's layer does not have. Smarter admission (predicted TTFT, priorities)
-//! belongs to the placement work and is not here.
+//! holds it for the whole stream). Without a free permit it waits in line, by its
+//! `x-pdgate-priority` header (an integer, higher first, default 0), then first come first
+//! served; when `queue_size` requests already wait it is answered 429 at once, unless it
+//! outranks the lowest waiter, which is then shed (429) in its place; one that waited
+//! `queue_timeout` is answered 408, as SMG answers both. The line is `admission_queue.rs`
+//! (tower's `ConcurrencyLimit` cannot order by priority). Early rejection by predicted TTFT and
+//! the wait for decode KV room happen later, in the transaction (exec/placement.rs,
+//! exec/kv_room.rs).
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -21,24 +22,29 @@ use axum::middleware::Next;
 use axum::response::Response;
 use hyper::body::{Frame, SizeHint};
 use pdgate_core::{GatewayConfig, GatewayError};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::admission_queue::{Denied, Permit, PriorityQueue};
 
 use crate::render::error_response;
 use crate::state::AppState;
 
 /// The limit, its queue and their counters. `None` in `AppState` when there is no limit.
 pub struct Admission {
-    permits: Arc<Semaphore>,
+    queue: PriorityQueue,
     limit: usize,
     queue_size: usize,
     queue_timeout: Duration,
-    waiting: AtomicUsize,
 }
+
+/// The request header that orders the admission queue (an integer; higher goes first).
+pub const PRIORITY_HEADER: &str = "x-pdgate-priority";
 
 /// Why a request was not admitted.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Refusal {
     QueueFull,
+    /// A higher-priority request took this one's place in the full queue.
+    Shed,
     QueueTimeout,
 }
 
@@ -46,17 +52,9 @@ impl Refusal {
     pub fn as_str(&self) -> &'static str {
         match self {
             Refusal::QueueFull => "queue_full",
+            Refusal::Shed => "shed",
             Refusal::QueueTimeout => "queue_timeout",
         }
-    }
-}
-
-/// Undoes the waiting count however the wait ends (admitted, timed out, or the client left).
-struct Waiting<'a>(&'a AtomicUsize);
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -67,37 +65,39 @@ impl Admission {
     }
 
     pub fn new(limit: usize, queue_size: usize, queue_timeout: Duration) -> Self {
-        Admission { permits: Arc::new(Semaphore::new(limit)), limit, queue_size, queue_timeout, waiting: AtomicUsize::new(0) }
+        Admission { queue: PriorityQueue::new(limit, queue_size), limit, queue_size, queue_timeout }
     }
 
     /// A permit now, after a wait in line, or the reason there is none.
-    pub async fn admit(&self) -> Result<OwnedSemaphorePermit, Refusal> {
-        if let Ok(p) = self.permits.clone().try_acquire_owned() {
-            return Ok(p);
-        }
-        // Count ourselves in line first, then check: two racing requests cannot both take
-        // the last place.
-        if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.queue_size {
-            self.waiting.fetch_sub(1, Ordering::SeqCst);
-            return Err(Refusal::QueueFull);
-        }
-        let _in_line = Waiting(&self.waiting);
-        match tokio::time::timeout(self.queue_timeout, self.permits.clone().acquire_owned()).await {
-            Ok(Ok(p)) => Ok(p),
-            // The semaphore is never closed; treat it as a timeout all the same.
-            Ok(Err(_)) | Err(_) => Err(Refusal::QueueTimeout),
-        }
+    pub async fn admit(&self, priority: i64) -> Result<Permit, Refusal> {
+        self.queue.acquire(priority, self.queue_timeout).await.map_err(|d| match d {
+            Denied::Full => Refusal::QueueFull,
+            Denied::Shed => Refusal::Shed,
+            Denied::TimedOut => Refusal::QueueTimeout,
+        })
     }
 
     /// Requests waiting for a permit now.
     pub fn waiting(&self) -> usize {
-        self.waiting.load(Ordering::SeqCst)
+        self.queue.waiting()
     }
 
     /// Requests holding a permit now.
     #[cfg(test)]
     pub fn running(&self) -> usize {
-        self.limit - self.permits.available_permits()
+        self.queue.running()
+    }
+}
+
+/// The request's `x-pdgate-priority`: 0 when absent, an error when not an integer.
+pub fn priority_of(req: &Request) -> Result<i64, GatewayError> {
+    match req.headers().get(PRIORITY_HEADER) {
+        None => Ok(0),
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|s| s.trim().parse::<i64>().ok())
+            .ok_or_else(|| GatewayError::invalid(None, format!("header {PRIORITY_HEADER} must be an integer (higher is served first)"))),
     }
 }
 
@@ -106,7 +106,11 @@ impl Admission {
 pub async fn limit(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let Some(admission) = state.admission.as_ref() else { return next.run(req).await };
     let started = Instant::now();
-    let admitted = admission.admit().await;
+    let priority = match priority_of(&req) {
+        Ok(p) => p,
+        Err(err) => return error_response(&err),
+    };
+    let admitted = admission.admit(priority).await;
     let m = &state.metrics;
     m.queue_wait.observe(started.elapsed().as_secs_f64());
     match admitted {
@@ -123,6 +127,7 @@ pub async fn limit(State(state): State<Arc<AppState>>, req: Request, next: Next)
                     "too many requests: {} running and {} waiting (--max-concurrent-requests, --queue-size)",
                     admission.limit, admission.queue_size
                 )),
+                Refusal::Shed => GatewayError::overloaded(format!("shed from the full admission queue for a request of higher {PRIORITY_HEADER}")),
                 Refusal::QueueTimeout => {
                     GatewayError::queue_timeout(format!("the request waited {} s in the admission queue (--queue-timeout-secs)", admission.queue_timeout.as_secs()))
                 }
@@ -139,7 +144,7 @@ pub async fn limit(State(state): State<Arc<AppState>>, req: Request, next: Next)
 /// A response body that holds its request's permit until it ends or is dropped.
 struct Permitted {
     inner: Body,
-    permit: Option<OwnedSemaphorePermit>,
+    permit: Option<Permit>,
     on_release: Option<Box<dyn FnOnce() + Send>>,
 }
 
@@ -188,31 +193,31 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_full_queue_refuses_at_once_and_a_long_wait_times_out() {
         let a = Arc::new(Admission::new(1, 1, Duration::from_secs(5)));
-        let held = a.admit().await.unwrap();
+        let held = a.admit(0).await.unwrap();
         assert_eq!(a.running(), 1);
         let waiter = tokio::spawn({
             let a = a.clone();
-            async move { a.admit().await.map(|_| ()) }
+            async move { a.admit(0).await.map(|_| ()) }
         });
         tokio::task::yield_now().await;
         assert_eq!(a.waiting(), 1);
-        assert_eq!(a.admit().await.unwrap_err(), Refusal::QueueFull, "one place in line, taken");
+        assert_eq!(a.admit(0).await.unwrap_err(), Refusal::QueueFull, "one place in line, taken");
         tokio::time::advance(Duration::from_secs(6)).await;
         assert_eq!(waiter.await.unwrap(), Err(Refusal::QueueTimeout));
         assert_eq!(a.waiting(), 0);
         drop(held);
-        assert!(a.admit().await.is_ok());
+        assert!(a.admit(0).await.is_ok());
     }
 
     #[tokio::test(start_paused = true)]
     async fn waiters_are_admitted_in_arrival_order_when_permits_free_up() {
         let a = Arc::new(Admission::new(1, 10, Duration::from_secs(60)));
-        let held = a.admit().await.unwrap();
+        let held = a.admit(0).await.unwrap();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         for i in 0..3 {
             let (a, tx) = (a.clone(), tx.clone());
             tokio::spawn(async move {
-                let p = a.admit().await.unwrap();
+                let p = a.admit(0).await.unwrap();
                 tx.send(i).unwrap();
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 drop(p);
@@ -227,8 +232,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn no_queue_means_429_as_soon_as_the_limit_is_reached() {
         let a = Admission::new(2, 0, Duration::from_secs(60));
-        let _p1 = a.admit().await.unwrap();
-        let _p2 = a.admit().await.unwrap();
-        assert_eq!(a.admit().await.unwrap_err(), Refusal::QueueFull);
+        let _p1 = a.admit(0).await.unwrap();
+        let _p2 = a.admit(0).await.unwrap();
+        assert_eq!(a.admit(0).await.unwrap_err(), Refusal::QueueFull);
     }
 }

@@ -114,8 +114,30 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
     let session_key = headers.get("x-session-id").and_then(|v| v.to_str().ok()).map(str::to_string).or_else(|| req.body.get("user").and_then(|u| u.as_str()).map(str::to_string));
     // Every log line of the request (warnings of its legs and of its stream included) carries
     // its ids through this span.
-    let span = tracing::info_span!("request", request_id = %request_id, client_request_id = client_request_id.as_deref().unwrap_or("-"), route);
-    let scope = Arc::new(RequestScope { request_id: request_id.clone(), via, span });
+    let span = tracing::info_span!(
+        target: crate::tracing_export::REQUEST_TARGET,
+        "request",
+        request_id = %request_id,
+        client_request_id = client_request_id.as_deref().unwrap_or("-"),
+        route,
+        // Recorded only when tracing (tracing_export.rs), so logs stay as they were without it.
+        otel.kind = tracing::field::Empty,
+        model = tracing::field::Empty,
+        http.response.status_code = tracing::field::Empty,
+        error.type = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+    );
+    let mut client_trace = crate::tracing_export::ClientTrace::from_headers(&headers);
+    if crate::tracing_export::enabled() {
+        span.record("otel.kind", "server");
+        if let Some(model) = req.model.as_deref() {
+            span.record("model", model);
+        }
+        if let Some(client) = client_trace.take() {
+            client.adopt(&span);
+        }
+    }
+    let scope = Arc::new(RequestScope { request_id: request_id.clone(), via, span, client_trace });
     let mut resp = scope::run(scope.clone(), execute(Ctx { state, req, raw, request_id, client_request_id, session_key, deadline, started, route })).await;
     // For the body wrapper in edge/conn.rs: the relay's stream warnings name the request.
     resp.extensions_mut().insert(scope);

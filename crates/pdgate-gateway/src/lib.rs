@@ -4,6 +4,7 @@
 
 mod access_log;
 mod admission;
+mod admission_queue;
 mod auth;
 mod discovery;
 mod edge;
@@ -11,6 +12,7 @@ mod exec;
 mod front;
 mod health;
 mod load;
+mod log_file;
 mod membership;
 mod metrics;
 mod metrics_listener;
@@ -22,14 +24,17 @@ mod request_id;
 mod server;
 mod state;
 mod telemetry;
+mod tracing_export;
 mod upstream;
 mod worker_tls;
 mod workers_api;
 
+pub use log_file::LOG_FILE;
 pub use pdgate_core::GatewayConfig;
 pub use record::ROUTE_HEADER;
 pub use server::{start, RunningGateway, StartError};
-pub use telemetry::{init_logging, LOG_FILE};
+pub use telemetry::init_logging;
+pub use tracing_export::flush as flush_traces;
 
 /// The environment variable `pdgate-gateway` (and `pdgate launch`) read the worker key from
 /// when `--worker-api-key` is not given; read by the binaries, never by the config schema.

@@ -22,6 +22,8 @@ pub struct Metrics {
     pub retries: IntCounterVec,
     /// Retries the shared retry budget did not allow (`reason`: budget).
     pub retries_refused: IntCounterVec,
+    /// Streams continued after their decode died (`result`: resumed, failed, refused; `reason`).
+    pub resumes: IntCounterVec,
     pub leg_errors: IntCounterVec,
     pub inflight: IntGaugeVec,
     pub worker_healthy: IntGaugeVec,
@@ -48,6 +50,8 @@ pub struct Metrics {
     pub queue_wait: prometheus::Histogram,
     /// The client edge (conn.rs, front.rs, hops.rs, log_limit.rs): every limit that fires.
     pub edge: Arc<EdgeMetrics>,
+    /// Placement decisions, recoveries and the cost model (exec/placement.rs).
+    pub placement: crate::exec::placement::PlacementMetrics,
 }
 
 /// Counters of the client edge, each present at 0 from the start so alerts can rate() them.
@@ -129,6 +133,7 @@ impl Metrics {
     /// every test, hence the panics.
     pub fn new() -> Self {
         let r = Registry::new();
+        crate::tracing_export::register_metrics(&r);
         let m = Metrics {
             requests: counter(&r, "pdgate_requests_total", "Client requests by route and HTTP status", &["route", "status"]),
             duration: histogram(&r, "pdgate_request_duration_seconds", "End-to-end request latency", &["route"]),
@@ -136,6 +141,7 @@ impl Metrics {
             leg_duration: histogram(&r, "pdgate_pd_leg_duration_seconds", "Duration of one PD leg", &["leg", "protocol"]),
             retries: counter(&r, "pdgate_retries_total", "Attempts retried, by reason", &["reason"]),
             retries_refused: counter(&r, "pdgate_retries_refused_total", "Retries not made because the shared retry budget was spent", &["reason"]),
+            resumes: counter(&r, "pdgate_resumes_total", "Streams whose decode died mid-answer, by what resuming did (resumed, failed, refused) and why", &["result", "reason"]),
             leg_errors: counter(&r, "pdgate_worker_errors_total", "Failed worker legs by leg and error code", &["leg", "code"]),
             inflight: gauge(&r, "pdgate_worker_inflight", "Requests in flight per worker", &["worker", "role"]),
             worker_healthy: gauge(&r, "pdgate_worker_healthy", "1 when the worker passes health checks", &["worker", "role"]),
@@ -166,7 +172,12 @@ impl Metrics {
             workers: gauge(&r, "pdgate_workers", "Registered workers by source (static, api, discovery)", &["source"]),
             admission_running: single_gauge(&r, "pdgate_admission_running", "Requests holding a --max-concurrent-requests slot"),
             admission_waiting: single_gauge(&r, "pdgate_admission_waiting", "Requests waiting in the admission queue (at scrape time)"),
-            admission_refused: counter(&r, "pdgate_admission_refused_total", "Requests refused by admission: queue_full (429), queue_timeout (408)", &["reason"]),
+            admission_refused: counter(
+                &r,
+                "pdgate_admission_refused_total",
+                "Requests refused by admission: queue_full (429), shed (429: a higher x-pdgate-priority took the place), queue_timeout (408), no_kv_room (408: no decode had KV room in time)",
+                &["reason"],
+            ),
             queue_wait: {
                 let opts =
                     HistogramOpts::new("pdgate_admission_queue_wait_seconds", "Time a request waited for a --max-concurrent-requests slot").buckets(LATENCY_BUCKETS.to_vec());
@@ -175,17 +186,19 @@ impl Metrics {
                 h
             },
             edge: Arc::new(EdgeMetrics::new(&r)),
+            placement: crate::exec::placement::PlacementMetrics::new(&r),
             registry: r,
         };
         // Present at 0 from the start, so an alert on them needs no prior failure.
         m.retries_refused.with_label_values(&["budget"]);
+        m.resumes.with_label_values(&["resumed", "decode_died"]);
         for leg in ["worker", "decode"] {
             m.streams_truncated.with_label_values(&[leg]);
             for reason in pdgate_protocol::answer::REASONS {
                 m.bad_worker_responses.with_label_values(&[leg, reason]);
             }
         }
-        for reason in ["queue_full", "queue_timeout"] {
+        for reason in ["queue_full", "shed", "queue_timeout", "no_kv_room"] {
             m.admission_refused.with_label_values(&[reason]);
         }
         m

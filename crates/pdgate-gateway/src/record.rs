@@ -18,7 +18,7 @@ const MAX_VALUE: usize = 200;
 const MAX_POLICY: usize = 120;
 /// Upper bound of the whole header value: three values, a policy and the fixed parts.
 #[cfg(test)]
-const MAX_HEADER_LEN: usize = 4 * MAX_VALUE + MAX_POLICY + 120;
+const MAX_HEADER_LEN: usize = 4 * MAX_VALUE + MAX_POLICY + 220;
 
 pub use pdgate_core::plan::Rendezvous;
 
@@ -32,6 +32,10 @@ pub struct Record {
     pub attempts: u32,
     /// The policies' reasons, e.g. `cache_hit=0.82` or `prefill:cache_miss decode:power_of_two`.
     pub policy: Option<String>,
+    /// PD mode with placement engaged: where the request ran and why (`--pd-placement`).
+    pub placement: Option<(&'static str, &'static str)>,
+    /// A failure before commit and the recovery chosen for it, with its reason.
+    pub recovery: Option<(&'static str, &'static str)>,
 }
 
 /// Appends `v` cut to `max` bytes (at a char boundary), with anything that is not a visible
@@ -91,6 +95,12 @@ impl Record {
             s.push_str("; policy=");
             push_bounded(&mut s, p, MAX_POLICY);
         }
+        if let Some((placement, reason)) = self.placement {
+            let _ = write!(s, "; placement={placement}; reason={reason}");
+        }
+        if let Some((choice, reason)) = self.recovery {
+            let _ = write!(s, "; recovery={choice}:{reason}");
+        }
         let _ = write!(s, "; attempts={}", self.attempts);
         s
     }
@@ -133,6 +143,22 @@ mod tests {
     }
 
     #[test]
+    fn placement_and_recovery_follow_the_route() {
+        let r = Record {
+            protocol: "regular",
+            worker: Some("http://r:1".into()),
+            attempts: 2,
+            placement: Some(("colocated", "colocated_cheaper")),
+            recovery: Some(("recompute_colocated", "colocated_cheaper")),
+            ..Default::default()
+        };
+        assert_eq!(
+            r.header_value(),
+            "protocol=regular; worker=http://r:1; placement=colocated; reason=colocated_cheaper; recovery=recompute_colocated:colocated_cheaper; attempts=2"
+        );
+    }
+
+    #[test]
     fn a_batch_gives_a_count_and_digest_and_the_log_every_room() {
         let rooms: Vec<u64> = (0..20_000).map(|i| (1 << 62) + i).collect();
         let r = Record { protocol: "bootstrap", rendezvous: Some(Rendezvous::Rooms(Rooms::Batch(rooms.clone()))), attempts: 1, ..Default::default() };
@@ -156,6 +182,8 @@ mod tests {
             rendezvous: Some(Rendezvous::TransferId(long)),
             policy: Some("x".repeat(5000)),
             attempts: u32::MAX,
+            placement: Some(("disaggregated", "slo_missed_remote_lower")),
+            recovery: Some(("recompute_colocated", "only_colocated_fits_deadline")),
         };
         let h = r.header_value();
         assert!(h.len() <= MAX_HEADER_LEN, "{} > {MAX_HEADER_LEN}", h.len());

@@ -7,6 +7,10 @@ use pdgate_core::{ErrorKind, GatewayError};
 use pdgate_protocol::openai::error_body;
 use serde_json::Value;
 
+/// The error code of an error response, kept on it for the finish span (exec/spans.rs).
+#[derive(Clone, Debug)]
+pub struct ErrorCode(pub String);
+
 pub fn error_response(err: &GatewayError) -> Response {
     let status = StatusCode::from_u16(err.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let body = match &err.kind {
@@ -22,6 +26,7 @@ pub fn error_response(err: &GatewayError) -> Response {
     let mut resp = Response::new(Body::from(body.to_string()));
     *resp.status_mut() = status;
     resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp.extensions_mut().insert(ErrorCode(err.code()));
     resp
 }
 

@@ -62,7 +62,8 @@ impl RunningGateway {
     /// Graceful shutdown: readiness turns 503 and new requests are refused with 503 at once;
     /// requests in flight (streams included) get `--shutdown-grace-period-secs` to finish; then
     /// the listener closes, connections close after their responses, health checks stop.
-    /// Whatever is still running after the grace period is cut.
+    /// Whatever is still running after the grace period is cut. With `--enable-trace`, the
+    /// spans still queued are exported last (a flush bounded to a few seconds).
     pub async fn shutdown(self) {
         let grace = Duration::from_secs(self.state.config.shutdown_grace_period_secs);
         let deadline = tokio::time::Instant::now() + grace;
@@ -81,6 +82,8 @@ impl RunningGateway {
         if tokio::time::timeout(left, self.task).await.is_err() {
             abort.abort();
         }
+        // The spans of the last requests go out before the process may end (bounded).
+        crate::tracing_export::flush().await;
     }
 
     /// Whether a graceful shutdown has begun.

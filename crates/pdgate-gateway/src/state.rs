@@ -48,6 +48,8 @@ pub struct AppState {
     pub admission: Option<crate::admission::Admission>,
     /// `--model-path` / `--tokenizer-path`'s tokenizer, loaded at start-up (prompt_ids.rs).
     pub tokenizer: Option<Arc<pdgate_tokenizer::ModelTokenizer>>,
+    /// `--pd-placement`, early rejection and the cost model (exec/placement.rs).
+    pub placer: crate::exec::placement::Placer,
 }
 
 impl AppState {
@@ -57,6 +59,7 @@ impl AppState {
         AppState {
             client: Arc::new(HttpClient::new(upstream.clone())),
             upstream,
+            placer: crate::exec::placement::Placer::from_config(&config),
             metrics: {
                 let m = Metrics::new();
                 m.prime(&config);
@@ -77,6 +80,14 @@ impl AppState {
             registry,
             config,
         }
+        .primed()
+    }
+
+    fn primed(self) -> Self {
+        if self.config.pd_disaggregation {
+            self.metrics.placement.prime(&self.placer);
+        }
+        self
     }
 
     /// The load view policies read, over the workers of one routing view.

@@ -1,11 +1,13 @@
-//! Logs: text or JSON (`--log-json`) on stderr, and also in `DIR/pdgate.log` with `--log-dir`.
+//! Logs: text or JSON (`--log-json`) on stderr, and also in `DIR/pdgate.log` with `--log-dir`
+//! (rotated daily, see log_file.rs).
+//!
+//! With `--enable-trace`, the OpenTelemetry layer (tracing_export.rs) joins the log layers; the
+//! log filter then applies to the log layers only, so `--log-level` never hides spans from the
+//! exporter. Without it the subscriber is the same as before tracing existed.
 //!
 //! Installed once per process: a second gateway embedded in the same Python process logs
-//! through the first one's subscriber (its `--log-*` options are then not applied).
-
-use std::fs::{File, OpenOptions};
-use std::path::Path;
-use std::sync::Mutex;
+//! (and traces) through the first one's subscriber (its `--log-*` and trace options are then
+//! not applied).
 
 use pdgate_core::GatewayConfig;
 use tracing_subscriber::fmt::MakeWriter;
@@ -13,8 +15,7 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer, Registry};
 
-/// The file `--log-dir` writes to.
-pub const LOG_FILE: &str = "pdgate.log";
+use crate::log_file::DailyFile;
 
 type Boxed = Box<dyn Layer<Registry> + Send + Sync>;
 
@@ -31,30 +32,43 @@ where
     }
 }
 
-/// The filter: `RUST_LOG` wins over `--log-level`.
+/// The log filter: `RUST_LOG` wins over `--log-level`. The phase spans are for the exporter
+/// only: never logged, whatever the level.
 fn filter(level: &str) -> EnvFilter {
     // `warning` is the Python name; tracing calls it `warn` (validate_log_level accepts both).
     let level = level.to_ascii_lowercase().replace("warning", "warn");
-    EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(&level)).unwrap_or_else(|_| EnvFilter::new("info"))
+    let filter = EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(&level)).unwrap_or_else(|_| EnvFilter::new("info"));
+    match format!("{}=off", crate::tracing_export::TARGET).parse() {
+        Ok(directive) => filter.add_directive(directive),
+        Err(_) => filter,
+    }
 }
 
-/// Opens (creating the directory when missing) the log file of `--log-dir`.
-pub fn open_log_file(dir: &str) -> Result<File, String> {
-    std::fs::create_dir_all(dir).map_err(|e| format!("--log-dir {dir}: cannot create it: {e}"))?;
-    let path = Path::new(dir).join(LOG_FILE);
-    OpenOptions::new().create(true).append(true).open(&path).map_err(|e| format!("--log-dir: cannot write {}: {e}", path.display()))
-}
-
-/// Installs the subscriber for `config`'s `--log-level`, `--log-json` and `--log-dir`. Later
-/// calls in the same process do nothing (but a bad `--log-dir` is still an error).
+/// Installs the subscriber for `config`'s `--log-level`, `--log-json`, `--log-dir` and
+/// `--enable-trace`. Later calls in the same process do nothing (but a bad `--log-dir` is still
+/// an error).
 pub fn init_logging(config: &GatewayConfig) -> Result<(), String> {
-    let file = config.log_dir.as_deref().map(open_log_file).transpose()?;
+    let file = config.log_dir.as_deref().map(DailyFile::open).transpose()?;
+    if tracing::dispatcher::has_been_set() {
+        if config.enable_trace && !crate::tracing_export::enabled() {
+            tracing::warn!("--enable-trace ignored: this process set up its logging without tracing (once per process)");
+        }
+        return Ok(());
+    }
     // Colour only for a terminal (not in files or CI logs).
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let mut layers: Vec<Boxed> = vec![format_layer(config.log_json, ansi, std::io::stderr)];
     if let Some(f) = file {
-        layers.push(format_layer(config.log_json, false, Mutex::new(f)));
+        layers.push(format_layer(config.log_json, false, f));
     }
-    let _ = tracing_subscriber::registry().with(layers).with(filter(&config.log_level)).try_init();
+    let logs = filter(&config.log_level);
+    if !config.enable_trace {
+        // One global filter, as before tracing: disabled callsites cost nothing.
+        let _ = tracing_subscriber::registry().with(layers).with(logs).try_init();
+        return Ok(());
+    }
+    let registry = tracing_subscriber::registry().with(layers.with_filter(logs));
+    let otel = crate::tracing_export::install(&config.otlp_traces_endpoint)?;
+    let _ = registry.with(otel).try_init();
     Ok(())
 }

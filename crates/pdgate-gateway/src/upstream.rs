@@ -74,6 +74,17 @@ impl Upstream {
             Some(via) => req.header(header::VIA, via),
             None => req,
         };
+        // W3C trace context: the leg's span with --enable-trace, else the client's as it came.
+        let req = match crate::edge::scope::worker_trace_headers() {
+            Some((parent, state)) => {
+                let req = req.header("traceparent", parent);
+                match state {
+                    Some(state) => req.header("tracestate", state),
+                    None => req,
+                }
+            }
+            None => req,
+        };
         let req = req.body(Full::new(body)).map_err(|e| GatewayError::internal(format!("cannot build request to {base}{path}: {e}")))?;
         self.client.request(req).await.map_err(|e| unreachable(leg, base, &e))
     }

@@ -12,7 +12,7 @@ use serde_json::{Map, Value};
 use crate::request::{invalid, InvalidRequest};
 
 /// The bounds. `Default` matches the gateway's flag defaults.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Limits {
     /// `n` (choices per prompt), `best_of`, `/generate` `sampling_params.n`.
     pub max_n: u64,
@@ -28,11 +28,23 @@ pub struct Limits {
     pub max_logit_bias: usize,
     /// Entries in `tools` (and the legacy `functions`).
     pub max_tools: usize,
+    /// Not a bound: UTF-8 bytes per token, to estimate a text prompt's token count
+    /// (`ParsedRequest::prompt_tokens`). Token-id prompts are counted exactly.
+    pub chars_per_token: f64,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_n: 128, max_batch_size: 1024, max_prompt_bytes: 8 * 1024 * 1024, max_stop_sequences: 32, max_stop_bytes: 1024, max_logit_bias: 2048, max_tools: 512 }
+        Limits {
+            max_n: 128,
+            max_batch_size: 1024,
+            max_prompt_bytes: 8 * 1024 * 1024,
+            max_stop_sequences: 32,
+            max_stop_bytes: 1024,
+            max_logit_bias: 2048,
+            max_tools: 512,
+            chars_per_token: 4.0,
+        }
     }
 }
 

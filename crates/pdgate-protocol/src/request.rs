@@ -54,6 +54,11 @@ pub struct ParsedRequest {
     /// The output length asked for, with the field that asked: the largest of `max_tokens`,
     /// `max_completion_tokens` and `/generate` `sampling_params.max_new_tokens`.
     pub max_tokens: Option<(u64, &'static str)>,
+    /// The prompt's length in tokens, summed over a batch's prompts (not multiplied by `n`: the
+    /// samples share one prefill): exact for token ids (`prompt` ids, `input_ids`), else the
+    /// text's UTF-8 bytes / `Limits::chars_per_token`, rounded up (chat: the messages' content,
+    /// without the chat template's own tokens). Token-based load counts this.
+    pub prompt_tokens: u64,
     /// Gateway-owned fields were removed: `body` differs from the bytes received, so a leg that
     /// would forward those bytes must encode `body` instead.
     pub rewritten: bool,
@@ -109,11 +114,44 @@ pub fn parse_request(endpoint: Endpoint, bytes: &[u8], limits: &Limits) -> Resul
     let wants_input_logprobs = endpoint == Endpoint::Generate && optional_bool(&body, "return_logprob")?.unwrap_or(false);
     let model = body.get("model").and_then(Value::as_str).map(str::to_string);
     let max_tokens = requested_tokens(&body);
+    let prompt_tokens = count_prompt_tokens(endpoint, &body, limits.chars_per_token);
     let rewritten = scanned.gateway_fields;
     if rewritten {
         rendezvous::strip_gateway_fields(&mut body);
     }
-    Ok(ParsedRequest { endpoint, body, stream, batch_items, wants_input_logprobs, model, max_tokens, rewritten })
+    Ok(ParsedRequest { endpoint, body, stream, batch_items, wants_input_logprobs, model, max_tokens, prompt_tokens, rewritten })
+}
+
+/// See `ParsedRequest::prompt_tokens`. Runs on a validated body.
+fn count_prompt_tokens(endpoint: Endpoint, body: &Map<String, Value>, chars_per_token: f64) -> u64 {
+    let (ids, text_bytes) = match endpoint {
+        Endpoint::Completions => body.get("prompt").map_or((0, 0), split_prompt),
+        Endpoint::ChatCompletions => (0, body.get("messages").map_or(0, limits::text_bytes)),
+        Endpoint::Generate => match body.get("input_ids").filter(|v| !v.is_null()) {
+            Some(ids) => split_prompt(ids),
+            None => (0, body.get("text").map_or(0, limits::text_bytes)),
+        },
+    };
+    ids.saturating_add(estimate_tokens(text_bytes, chars_per_token))
+}
+
+/// (token ids, text bytes) of a prompt value: a string, ids, or lists of either.
+fn split_prompt(v: &Value) -> (u64, usize) {
+    match v {
+        Value::String(s) => (0, s.len()),
+        Value::Array(items) if items.iter().all(|t| t.is_u64()) => (items.len() as u64, 0),
+        Value::Array(items) => items.iter().map(split_prompt).fold((0, 0), |(a, b), (c, d)| (a + c, b + d)),
+        _ => (0, 0),
+    }
+}
+
+/// Text bytes as tokens, rounded up; any non-empty text is at least one token.
+pub fn estimate_tokens(text_bytes: usize, chars_per_token: f64) -> u64 {
+    if text_bytes == 0 {
+        return 0;
+    }
+    let cpt = if chars_per_token.is_finite() && chars_per_token > 0.0 { chars_per_token } else { 4.0 };
+    ((text_bytes as f64 / cpt).ceil() as u64).max(1)
 }
 
 /// The largest output length the request asks for, and the field it is in.
@@ -352,6 +390,24 @@ mod tests {
         assert_eq!(r.max_tokens, Some((u64::MAX, "max_completion_tokens")));
         let g = parse(Endpoint::Generate, r#"{"text":"a","sampling_params":{"max_new_tokens":10000000}}"#).unwrap();
         assert_eq!(g.max_tokens, Some((10_000_000, "sampling_params.max_new_tokens")));
+    }
+
+    #[test]
+    fn prompt_tokens_are_exact_for_ids_and_estimated_for_text() {
+        let tokens = |ep, body: &str, cpt: f64| parse_request(ep, body.as_bytes(), &Limits { chars_per_token: cpt, ..Limits::default() }).unwrap().prompt_tokens;
+        assert_eq!(tokens(Endpoint::Completions, r#"{"prompt":[1,2,3]}"#, 4.0), 3);
+        assert_eq!(tokens(Endpoint::Completions, r#"{"prompt":[[1,2],[3,4,5]],"n":2}"#, 4.0), 5);
+        assert_eq!(tokens(Endpoint::Generate, r#"{"input_ids":[7,8,9,10]}"#, 4.0), 4);
+        assert_eq!(tokens(Endpoint::Generate, r#"{"input_ids":[[7],[8,9]]}"#, 4.0), 3);
+        assert_eq!(tokens(Endpoint::Completions, r#"{"prompt":"abcdefghi"}"#, 4.0), 3, "9 bytes / 4, rounded up");
+        assert_eq!(tokens(Endpoint::Completions, r#"{"prompt":"abcdefghi"}"#, 1.0), 9);
+        assert_eq!(tokens(Endpoint::Completions, r#"{"prompt":["ab","cd"]}"#, 1.0), 4);
+        assert_eq!(tokens(Endpoint::Completions, r#"{"prompt":"x"}"#, 4.0), 1, "any text is at least one token");
+        assert_eq!(tokens(Endpoint::Completions, r#"{"prompt":""}"#, 4.0), 0);
+        assert_eq!(tokens(Endpoint::Generate, r#"{"text":"héllo"}"#, 1.0), 6, "UTF-8 bytes, not chars");
+        let chat = r#"{"messages":[{"role":"system","content":"abcd"},{"role":"user","content":[{"type":"text","text":"efgh"}]}]}"#;
+        assert_eq!(tokens(Endpoint::ChatCompletions, chat, 1.0), 8);
+        assert_eq!(tokens(Endpoint::ChatCompletions, chat, 4.0), 2);
     }
 
     #[test]

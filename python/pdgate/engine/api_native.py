@@ -7,7 +7,7 @@ import uuid
 
 from aiohttp import web
 
-from .http_common import SSE, error_response, first_error, read_json, wait_all, watch
+from .http_common import SSE, error_response, fault_kill_point, first_error, read_json, wait_all, watch
 from .items import GenItem, bootstrap_fields, item_rid, kv_params
 from .outputs import native_logprobs, visible_text
 from .sampling import BadRequest, params_from_dict
@@ -122,4 +122,5 @@ async def _stream(request, engine, seqs: list[Seq], body: dict, batch: bool):
         if len(s.output_ids) > sent[i] or s.finished:
             sent[i] = len(s.output_ids)
             await sse.send(native_result(engine, s, body, i if batch else None))
+            fault_kill_point(engine, [s])
     return await sse.finish()

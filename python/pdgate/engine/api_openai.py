@@ -7,7 +7,7 @@ import uuid
 
 from aiohttp import web
 
-from .http_common import SSE, error_response, first_error, read_json, wait_all, watch
+from .http_common import SSE, error_response, fault_kill_point, first_error, read_json, wait_all, watch
 from .items import GenItem, bootstrap_fields, item_rid, kv_params
 from .outputs import finish_reason_openai, usage, visible_text
 from .sampling import BadRequest, params_from_dict
@@ -57,7 +57,7 @@ def _items(body: dict, prompts: list[list[int]], sp: dict, rid_base: str, lp: tu
         if isinstance(d.get("seed"), int) and c:
             d["seed"] += c
         items.append(GenItem(rid=_item_rid(body, rid_base, i, total), input_ids=list(prompts[pi]),
-                             params=params_from_dict(d), return_logprob=lp[0], top_logprobs_num=lp[1],
+                             params=params_from_dict(d), return_logprob=lp[0], top_logprobs_num=lp[1], input_logprobs=False,
                              kv_transfer_params=kvp, **bootstrap_fields(body, i, total)))
     return items, n
 
@@ -119,9 +119,13 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         rid = body.get("rid")
         ctx = {"id": rid if isinstance(rid, str) and rid else items[0].rid.rsplit("-", 1)[0],
                "created": int(time.time()),
-               "model": body.get("model") or engine.served_name, "chat": chat, "n": n}
+               "model": body.get("model") or engine.served_name, "chat": chat, "n": n,
+               "token_ids": body.get("return_token_ids") is True}
         if body.get("stream"):
             return await _stream(request, engine, seqs, body, ctx)
+        if getattr(engine.args, "fault_kill_after_tokens", 0):
+            async for _ in watch(seqs):
+                fault_kill_point(engine, seqs)
         await wait_all(seqs)
         err = first_error(seqs)
         if err is not None:
@@ -159,10 +163,16 @@ def _full(engine, seqs: list[Seq], ctx: dict) -> dict:
             c["message"] = {"role": "assistant", "content": text}
         else:
             c["text"] = text
+        if ctx["token_ids"]:  # vLLM's return_token_ids: the ids on each choice
+            c["token_ids"] = list(s.output_ids)
+            if not chat:
+                c["prompt_token_ids"] = list(s.tokens[:s.prompt_len])
         choices.append(c)
     out = {"id": ctx["id"], "object": "chat.completion" if chat else "text_completion",
            "created": ctx["created"], "model": ctx["model"], "choices": choices,
            "usage": usage(seqs, ctx["n"])}
+    if chat and ctx["token_ids"]:  # chat: the prompt ids at the top level, as vLLM
+        out["prompt_token_ids"] = list(seqs[0].tokens[:seqs[0].prompt_len])
     if seqs[0].kv_transfer_params is not None:
         out["kv_transfer_params"] = seqs[0].kv_transfer_params
     return out
@@ -179,6 +189,7 @@ async def _stream(request, engine, seqs: list[Seq], body: dict, ctx: dict):
                 "choices": choices, **extra}
 
     role_sent = [False] * len(seqs)
+    ids_wanted = ctx["token_ids"]
     async for i in watch(seqs):
         s = seqs[i]
         if s.error is not None:
@@ -189,22 +200,34 @@ async def _stream(request, engine, seqs: list[Seq], body: dict, ctx: dict):
         text = visible_text(engine.tokenizer, s, False)
         delta, lp = text[len(sent_text[i]):], _logprobs(engine, s, sent_tok[i], chat)
         new_tokens = len(s.output_ids) > sent_tok[i]
+        prompt_ids = list(s.tokens[:s.prompt_len]) if ids_wanted and not role_sent[i] else None
         if chat and not role_sent[i]:  # OpenAI order: the role first, before any content
             role_sent[i] = True
+            extra = {"prompt_token_ids": prompt_ids} if prompt_ids is not None else {}
             await sse.send(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                   "logprobs": None, "finish_reason": None}]))
+                                   "logprobs": None, "finish_reason": None}], **extra))
+            prompt_ids = None
+        new_ids = s.output_ids[sent_tok[i]:]
         sent_text[i], sent_tok[i] = text, len(s.output_ids)
         reason = finish_reason_openai(s)
-        if delta or reason or (lp and new_tokens):
+        # With return_token_ids every new token goes out at once, with or without visible text,
+        # so a reader always holds the ids of exactly the text it got.
+        if delta or reason or (lp and new_tokens) or (ids_wanted and new_tokens):
             c = {"index": i, "logprobs": lp, "finish_reason": reason}
             if chat:
                 c["delta"] = {"content": delta} if delta else {}
             else:
                 c["text"] = delta
+            if ids_wanted:
+                c["token_ids"] = list(new_ids)
+                if prompt_ids is not None:
+                    c["prompt_token_ids"] = prompt_ids
+                    role_sent[i] = True
             extra = {}
             if reason and s.kv_transfer_params is not None:
                 extra["kv_transfer_params"] = s.kv_transfer_params
             await sse.send(chunk([c], **extra))
+            fault_kill_point(engine, [s])
     if include_usage:
         await sse.send(chunk([], usage=usage(seqs, ctx["n"])))
     return await sse.finish()

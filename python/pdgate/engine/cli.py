@@ -65,7 +65,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=_env_float("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", 480.0),
                    help="seconds a NIXL-style prefill holds pages nobody pulled "
                         "(env VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
+    p.add_argument("--fault-kill-after-tokens", type=int, default=0,
+                   help="fault injection for tests: the engine SIGKILLs itself once it has sent a "
+                        "stream chunk holding a sequence's N-th output token, or (whole answers) "
+                        "once a sequence has generated N tokens; 0: off")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share full KV pages between requests with the same prefix (vLLM's flag; "
+                        "--no-enable-prefix-caching or SGLang's --disable-radix-cache turn it off)")
+    p.add_argument("--disable-radix-cache", dest="enable_prefix_caching", action="store_false",
+                   default=argparse.SUPPRESS, help="SGLang's spelling of --no-enable-prefix-caching")
+    p.add_argument("--kv-events-config", default=None,
+                   help='vLLM\'s KVEventsConfig as JSON, e.g. \'{"enable_kv_cache_events": true, '
+                        '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", '
+                        '"topic": "kv@pod@model"}\': publish the prefix cache\'s KV events over ZMQ')
     p.add_argument("--log-level", default="info")
+    p.add_argument("--grpc-service", choices=["sglang", "vllm"], default=None,
+                   help="serve gRPC on --port (SGLang's scheduler service or vLLM's engine service, "
+                        "the smg-grpc-proto contract) with the HTTP surface on --port + 1")
+    p.add_argument("--smg-grpc-mode", dest="grpc_service", action="store_const", const="sglang",
+                   help="SGLang's flag: the same as --grpc-service sglang")
+    p.add_argument("--export-tokenizer", metavar="DIR", default=None,
+                   help="write the model's Hugging Face tokenizer files (tokenizer.json, "
+                        "tokenizer_config.json with the chat template, config.json, "
+                        "generation_config.json) into DIR and exit: a gateway's --model-path")
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -79,6 +101,11 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         if not isinstance(cfg, dict) or "kv_connector" not in cfg:
             raise SystemExit("--kv-transfer-config needs at least kv_connector")
     args.kv_transfer_config = cfg
+    from .kv_events import parse_config
+
+    args.kv_events_config = parse_config(args.kv_events_config)
+    if args.kv_events_config.active and not args.enable_prefix_caching:
+        raise SystemExit("--kv-events-config publishes the prefix cache's events: it needs prefix caching on")
     if args.disaggregation_mode is None:
         role = (cfg or {}).get("kv_role")
         args.disaggregation_mode = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(role, "null")
@@ -93,6 +120,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.export_tokenizer:
+        from .hf_export import export
+
+        for path in export(args.model, args.export_tokenizer):
+            print(path)
+        return 0
     from .parent_watch import install_from_env
     from .server import serve  # numpy and aiohttp load only when a worker really runs
 

@@ -14,8 +14,10 @@ import aiohttp
 from .config import PRESETS
 from .items import FAKE_BOOTSTRAP_HOST, GenItem
 from .kv import KVPool, OutOfPages
+from .kv_events import KVEventPublisher
 from .model import Model
 from .pd import PDDriver
+from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
 from .sequence import EngineError, Seq
 from .tokenizer import ByteTokenizer, HFTokenizer, load_hf_ids
@@ -52,7 +54,13 @@ class Engine:
         self.cfg = cfg
         self.model = Model(cfg, weights)
         num_pages = max(2, args.max_total_tokens // args.page_size)
-        self.pool = KVPool(num_pages, args.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        events = args.kv_events_config
+        self.kv_events = KVEventPublisher(events) if events is not None and events.active else None
+        # A decode worker's prompts arrive as KV: it neither looks the cache up nor fills it.
+        cache = None
+        if args.enable_prefix_caching and args.disaggregation_mode != "decode":
+            cache = PrefixCache(args.page_size, self.kv_events.add if self.kv_events else None)
+        self.pool = KVPool(num_pages, args.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache)
         self.scheduler = Scheduler(self.model, self.pool, self.tokenizer, args.chunked_prefill_size,
                                    args.max_running_requests)
         self.mode = args.disaggregation_mode
@@ -94,6 +102,8 @@ class Engine:
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        if self.kv_events is not None:
+            self.kv_events.start()
         self.ctx.port = await self.tserver.start(self.args.host, self.args.transfer_port)
         self._tasks.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
         if self.bootstrap is not None:
@@ -117,12 +127,15 @@ class Engine:
             t.cancel()
         if self.http is not None:
             await self.http.close()
+        if self.kv_events is not None:
+            self.kv_events.stop()
 
     # ---- pages -------------------------------------------------------------------------
-    async def reserve(self, n: int, timeout: float) -> list[int]:
-        """Reserve n pages, waiting (FIFO by polling) up to `timeout` for others to free some."""
-        if n > self.pool.num_pages:
-            raise EngineError(f"request needs {n} KV pages, the pool has {self.pool.num_pages}",
+    async def reserve(self, n: int, timeout: float, total: int | None = None) -> list[int]:
+        """Reserve n pages, waiting (FIFO by polling) up to `timeout` for others to free some.
+        `total`: all the pages the request needs (n plus those it already holds)."""
+        if (total or n) > self.pool.num_pages:
+            raise EngineError(f"request needs {total or n} KV pages, the pool has {self.pool.num_pages}",
                               400, "context_length_exceeded")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -135,10 +148,42 @@ class Engine:
                                       "kv_cache_full") from None
                 await asyncio.sleep(0.005)
 
+    async def acquire(self, seq: Seq, n: int, timeout: float) -> None:
+        """Give a sequence that computes its own prompt its n pages: the cached pages of the
+        longest cached prefix of its prompt (short of its last token, which is always computed),
+        then new ones. Requests for input logprobs skip the lookup (they need every
+        position's logits), as vLLM skips it for prompt logprobs."""
+        cache, hit, digests = self.pool.cache, [], []
+        if cache is not None and not seq.wants_input_logprobs:
+            hit, digests = cache.match(seq.tokens[:seq.prompt_len], seq.prompt_len - 1)
+            self.pool.share(hit)
+        try:
+            new = await self.reserve(n - len(hit), timeout, total=n)
+        except BaseException:
+            if hit:
+                self.pool.free(hit, seq)
+            raise
+        seq.pages, seq.block_digests, seq.committed = hit + new, digests, len(hit)
+        seq.computed = seq.cached_tokens = len(hit) * self.pool.page_size
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache (SGLang's /flush_cache, vLLM's /reset_prefix_cache). Like
+        the engines, only when no request holds a page; publishes AllBlocksCleared."""
+        c = self.pool.counters()
+        if self.pool.cache is None or c["reserved"] + c["in_use"] + c["pinned"] > 0:
+            return self.pool.cache is None
+        self.pool.forget(self.pool.cache.clear())
+        return True
+
+    def prefix_cache_stats(self) -> dict:
+        out = self.pool.cache.stats() if self.pool.cache is not None else {"enabled": False}
+        out["kv_events"] = self.kv_events.stats() if self.kv_events is not None else {"enabled": False}
+        return out
+
     def release(self, seq: Seq) -> None:
         """Free `seq`'s pages unless the scheduler still holds it (then it frees them itself)."""
         if seq.pages and not self.scheduler.owns(seq):
-            self.pool.free(seq.pages)
+            self.pool.free(seq.pages, seq)
             seq.pages = []
 
     def pages_for_generation(self, seq: Seq) -> int:
@@ -147,7 +192,7 @@ class Engine:
 
     async def run_prefill(self, seq: Seq) -> None:
         """Compute a prefill-only sequence (prompt plus its first token); keep its pages."""
-        seq.pages = await self.reserve(self.pool.pages_for(seq.prompt_len), self.args.queue_timeout)
+        await self.acquire(seq, self.pool.pages_for(seq.prompt_len), self.args.queue_timeout)
         self.scheduler.add(seq)
         try:
             await asyncio.wait({seq.prefilled, seq.done}, return_when=asyncio.FIRST_COMPLETED)
@@ -158,7 +203,7 @@ class Engine:
             raise seq.error
 
     async def start_local(self, seq: Seq) -> None:
-        seq.pages = await self.reserve(self.pages_for_generation(seq), self.args.queue_timeout)
+        await self.acquire(seq, self.pages_for_generation(seq), self.args.queue_timeout)
         self.scheduler.add(seq)
 
     # ---- requests ----------------------------------------------------------------------
@@ -173,7 +218,8 @@ class Engine:
                               "invalid_input_ids")
         prefill_only = self.pd.is_prefill_leg(item)
         seq = Seq(item.rid, item.input_ids, item.params, return_logprob=item.return_logprob,
-                  top_logprobs_num=item.top_logprobs_num, prefill_only=prefill_only)
+                  top_logprobs_num=item.top_logprobs_num, prefill_only=prefill_only,
+                  input_logprobs=item.input_logprobs)
         task = asyncio.create_task(self._drive(item, seq))
         self.live[seq.rid] = (seq, task)
         seq.done.add_done_callback(lambda _f: self._done(seq))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from typing import AsyncIterator
 
 from aiohttp import web
@@ -83,3 +85,11 @@ async def wait_all(seqs: list[Seq]) -> None:
 
 def first_error(seqs: list[Seq]) -> EngineError | None:
     return next((s.error for s in seqs if s.error is not None), None)
+
+
+def fault_kill_point(engine, seqs: list[Seq]) -> None:
+    """`--fault-kill-after-tokens N`: dies like a SIGKILLed engine (no cleanup, no last bytes)
+    once a sequence has N output tokens out. A deterministic mid-answer death for tests."""
+    n = getattr(engine.args, "fault_kill_after_tokens", 0)
+    if n and any(len(s.output_ids) >= n for s in seqs):
+        os.kill(os.getpid(), signal.SIGKILL)

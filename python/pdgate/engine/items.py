@@ -16,6 +16,7 @@ class GenItem:
     params: SamplingParams
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    input_logprobs: bool = True  # with return_logprob: the prompt's too (native); OpenAI: outputs only
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None

@@ -1,22 +1,32 @@
 """The paged KV pool: fixed-size pages, an allocator with exact per-page states.
 
-Every page is in exactly one state, so the counters (free, reserved, in use, pinned) always sum
-to the pool size and a leak is visible in `/v1/loads`:
+Every page is in exactly one state, so the counters (free, reserved, in use, pinned, cached)
+always sum to the pool size and a leak is visible in `/v1/loads`:
 - FREE: available.
-- RESERVED: owned by a request, no KV written yet (a decode's destination, or room to grow).
+- RESERVED: held by a request, no KV written yet (a decode's destination, or room to grow).
 - IN_USE: holds committed KV that attention may read.
 - PINNED: the transport may be reading or writing it; it is freed only after the transport
   has drained, never while bytes may still land in it.
+- CACHED: holds KV of a full page that the prefix cache (`prefix_cache.py`) knows, and no
+  request holds it: reusable by a request with the same prefix, evictable (LRU) when a
+  reservation needs room.
+
+With the prefix cache a page may be held by several requests at once (a shared prefix), so the
+state is derived from three per-page facts: how many requests hold it (`refs`), how many
+transfers pin it (`pins`, each recorded against the request that pinned it) and whether KV was
+written. A page with a holder or a pin is never evicted and never handed out again; a cached
+page is full and never written again (a request that reuses it computes only later positions).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 
 import numpy as np
 
-FREE, RESERVED, IN_USE, PINNED = 0, 1, 2, 3
-_STATE_NAMES = ("free", "reserved", "in_use", "pinned")
+FREE, RESERVED, IN_USE, PINNED, CACHED = 0, 1, 2, 3, 4
+_STATE_NAMES = ("free", "reserved", "in_use", "pinned", "cached")
 
 
 class OutOfPages(Exception):
@@ -31,19 +41,27 @@ class KVPool:
     contiguous and a run of consecutive pages is one contiguous region (one segment for a
     transfer library). `k` and `v` are views of it indexed [layer, page, slot, kv_head, dim],
     which is all attention needs to know.
+
+    `cache` is the prefix cache (or None): the pool asks it which unheld pages it keeps and
+    which to evict when the free list runs short.
     """
 
     def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int):
+                 head_dim: int, cache=None):
         self.kv = np.zeros((num_pages, 2, num_layers, page_size, num_kv_heads, head_dim),
                            dtype=np.float32)
         self.k = self.kv[:, 0].swapaxes(0, 1)
         self.v = self.kv[:, 1].swapaxes(0, 1)
         self.page_size = page_size
         self.num_pages = num_pages
+        self.cache = cache
         self.state = np.zeros(num_pages, dtype=np.int8)
+        self.refs = np.zeros(num_pages, dtype=np.int32)
+        self.pins = np.zeros(num_pages, dtype=np.int32)
+        self.written = np.zeros(num_pages, dtype=bool)
+        self._pinned_by: dict[int, Counter[int]] = {}  # id(owner) -> pages it pinned (with counts)
         self._free: list[int] = list(range(num_pages))  # a min-heap: lowest pages first
-        self.counts = [num_pages, 0, 0, 0]
+        self.counts = [num_pages, 0, 0, 0, 0]
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -54,41 +72,114 @@ class KVPool:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    @property
+    def available(self) -> int:
+        """Pages a reservation can get now: free ones plus cached ones nobody holds."""
+        return len(self._free) + (self.cache.evictable if self.cache is not None else 0)
+
     # ---- allocator ---------------------------------------------------------------------
     def reserve(self, n: int) -> list[int]:
         """The n lowest free pages, ascending: a request's pages stay contiguous where the pool
-        allows, so a transfer moves few, large regions."""
-        if n > len(self._free):
-            raise OutOfPages(f"need {n} pages, {len(self._free)} free of {self.num_pages}")
+        allows, so a transfer moves few, large regions. Evicts cached pages (least recently
+        used first) when the free list is short."""
+        if n > self.available:
+            raise OutOfPages(f"need {n} pages, {self.available} available of {self.num_pages}")
+        while len(self._free) < n:
+            p = self.cache.evict()
+            self._check(p, self.refs[p] == 0 and self.pins[p] == 0, "evict a held page")
+            self._settle(p)
         pages = [heapq.heappop(self._free) for _ in range(n)]
-        self._move(pages, RESERVED, frm=(FREE,))
+        for p in pages:
+            self.refs[p], self.written[p] = 1, False
+            self._settle(p)
         return pages
 
+    def share(self, pages: list[int]) -> None:
+        """Hold pages the prefix cache matched (they are full and written); a cached page
+        nobody held leaves the eviction order."""
+        for p in pages:
+            self._check(p, self.written[p] and self.cache is not None and self.cache.holds(p),
+                        "share a page the cache does not hold")
+            if self.refs[p] == 0:
+                self.cache.unlink(p)
+            self.refs[p] += 1
+            self._settle(p)
+
     def commit(self, pages: list[int]) -> None:
-        """RESERVED -> IN_USE (KV now written); IN_USE pages are left as they are."""
-        self._move([p for p in pages if self.state[p] == RESERVED], IN_USE, frm=(RESERVED,))
-
-    def pin(self, pages: list[int]) -> None:
-        self._move(pages, PINNED, frm=(RESERVED, IN_USE))
-
-    def unpin(self, pages: list[int]) -> None:
-        """PINNED -> IN_USE, once a transfer has completed successfully."""
-        self._move(pages, IN_USE, frm=(PINNED,))
-
-    def free(self, pages: list[int]) -> None:
-        self._move(pages, FREE, frm=(RESERVED, IN_USE, PINNED))
+        """KV is now written in these pages (RESERVED -> IN_USE)."""
         for p in pages:
+            self._check(p, self.refs[p] > 0, "commit a page nobody holds")
+            self.written[p] = True
+            self._settle(p)
+
+    def pin(self, pages: list[int], owner=None) -> None:
+        """The transport may read or write these pages until `owner` unpins or frees them."""
+        for p in pages:
+            self._check(p, self.refs[p] > 0, "pin a page nobody holds")
+        self._pinned_by.setdefault(id(owner), Counter()).update(pages)
+        for p in pages:
+            self.pins[p] += 1
+            self._settle(p)
+
+    def unpin(self, pages: list[int], owner=None) -> None:
+        """A transfer has completed successfully: the pages hold KV that attention may read."""
+        mine = self._pinned_by.get(id(owner), Counter())
+        for p in pages:
+            self._check(p, mine[p] > 0, "unpin a page this owner did not pin")
+            mine[p] -= 1
+            if not mine[p]:
+                del mine[p]
+            self.pins[p] -= 1
+            self.written[p] = True
+            self._settle(p)
+        if not mine:
+            self._pinned_by.pop(id(owner), None)
+
+    def free(self, pages: list[int], owner=None) -> None:
+        """`owner` lets go of its pages (and of the pins it still has on them, once its
+        transfer has drained). A page nobody holds any more becomes CACHED if the prefix cache
+        keeps it, else FREE."""
+        for p in pages:
+            self._check(p, self.refs[p] > 0, "free a page nobody holds (double free)")
+        mine = self._pinned_by.pop(id(owner), Counter())
+        for p, n in mine.items():
+            self.pins[p] -= n
+        for p in reversed(pages):  # tail first: the deepest pages of a prefix are evicted first
+            self.refs[p] -= 1
+            if self.refs[p] == 0 and self.cache is not None and self.cache.holds(p):
+                self.cache.link(p)
+            self._settle(p)
+        for p in mine:
+            self._settle(p)
+
+    def forget(self, pages: list[int]) -> None:
+        """The cache dropped these pages (a flush): unheld ones become FREE."""
+        for p in pages:
+            self._settle(p)
+
+    def _settle(self, p: int) -> None:
+        """Recompute page p's state from its facts and keep the counters exact."""
+        if self.pins[p] > 0:
+            to = PINNED
+        elif self.refs[p] > 0:
+            to = IN_USE if self.written[p] else RESERVED
+        elif self.cache is not None and self.cache.holds(p):
+            to = CACHED
+        else:
+            to = FREE
+        frm = int(self.state[p])
+        if to == frm:
+            return
+        if to == FREE:
+            self.written[p] = False
             heapq.heappush(self._free, p)
+        self.counts[frm] -= 1
+        self.counts[to] += 1
+        self.state[p] = to
 
-    def _move(self, pages: list[int], to: int, frm: tuple[int, ...]) -> None:
-        for p in pages:
-            s = int(self.state[p])
-            if s not in frm:
-                raise RuntimeError(f"page {p}: illegal move {_STATE_NAMES[s]} -> {_STATE_NAMES[to]}")
-        for p in pages:
-            self.counts[int(self.state[p])] -= 1
-            self.state[p] = to
-            self.counts[to] += 1
+    def _check(self, p: int, ok, what: str) -> None:
+        if not ok:
+            raise RuntimeError(f"page {p} ({_STATE_NAMES[int(self.state[p])]}): illegal: {what}")
 
     def counters(self) -> dict[str, int]:
         out = dict(zip(_STATE_NAMES, self.counts))

@@ -15,7 +15,7 @@ class EngineCollector:
     def collect(self):
         e, pool, st = self.e, self.e.pool.counters(), self.e.ctx.stats
         g = GaugeMetricFamily(P + "kv_pages", "KV pages by state", labels=["state"])
-        for state in ("free", "reserved", "in_use", "pinned"):
+        for state in ("free", "reserved", "in_use", "pinned", "cached"):
             g.add_metric([state], pool[state])
         yield g
         yield GaugeMetricFamily(P + "num_running_reqs", "Sequences decoding", value=len(e.scheduler.running))

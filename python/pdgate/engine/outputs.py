@@ -5,10 +5,30 @@ from __future__ import annotations
 from .sequence import Seq
 
 
+# How many prompt tokens prime the detokenizer when the prompt ends inside a character.
+PRIME_TOKENS = 64
+
+
+def output_text(tok, seq: Seq) -> str:
+    """The output decoded as vLLM's incremental detokenizer does: when the prompt ends inside a
+    character (its tail decodes to a trailing U+FFFD), the output is decoded after that tail,
+    so the character comes out whole. A continued answer (a gateway resuming after a dead
+    decode sends prompt + generated ids) then yields exactly the text the client still lacks."""
+    if not seq.output_ids:
+        return ""
+    tail = seq.tokens[max(0, seq.prompt_len - PRIME_TOKENS):seq.prompt_len]
+    head = tok.decode(tail)
+    if not head.endswith("\ufffd"):
+        return tok.decode(seq.output_ids)
+    base = head.rstrip("\ufffd")
+    full = tok.decode(tail + seq.output_ids)
+    return full[len(base):] if full.startswith(base) else tok.decode(seq.output_ids)
+
+
 def visible_text(tok, seq: Seq, final: bool) -> str:
     """Output text with a matched stop string cut off; while streaming, text that could still
     become a stop string or an incomplete UTF-8 character is held back."""
-    text = tok.decode(seq.output_ids)
+    text = output_text(tok, seq)
     reason = seq.finish_reason or {}
     if reason.get("type") == "stop" and isinstance(reason.get("matched"), str):
         cut = text.find(reason["matched"])

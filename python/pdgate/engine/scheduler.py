@@ -97,7 +97,7 @@ class Scheduler:
             n = min(len(seq.tokens) - seq.computed, budget)
             budget -= n
             plan.append((seq, Segment(seq.pages, seq.computed, seq.tokens[seq.computed:seq.computed + n],
-                                      all_logits=seq.return_logprob and seq.computed < seq.prompt_len)))
+                                      all_logits=seq.wants_input_logprobs and seq.computed < seq.prompt_len)))
             if seq.computed + n == len(seq.tokens):
                 moved.append(seq)
         return plan
@@ -169,6 +169,8 @@ class Scheduler:
         if n > seq.committed:
             self.pool.commit(seq.pages[seq.committed:n])
             seq.committed = n
+        if self.pool.cache is not None:
+            self.pool.cache.fill(seq.tokens, seq.pages, seq.block_digests, seq.computed)
 
     def _finish(self, seq: Seq) -> None:
         if seq in self.running:
@@ -181,7 +183,7 @@ class Scheduler:
 
     def _release(self, seq: Seq) -> None:
         if seq.pages:
-            self.pool.free(seq.pages)
+            self.pool.free(seq.pages, seq)
             seq.pages = []
 
     def _drop_aborted(self) -> None:

@@ -24,7 +24,7 @@ class EngineError(Exception):
 class Seq:
     def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, *,
                  return_logprob: bool = False, top_logprobs_num: int = 0,
-                 prefill_only: bool = False):
+                 prefill_only: bool = False, input_logprobs: bool = True):
         self.rid = rid
         self.tokens = list(prompt_ids)
         self.prompt_len = len(prompt_ids)
@@ -32,8 +32,10 @@ class Seq:
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num
         self.prefill_only = prefill_only
+        self.wants_input_logprobs = return_logprob and input_logprobs  # every prompt position's
         self.pages: list[int] = []
         self.committed = 0            # pages known to hold KV
+        self.block_digests: list[bytes] = []  # prefix-cache digests of its full pages so far
         self.computed = 0             # tokens whose KV is in the pages
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []

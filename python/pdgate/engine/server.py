@@ -17,6 +17,7 @@ from . import api_native, api_openai, metrics
 from .engine import Engine
 from .http_common import error_body, error_response, read_json
 from .items import GenItem
+from .kv_events import config_dict
 from .sampling import BadRequest, params_from_dict
 from .sequence import EngineError
 
@@ -41,6 +42,8 @@ def engine_app(engine: Engine) -> web.Application:
     r.add_get("/metrics", metrics_handler)
     r.add_post("/abort_request", abort_request)
     r.add_get("/debug/kv_transfers", debug_transfers)
+    r.add_route("*", "/flush_cache", flush_cache)
+    r.add_post("/reset_prefix_cache", flush_cache)
     return app
 
 
@@ -98,6 +101,7 @@ def info_dict(e: Engine) -> dict:
         "chunked_prefill_size": a.chunked_prefill_size, "tp_size": 1, "dp_size": 1, "pp_size": 1,
         "context_length": e.cfg.max_position, "kv_side_channel_port": e.ctx.port,
         "kv_layout": e.ctx.layout, "engine": "pdgate-reference", "version": "0.1.0",
+        "disable_radix_cache": not a.enable_prefix_caching, "kv_events_config": config_dict(a.kv_events_config),
     })
     return d
 
@@ -121,7 +125,7 @@ async def model_info(request: web.Request) -> web.Response:
 
 def loads_dict(e: Engine) -> dict:
     pool = e.pool.counters()
-    used_pages = pool["total"] - pool["free"]
+    used_pages = pool["total"] - pool["free"] - pool["cached"]  # cached pages are evictable
     total_tokens = pool["total"] * e.pool.page_size
     st = e.ctx.stats
     return {"loads": [{
@@ -133,6 +137,7 @@ def loads_dict(e: Engine) -> dict:
         "max_total_num_tokens": total_tokens,
         "token_usage": round(used_pages / pool["total"], 6),
         "kv_pages": pool,
+        "prefix_cache": e.prefix_cache_stats(),
         "disaggregation": {
             "mode": e.mode, "transfer_backend": e.args.disaggregation_transfer_backend,
             "kv_connector": (e.kv_transfer_config or {}).get("kv_connector"),
@@ -173,6 +178,17 @@ async def abort_request(request: web.Request) -> web.Response:
     return web.json_response({"aborted": n > 0, "count": n})
 
 
+async def flush_cache(request: web.Request) -> web.Response:
+    """SGLang's `/flush_cache` and vLLM's `POST /reset_prefix_cache`: empty the prefix cache
+    (KV event AllBlocksCleared). Refused with 400 while a request holds pages, as SGLang does."""
+    if request.method not in ("GET", "POST"):
+        raise web.HTTPMethodNotAllowed(request.method, ["GET", "POST"])
+    if not request.app["engine"].flush_cache():
+        return web.json_response(error_body("Cache not flushed: requests are holding KV pages",
+                                            "invalid_request_error", "cache_busy"), status=400)
+    return web.Response(text="Cache flushed.\n")
+
+
 async def debug_transfers(request: web.Request) -> web.Response:
     return web.json_response({"transfers": request.app["engine"].ctx.table.snapshot()})
 
@@ -183,14 +199,27 @@ async def serve(args) -> int:
     app = engine_app(engine)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
-    log.info("listening on http://%s:%d", args.host, args.port)
+    grpc_service = getattr(args, "grpc_service", None)
+    http_port = args.port
+    if grpc_service:
+        from .grpc_server import sidecar_port
+
+        http_port = sidecar_port(args)
+    await web.TCPSite(runner, args.host, http_port).start()
+    log.info("listening on http://%s:%d", args.host, http_port)
+    grpc_server = None
+    if grpc_service:  # bound before the engine is ready, so a healthy sidecar means gRPC is up
+        from .grpc_server import start_grpc
+
+        grpc_server = await start_grpc(engine, grpc_service, args.host, args.port)
     await engine.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if grpc_server is not None:
+        await grpc_server.stop(grace=1.0)
     await engine.stop()
     await runner.cleanup()
     return 0

@@ -1,22 +1,25 @@
 """Where one request runs: the decision as a pluggable pure function.
 
 `Decide` is `(PlacementView, ServiceModel) -> Decision`. The simulator calls whatever it is
-given. The default, `conditional`, is this package's cost comparison; issue 13 puts the gateway's
-real decision in pdgate-core as a pure function with the model state passed in. When that lands,
-a wrapper that converts the view to its input and calls it through the bindings is passed here
-instead (`pdgate simulate --decision module:function`), so there is one decision, not two.
+given. The default, `conditional`, is the gateway's own decision: pdgate-core's
+`placement::decide`, called through the bindings (`pdgate._core.PlacementModel`), so the
+simulator and the gateway share one decision. `--decision module:function` plugs in another
+for experiments. The prediction helpers below restate the model's formulas for the
+simulator's analysis; `tests/simulate/test_core_decision.py` checks they agree with core's.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
+from .._native import core
 from .model import ServiceModel
 
 __all__ = ["COLOCATED", "DISAGGREGATED", "Decide", "Decision", "PlacementView", "always_colocated",
-           "always_disaggregated", "conditional", "load_decision", "predicted_local_ttft_ms",
+           "always_disaggregated", "conditional", "core_decide", "load_decision", "predicted_local_ttft_ms",
            "predicted_remote_ttft_ms"]
 
 COLOCATED = "colocated"
@@ -57,25 +60,27 @@ def predicted_local_ttft_ms(v: PlacementView, m: ServiceModel) -> float:
             + m.prefill_chunks(v.prompt_tokens) * m.decode_step(v.local_batch))
 
 
-def _stall_tpot_ms(v: PlacementView, m: ServiceModel) -> float:
-    """Predicted TPOT of the running decodes on the local target if this prefill runs there.
-    The prefill (and the local work queued before it) delays each of them once. In steady state
-    each of the n running decodes also shares its lifetime with about n such arrivals, so the
-    delay is counted n times over an output of this request's length."""
-    stall = (v.local_wait_ms + m.prefill_ms(v.prompt_tokens)) * max(1, v.local_batch)
-    return m.decode_step(v.local_batch) + stall / max(v.output_tokens, 1)
+@functools.lru_cache(maxsize=16)
+def _core_model(m: ServiceModel) -> Any:
+    return core().PlacementModel(
+        prefill_base_ms=m.prefill_a_ms, prefill_ms_per_token=m.prefill_b_ms, decode_step_ms=m.decode_step_ms,
+        decode_step_per_seq_ms=m.decode_step_per_seq_ms, kv_bytes_per_token=m.kv_bytes_per_token,
+        link_setup_ms=m.link_setup_ms, link_gib_per_s=m.link_gib_per_s, send_chunk_tokens=m.send_chunk_tokens,
+        prefill_chunk_tokens=m.prefill_chunk_tokens)
+
+
+def core_decide(v: PlacementView, m: ServiceModel, mode: str = "conditional", slack: float = 0.0) -> tuple:
+    """pdgate-core's decision: (placement, reason, remote TTFT, local TTFT, local stall TPOT).
+    The simulator never rejects (slack 0): a simulated request always runs somewhere."""
+    return _core_model(m).decide(
+        mode, v.prompt_tokens, v.output_tokens, (v.prefill_wait_ms, v.decode_wait_ms, v.remote_decode_batch),
+        (v.local_wait_ms, v.local_batch, 0), v.slo_ttft_ms, v.slo_tpot_ms, slack)
 
 
 def conditional(v: PlacementView, m: ServiceModel) -> Decision:
-    remote = predicted_remote_ttft_ms(v, m)
-    local = predicted_local_ttft_ms(v, m)
-    if v.local_batch > 0 and _stall_tpot_ms(v, m) > v.slo_tpot_ms:
-        return Decision(DISAGGREGATED, "local_stall_breaks_tpot")
-    if remote < local:
-        reason = "remote_ttft_lower" if remote <= v.slo_ttft_ms else "both_miss_ttft_remote_lower"
-        return Decision(DISAGGREGATED, reason)
-    reason = "local_ttft_lower" if local <= v.slo_ttft_ms else "both_miss_ttft_local_lower"
-    return Decision(COLOCATED, reason)
+    """The gateway's conditional placement (pdgate-core), for one simulated request."""
+    placement, reason, *_ = core_decide(v, m)
+    return Decision(COLOCATED if placement == COLOCATED else DISAGGREGATED, reason)
 
 
 def always_colocated(v: PlacementView, m: ServiceModel) -> Decision:

@@ -33,18 +33,22 @@ class ReferenceWorker:
     mode: "prefill" | "decode" | "null". kv_connector: None for SGLang bootstrap style, or
     "NixlConnector" / "MooncakeConnector" for vLLM style (`--kv-transfer-config`).
     port / bootstrap_port: None picks free ports (bootstrap only for prefill workers).
+    grpc_service: "sglang" / "vllm" serves that gRPC service on `port` (`grpc_url`) and the HTTP
+    surface on `port + 1` (`url`), SGLang's sidecar convention.
     """
 
     def __init__(self, mode: str = "null", model: str = "tiny", port: int | None = None,
                  bootstrap_port: int | None = None, transfer_backend: str = "tcp",
                  kv_connector: str | None = None, extra_args: Sequence[str] = (),
                  env: Mapping[str, str] | None = None, log_path: str | None = None,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", grpc_service: str | None = None):
         if mode not in ("prefill", "decode", "null"):
             raise ValueError(f"mode must be prefill, decode or null, not {mode!r}")
         if kv_connector is not None and kv_connector not in _CONNECTORS:
             raise ValueError(f"kv_connector must be None or one of {_CONNECTORS}")
-        self.mode, self.model, self.host = mode, model, host
+        if grpc_service not in (None, "sglang", "vllm"):
+            raise ValueError(f"grpc_service must be None, sglang or vllm, not {grpc_service!r}")
+        self.mode, self.model, self.host, self.grpc_service = mode, model, host, grpc_service
         self._auto_port, self._auto_bootstrap = port is None, bootstrap_port is None
         self.port = port or free_port(host)
         self.bootstrap_port = (bootstrap_port or free_port(host)) if mode == "prefill" else bootstrap_port
@@ -58,7 +62,15 @@ class ReferenceWorker:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """The HTTP surface (`port + 1` beside a gRPC service)."""
+        return f"http://{self.host}:{self.port + (1 if self.grpc_service else 0)}"
+
+    @property
+    def grpc_url(self) -> str:
+        """`grpc://host:port` of the gRPC service (only with grpc_service)."""
+        if not self.grpc_service:
+            raise RuntimeError("this worker serves HTTP only")
+        return f"grpc://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "pdgate.engine", "--model", self.model, "--host", self.host,
@@ -70,6 +82,8 @@ class ReferenceWorker:
             role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(self.mode, "kv_both")
             cmd += ["--kv-transfer-config",
                     json.dumps({"kv_connector": self.kv_connector, "kv_role": role})]
+        if self.grpc_service:
+            cmd += ["--grpc-service", self.grpc_service]
         return cmd + self.extra_args
 
     def start(self, timeout: float = 60) -> "ReferenceWorker":

@@ -38,7 +38,22 @@ pub const SCAN_LIMIT: usize = 128;
 /// Current load of each worker, by snapshot index: the gateway's in-flight count plus the
 /// engine's polled queue, or whatever the gateway decides load means. Unknown workers are 0.
 pub trait LoadView: Sync {
+    /// Requests queued or running on this worker (what count-based policies compare).
     fn load(&self, worker: usize) -> u64;
+    /// Prompt tokens queued or being prefilled on this worker (the gateway's own count plus what
+    /// the engine reports waiting), 0 when unknown.
+    fn prompt_tokens(&self, _worker: usize) -> u64 {
+        0
+    }
+    /// KV tokens this worker can still take (engine-reported free KV minus what the gateway placed
+    /// since that report), `None` when unknown.
+    fn free_kv_tokens(&self, _worker: usize) -> Option<u64> {
+        None
+    }
+    /// Requests running on this worker (engine report, else the gateway's in-flight count).
+    fn running(&self, worker: usize) -> u64 {
+        self.load(worker)
+    }
 }
 
 /// Every worker idle: the load view of tests and of policies that ignore load.

@@ -8,12 +8,17 @@ use std::sync::Arc;
 
 use axum::http::HeaderValue;
 
+use crate::tracing_export::ClientTrace;
+
 pub struct RequestScope {
     pub request_id: String,
     /// The `via` value for upstream requests: the incoming one plus this gateway's entry.
     pub via: HeaderValue,
     /// The request's log span (its ids), entered wherever the scope is.
     pub span: tracing::Span,
+    /// The client's W3C trace context, passed on to the workers as it came when the gateway
+    /// does not trace itself (with `--enable-trace` the legs' spans are sent instead).
+    pub client_trace: Option<ClientTrace>,
 }
 
 tokio::task_local! {
@@ -41,4 +46,9 @@ pub fn via() -> Option<HeaderValue> {
 /// The current request's id, when inside a request.
 pub fn request_id() -> Option<String> {
     CURRENT.try_with(|s| s.request_id.clone()).ok()
+}
+
+/// The trace headers for a request to a worker (see [`crate::tracing_export::worker_headers`]).
+pub fn worker_trace_headers() -> Option<(HeaderValue, Option<HeaderValue>)> {
+    CURRENT.try_with(|s| crate::tracing_export::worker_headers(s.client_trace.as_ref())).ok().flatten()
 }

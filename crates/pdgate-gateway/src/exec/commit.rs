@@ -20,10 +20,13 @@ use pdgate_protocol::answer::{check_json, check_sse_start, BadAnswer};
 use pdgate_protocol::logprobs::PrefillLogprobs;
 use pdgate_protocol::sse::SseScanner;
 use tokio::time::{timeout_at, Instant};
+use tracing::Instrument;
 
 use super::client::{AbortGuard, LegEvent, LegEvents, LegRequest, WorkerClient};
 use super::leg::{self, answering_deadline_error, deadline_error};
 use super::relay::{drain_prefill, wait_prefill, Finish, PrefillLeg, Relayed, Rewriter, StreamRelay};
+use super::resume::Resumer;
+use super::spans::{self, RelayTrace};
 use super::Ctx;
 
 /// What the relay does to the answer, from the plan.
@@ -134,6 +137,22 @@ async fn prefill_logprobs(w: &mut Watched, deadline: Instant) -> Result<PrefillL
     Ok(w.answer.as_deref().map(PrefillLogprobs::from_prefill_body).unwrap_or_default())
 }
 
+/// A committed answer: a whole one, ready for the client, or a stream whose relay has its
+/// first chunk (the transaction may attach a resumer before it becomes the response body).
+pub enum Committed {
+    Whole(Response),
+    Stream { status: StatusCode, content_type: HeaderValue, relay: Box<StreamRelay> },
+}
+
+impl Committed {
+    pub fn into_response(self, resumer: Option<Resumer>) -> Response {
+        match self {
+            Committed::Whole(r) => r,
+            Committed::Stream { status, content_type, relay } => build(status, content_type, relay.with_resumer(resumer).into_body()),
+        }
+    }
+}
+
 /// Sends the relayed leg and relays its answer (see the module doc). `abort` tells the engine
 /// when the gateway gives the leg up (the prefill failed, the deadline, the client left).
 pub async fn relay_leg(
@@ -144,10 +163,16 @@ pub async fn relay_leg(
     watched: Watched,
     finish: Finish,
     abort: AbortGuard,
-) -> Result<Response, GatewayError> {
+) -> Result<Committed, GatewayError> {
     let leg = plan.leg;
     let mut abort = Some(abort);
-    let out = commit_and_relay(ctx, client, plan, body, watched, finish, &mut abort).await;
+    // The leg's span is current while it is sent (the worker gets it as its `traceparent`), and
+    // the relay's span is its child, so it lasts until the relay ends.
+    let span = spans::leg(leg, &plan.url);
+    let out = commit_and_relay(ctx, client, plan, body, watched, finish, &mut abort).instrument(span.clone()).await;
+    if let Err(e) = &out {
+        spans::failed(&span, e);
+    }
     if let (Err(e), Some(guard)) = (&out, abort.as_mut()) {
         if ended_at_worker(e, leg) {
             guard.disarm();
@@ -164,7 +189,7 @@ async fn commit_and_relay(
     mut watched: Watched,
     finish: Finish,
     abort: &mut Option<AbortGuard>,
-) -> Result<Response, GatewayError> {
+) -> Result<Committed, GatewayError> {
     let (deadline, leg) = (ctx.deadline, plan.leg);
     let limits = ctx.state.upstream.limits;
     let req = LegRequest { url: plan.url.clone(), path: ctx.req.endpoint.path(), body, request_id: ctx.request_id.clone(), leg, deadline };
@@ -193,10 +218,10 @@ async fn commit_and_relay(
         let logprobs = if plan.merge_logprobs { Some(prefill_logprobs(&mut watched, deadline).await?) } else { None };
         observe_ttfb(ctx);
         let abort = abort.take().ok_or_else(|| GatewayError::internal("the relayed leg's abort guard is gone"))?;
-        let relayed = Relayed { leg, worker: plan.url, scanner, abort };
+        let relayed = Relayed { leg, worker: plan.url, scanner, abort, trace: RelayTrace::start() };
         let relay = StreamRelay::new(first, events, deadline, watched.leg, Rewriter::new(logprobs, plan.scan_usage), finish, relayed);
-        let ct = head.content_type.unwrap_or_else(|| HeaderValue::from_static("text/event-stream"));
-        return Ok(build(head.status, ct, relay.into_body()));
+        let content_type = head.content_type.unwrap_or_else(|| HeaderValue::from_static("text/event-stream"));
+        return Ok(Committed::Stream { status: head.status, content_type, relay: Box::new(relay) });
     }
     let bytes = race(&mut watched, collect(events, limits.max_response_bytes, leg, deadline)).await.inspect_err(|e| {
         if e.kind == ErrorKind::BadWorkerResponse {
@@ -213,14 +238,17 @@ async fn commit_and_relay(
     ctx.state.record_outcome(&plan.url, Outcome::Success);
     drain_prefill(&ctx.state, watched.leg, deadline);
     observe_ttfb(ctx);
+    let mut trace = RelayTrace::start();
     let mut rewriter = Rewriter::new(logprobs, plan.scan_usage);
     let out = match rewriter.as_mut() {
         Some(r) => r.process_json(answer, bytes),
         None => bytes,
     };
+    trace.sent(out.len());
+    trace.ended(None);
     finish.done(rewriter.and_then(|r| r.cache));
     let ct = head.content_type.unwrap_or_else(|| HeaderValue::from_static("application/json"));
-    Ok(build(head.status, ct, Body::from(out)))
+    Ok(Committed::Whole(build(head.status, ct, Body::from(out))))
 }
 
 /// Counts a refused answer (`pdgate_bad_worker_responses_total`).

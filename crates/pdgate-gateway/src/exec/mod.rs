@@ -6,13 +6,19 @@
 //! - `commit`:      the relayed leg from send to its first byte, and the non-stream answer;
 //! - `relay`:       the stream after commit, the prefill drain, the accounting at the end;
 //! - `client`:      the worker-client trait, its events and the abort guard;
-//! - `leg`:         HTTP leg helpers and the deadline errors.
+//! - `resume`:      continuing a stream on a new pair after its decode died;
+//! - `leg`:         HTTP leg helpers and the deadline errors;
+//! - `spans`:       the phase spans for `--enable-trace`.
 
 pub mod client;
 mod commit;
 pub mod http_client;
+pub mod kv_room;
 pub mod leg;
+pub mod placement;
 pub mod relay;
+mod resume;
+pub mod spans;
 mod transaction;
 
 pub use transaction::execute;
@@ -28,6 +34,7 @@ use crate::registry::Routing;
 use crate::state::AppState;
 
 /// One client request on its way through the gateway.
+#[derive(Clone)]
 pub struct Ctx {
     pub state: Arc<AppState>,
     pub req: ParsedRequest,

@@ -26,6 +26,8 @@ use serde_json::Value;
 use tokio::time::{timeout_at, Instant};
 
 use super::client::{AbortGuard, LegEvent, LegEvents, LegFuture};
+use super::resume::Resumer;
+use super::spans::RelayTrace;
 use crate::metrics::InflightGuard;
 use crate::state::AppState;
 
@@ -184,6 +186,8 @@ pub struct Relayed {
     pub scanner: SseScanner,
     /// Tells the engine when the gateway gives this leg up (the client went away).
     pub abort: AbortGuard,
+    /// The relay's span (`--enable-trace`): bytes and chunks sent, how it ended.
+    pub trace: RelayTrace,
 }
 
 pub struct StreamRelay {
@@ -195,21 +199,69 @@ pub struct StreamRelay {
     finish: Option<Finish>,
     relayed: Relayed,
     done: bool,
+    /// Continues the stream on a new pair if the relayed leg dies (`resume.rs`).
+    resumer: Option<Box<Resumer>>,
+    /// A continuation's accounting (its workers' in-flight counts), held until the stream ends.
+    held: Vec<Finish>,
 }
 
 impl StreamRelay {
     pub fn new(first: Bytes, events: LegEvents, deadline: Instant, prefill: Option<PrefillLeg>, rewriter: Option<Rewriter>, finish: Finish, relayed: Relayed) -> Self {
-        StreamRelay { first: Some(first), events, deadline, prefill, rewriter, finish: Some(finish), relayed, done: false }
+        StreamRelay { first: Some(first), events, deadline, prefill, rewriter, finish: Some(finish), relayed, done: false, resumer: None, held: Vec::new() }
+    }
+
+    pub fn with_resumer(mut self, resumer: Option<Resumer>) -> Self {
+        self.resumer = resumer.map(Box::new);
+        self
+    }
+
+    /// Takes over a continuation's legs: its first chunk, events, prefill, rewriter and relayed
+    /// leg replace the dead ones (whose prefill is drained); its accounting is held.
+    fn adopt(&mut self, mut next: StreamRelay) {
+        if let Some(f) = &self.finish {
+            drain_prefill(&f.state, self.prefill.take(), self.deadline);
+        }
+        self.first = next.first.take();
+        self.events = std::mem::replace(&mut next.events, Box::pin(futures_util::stream::empty()));
+        self.prefill = next.prefill.take();
+        self.rewriter = next.rewriter.take();
+        self.held.extend(next.finish.take());
+        // `next` leaves with the dead leg (its abort guard already disarmed).
+        std::mem::swap(&mut self.relayed, &mut next.relayed);
+        next.done = true;
+    }
+
+    /// The relayed leg died: continue on a new pair if the resumer can, else `false`.
+    async fn resumed(&mut self, err: &GatewayError) -> bool {
+        let Some(resumer) = self.resumer.as_mut() else { return false };
+        if !Resumer::is_death(err) {
+            return false;
+        }
+        match resumer.resume(&self.relayed.worker.clone(), err).await {
+            Some(next) => {
+                self.adopt(next);
+                true
+            }
+            None => false,
+        }
     }
 
     pub fn into_body(self) -> Body {
-        let stream = futures_util::stream::unfold(self, |mut relay| async move { relay.next_chunk().await.map(|chunk| (Ok::<Bytes, Infallible>(chunk), relay)) });
+        let stream = futures_util::stream::unfold(self, |mut relay| async move {
+            let chunk = relay.next_chunk().await?;
+            relay.relayed.trace.sent(chunk.len());
+            Some((Ok::<Bytes, Infallible>(chunk), relay))
+        });
         Body::from_stream(stream)
     }
 
     fn process(&mut self, chunk: Bytes) -> Bytes {
-        match self.rewriter.as_mut() {
+        let chunk = match self.rewriter.as_mut() {
             Some(r) => r.process_sse(chunk),
+            None => chunk,
+        };
+        match self.resumer.as_mut() {
+            Some(r) => r.process(chunk),
             None => chunk,
         }
     }
@@ -243,35 +295,58 @@ impl StreamRelay {
     /// Whether the client has part of an event: a rewriting relay holds partial events back,
     /// a pass-through one has sent whatever the worker sent.
     fn client_mid_event(&self) -> bool {
-        let holds_back = self.rewriter.as_ref().is_some_and(|r| r.logprobs.is_some());
+        let holds_back = self.rewriter.as_ref().is_some_and(|r| r.logprobs.is_some()) || self.resumer.as_ref().is_some_and(|r| r.tracking());
         !holds_back && !self.relayed.scanner.at_boundary()
     }
 
     fn fail(&mut self, err: &GatewayError) -> Option<Bytes> {
+        self.judge(err);
+        self.error_event(err)
+    }
+
+    /// The relayed leg's failure reaches its worker's breaker and the error counts.
+    fn judge(&self, err: &GatewayError) {
+        self.record(Outcome::from_error(err));
+        self.count_error(err);
+    }
+
+    /// Ends the stream with the error event.
+    fn error_event(&mut self, err: &GatewayError) -> Option<Bytes> {
         if let Some(f) = &self.finish {
             let id = crate::edge::scope::request_id();
             crate::edge::log_limit::warn_request(&f.state, id.as_deref(), "stream ended by an error after bytes reached the client", err, None);
         }
-        self.record(Outcome::from_error(err));
-        self.count_error(err);
+        self.relayed.trace.ended(Some(err));
         // Close a half-sent event first, so the error event reads as an event of its own.
         let sep = if self.client_mid_event() { "\n\n" } else { "" };
         self.end();
         Some(Bytes::from(format!("{sep}{}", error_event(&err.message, err.error_type(), &err.code()))))
     }
 
-    /// The worker's stream ended: a success only if it ended with `data: [DONE]`.
-    fn ended(&mut self) -> Option<Bytes> {
+    /// The worker's stream ended: a success only if it ended with `data: [DONE]`, else the
+    /// truncation (counted).
+    fn ended(&mut self) -> Result<Option<Bytes>, GatewayError> {
         self.relayed.abort.disarm();
         if !self.relayed.scanner.saw_done() {
             let leg = self.relayed.leg;
             if let Some(f) = &self.finish {
                 f.state.metrics.streams_truncated.with_label_values(&[leg.as_str()]).inc();
             }
-            return self.fail(&GatewayError::stream_truncated(leg));
+            return Err(GatewayError::stream_truncated(leg));
         }
         self.record(Outcome::Success);
-        self.end()
+        self.relayed.trace.ended(None);
+        Ok(self.end())
+    }
+
+    /// The relayed leg died with `err`: its worker hears it, then the stream is resumed on a
+    /// new pair or ends with the error event.
+    async fn died(&mut self, err: GatewayError) -> Option<Option<Bytes>> {
+        self.judge(&err);
+        if self.resumed(&err).await {
+            return None;
+        }
+        Some(self.error_event(&err))
     }
 
     /// Looks at the next relayed bytes; an event over the size limit ends the stream.
@@ -295,10 +370,15 @@ impl StreamRelay {
     }
 
     async fn next_chunk(&mut self) -> Option<Bytes> {
-        if let Some(first) = self.first.take() {
-            return Some(self.process(first));
-        }
         while !self.done {
+            // The first chunk of the stream, or of a continuation (already read: the commit point).
+            if let Some(first) = self.first.take() {
+                let out = self.process(first);
+                if !out.is_empty() {
+                    return Some(out);
+                }
+                continue;
+            }
             let event = tokio::select! {
                 p = wait_prefill(&mut self.prefill) => Err(p),
                 e = timeout_at(self.deadline, self.events.next()) => Ok(e),
@@ -314,16 +394,21 @@ impl StreamRelay {
             match event {
                 // Tokens were arriving (the first chunk came): the request outlived its deadline.
                 Err(_) => return self.fail(&super::leg::answering_deadline_error(leg)),
-                Ok(None) => {
-                    let tail = self.ended();
-                    if tail.is_some() {
-                        return tail;
+                Ok(None) => match self.ended() {
+                    Ok(tail) if tail.is_some() => return tail,
+                    Ok(_) => {}
+                    Err(e) => {
+                        if let Some(out) = self.died(e).await {
+                            return out;
+                        }
                     }
-                }
+                },
                 Ok(Some(LegEvent::Error(e))) => {
                     // The worker's own failure: nothing left at the engine to abort.
                     self.relayed.abort.disarm();
-                    return self.fail(&e);
+                    if let Some(out) = self.died(e).await {
+                        return out;
+                    }
                 }
                 Ok(Some(LegEvent::Chunk(data))) => {
                     if let Err(e) = self.check(&data) {

@@ -20,16 +20,20 @@ use axum::http::HeaderValue;
 use axum::response::Response;
 use bytes::Bytes;
 use pdgate_core::breaker::Outcome;
+use pdgate_core::placement::Placement;
 use pdgate_core::plan::{self, LegBody, LegPlan, Mode, Order, PdPlan};
 use pdgate_core::route::{select_pair, select_regular};
 use pdgate_core::{ErrorKind, GatewayError, KvConnector, Leg, WorkerRole};
 use serde_json::{Map, Value};
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::client::{AbortGuard, LegRequest, WorkerClient};
-use super::commit::{relay_leg, RelayPlan, Watched};
+use super::commit::{relay_leg, Committed, RelayPlan, Watched};
+use super::placement;
 use super::relay::{Finish, PrefillLeg};
-use super::{AttemptFailure, Ctx};
+use super::resume::Resumer;
+use super::{spans, AttemptFailure, Ctx};
 use crate::metrics::InflightGuard;
 use crate::record::{Record, ROUTE_HEADER};
 use crate::registry::Runtime;
@@ -39,10 +43,22 @@ use crate::render::error_response;
 /// final, then finish.
 pub async fn execute(mut ctx: Ctx) -> Response {
     let mut record = Record::default();
-    if let Err(err) = admit(&ctx) {
+    let admit_span = spans::admit();
+    if let Err(err) = admit_span.in_scope(|| admit(&ctx)) {
+        spans::failed(&admit_span, &err);
         return finish(&ctx, error_response(&err), &record);
     }
+    drop(admit_span);
+    // Learns, before the legs are built, whether this stream could be resumed (then the decode
+    // is asked for token ids).
+    let mut resumer = Resumer::prepare(&mut ctx);
+    // Place (PD mode): disaggregated, colocated, or rejected early; then wait for decode room.
+    let mut placed = match placement::place_request(&ctx, &mut record).await {
+        Ok(placed) => placed,
+        Err(refusal) => return finish(&ctx, refusal, &record),
+    };
     let mut failed: Vec<String> = Vec::new();
+    let mut whole_resumes = 0;
     ctx.state.retry_budget_deposit();
     let response = loop {
         record.attempts += 1;
@@ -51,11 +67,13 @@ pub async fn execute(mut ctx: Ctx) -> Response {
             ctx.request_id = crate::request_id::mint(ctx.client_request_id.as_deref());
             tracing::Span::current().record("request_id", ctx.request_id.as_str());
         }
-        let failure = match attempt(&ctx, &failed, &mut record).await {
-            Ok(resp) => break resp,
+        let attempt_span = spans::attempt(record.attempts, &ctx.request_id);
+        let failure = match attempt(&ctx, &failed, placed, &mut record).instrument(attempt_span.clone()).await {
+            Ok(committed) => break committed.into_response(resumer.take().map(|r| r.bind(&ctx, &record))),
             Err(f) => f,
         };
         let err = &failure.error;
+        spans::failed(&attempt_span, err);
         if let Some(url) = &failure.worker {
             ctx.state.record_outcome(url, Outcome::of_attempt(err, ctx.started));
             ctx.state.note_worker_error(url, err);
@@ -66,18 +84,32 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         }
         let left = ctx.deadline.saturating_duration_since(Instant::now());
         tracing::debug!(request_id = %ctx.request_id, attempt = record.attempts, error = %err, route = %record.full(), "attempt failed");
-        let retry = ctx.state.retry.should_retry(err, record.attempts, false, left);
+        let mut retry = ctx.state.retry.should_retry(err, record.attempts, false, left);
+        // The failure policy: another pair, colocated, or fail, by the time left.
+        if let Some((choice, why)) = retry.then(|| placement::recovery(&ctx, left)).flatten() {
+            record.recovery = Some((choice.as_str(), why));
+            placed = placement::after_recovery(choice);
+            retry = placed.is_some();
+            if placed == Some(Placement::Colocated) {
+                record.placement = Some((Placement::Colocated.as_str(), why));
+            }
+        }
         // The shared budget is asked last, so only a retry that would happen spends from it.
         let refused = retry && !ctx.state.retry_budget_withdraw();
         if refused {
             metrics.retries_refused.with_label_values(&["budget"]).inc();
             tracing::debug!(request_id = %ctx.request_id, "retry refused: the shared retry budget is spent");
         }
-        if !retry || refused {
+        // A whole answer whose decode died is resumed (from the start: nothing of it reached
+        // the client) even where retrying is off or over budget, up to --max-resumes.
+        let resume = (!retry || refused) && super::resume::resume_whole(&ctx, err, &mut whole_resumes);
+        if (!retry || refused) && !resume {
             crate::edge::log_limit::warn_request(&ctx.state, Some(&ctx.request_id), "request failed", err, Some(&record.header_value()));
             break error_response(err);
         }
-        metrics.retries.with_label_values(&[err.reason()]).inc();
+        if !resume {
+            metrics.retries.with_label_values(&[err.reason()]).inc();
+        }
         if let Some(w) = failure.worker {
             failed.push(w);
         }
@@ -102,10 +134,14 @@ fn admit(ctx: &Ctx) -> Result<(), GatewayError> {
     Ok(())
 }
 
-/// One attempt: select → prepare → send → commit → relay.
-async fn attempt(ctx: &Ctx, failed: &[String], record: &mut Record) -> Result<Response, AttemptFailure> {
-    let chosen = select(ctx, failed)?;
+/// One attempt: select → prepare → send → commit → relay. Also how a resume continues a
+/// stream on a new pair (`resume.rs`).
+pub(super) async fn attempt(ctx: &Ctx, failed: &[String], placed: Option<Placement>, record: &mut Record) -> Result<Committed, AttemptFailure> {
+    let select_span = spans::select();
+    let chosen = select_span.in_scope(|| select(ctx, failed, placed)).inspect_err(|e| spans::failed(&select_span, e))?;
     let plan = &chosen.plan;
+    spans::selected(&select_span, plan.mode.as_str(), &chosen.policy, plan.prefill.as_ref().map(|p| p.url.as_str()), &plan.relayed.url);
+    drop(select_span);
     record.protocol = plan.mode.as_str();
     let prefill_url = plan.prefill.as_ref().map(|p| p.url.clone());
     match plan.mode {
@@ -145,14 +181,15 @@ struct Chosen {
 }
 
 /// Select: the policy picks from the snapshot (never a worker that failed this request), and
-/// core turns the pick into the attempt's plan.
-fn select(ctx: &Ctx, failed: &[String]) -> Result<Chosen, GatewayError> {
+/// core turns the pick into the attempt's plan. A colocated placement in PD mode runs a
+/// regular plan on the regular pool.
+fn select(ctx: &Ctx, failed: &[String], placed: Option<Placement>) -> Result<Chosen, GatewayError> {
     let routing = ctx.state.registry.routing();
     let snap = &routing.snapshot;
     let mut exclude: Vec<usize> = failed.iter().filter_map(|u| snap.index_of(u)).collect();
     let text = ctx.routing_text();
     let metrics = &ctx.state.metrics;
-    if !ctx.state.config.pd_disaggregation {
+    if !ctx.state.config.pd_disaggregation || placed == Some(Placement::Colocated) {
         let policy = ctx.state.regular_policy.as_ref();
         // A half-open worker admits one probe at a time: a pick it refuses is re-made without it.
         let choice = loop {
@@ -237,23 +274,35 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
     let req = LegRequest { url: leg.url.clone(), path: ctx.req.endpoint.path(), body, request_id: ctx.request_id.clone(), leg: Leg::Prefill, deadline: ctx.deadline };
     let call = client.call(req, ctx.state.upstream.limits.max_response_bytes);
     let mut abort = AbortGuard::new(client, &leg.url, &leg.abort);
-    let (state, url) = (ctx.state.clone(), leg.url.clone());
-    let answer = Box::pin(async move {
-        let t = std::time::Instant::now();
-        let out = call.await;
-        // The leg ended at the worker, either way: nothing left to abort.
-        abort.disarm();
-        state.metrics.leg_duration.with_label_values(&["prefill", protocol]).observe(t.elapsed().as_secs_f64());
-        if out.is_ok() && judge_success {
-            state.record_outcome(&url, Outcome::Success);
+    let (state, url, tokens) = (ctx.state.clone(), leg.url.clone(), ctx.req.prompt_tokens);
+    // The leg's span is current while it is sent: the worker gets it as its `traceparent`.
+    let span = spans::leg(Leg::Prefill, &leg.url);
+    let answer = Box::pin(
+        async move {
+            let t = std::time::Instant::now();
+            let out = call.await;
+            if let Err(e) = &out {
+                spans::failed(&tracing::Span::current(), e);
+            }
+            // The leg ended at the worker, either way: nothing left to abort.
+            abort.disarm();
+            state.metrics.leg_duration.with_label_values(&["prefill", protocol]).observe(t.elapsed().as_secs_f64());
+            if out.is_ok() {
+                state.placer.observe_prefill(tokens, t.elapsed().as_secs_f64() * 1000.0);
+                state.metrics.placement.publish(&state.placer.fitted());
+            }
+            if out.is_ok() && judge_success {
+                state.record_outcome(&url, Outcome::Success);
+            }
+            out
         }
-        out
-    });
+        .instrument(span),
+    );
     PrefillLeg { url: leg.url.clone(), sent: std::time::Instant::now(), answer }
 }
 
 /// Runs a chosen plan: prepare, send the legs in the plan's order, commit and relay.
-async fn run(ctx: &Ctx, chosen: Chosen) -> Result<Response, GatewayError> {
+async fn run(ctx: &Ctx, chosen: Chosen) -> Result<Committed, GatewayError> {
     let client = ctx.state.client.clone();
     let Chosen { plan, prefill_runtime, relayed_runtime, .. } = chosen;
     let protocol = plan.mode.as_str();
@@ -318,6 +367,7 @@ fn accounting(ctx: &Ctx, plan: &PdPlan, prefill: Option<Arc<Runtime>>, relayed: 
 
 /// Finish: the decision record (bounded header, full log line), the ids, the request metrics.
 fn finish(ctx: &Ctx, mut response: Response, record: &Record) -> Response {
+    let _finish = spans::finish(&response).entered();
     // The full record (every room of a batch) goes to the debug log only, formatted only when
     // that level is on; the header is bounded (see `record`).
     tracing::debug!(request_id = %ctx.request_id, client_request_id = ctx.client_request_id.as_deref().unwrap_or("-"), route = %record.full(), status = response.status().as_u16(), "routed");

@@ -68,6 +68,8 @@ pub struct Log {
     pub request_ids: Mutex<Vec<String>>,
     /// The `accept-encoding` header of each request ("" when absent).
     pub accept_encodings: Mutex<Vec<String>>,
+    /// The `traceparent` and `tracestate` headers of each request ("" when absent).
+    pub trace_headers: Mutex<Vec<(String, String)>>,
     /// Requests being handled right now (decremented when the handler ends or is dropped).
     pub active: AtomicI64,
     pub count: AtomicU32,
@@ -84,6 +86,9 @@ impl Log {
     }
     pub fn count(&self) -> u32 {
         self.count.load(Ordering::SeqCst)
+    }
+    pub fn trace_headers(&self) -> Vec<(String, String)> {
+        self.trace_headers.lock().unwrap().clone()
     }
 }
 
@@ -103,6 +108,8 @@ fn enter(log: &Arc<Log>, body: &Value, headers: &HeaderMap) -> ActiveGuard {
     }
     let enc = headers.get("accept-encoding").and_then(|v| v.to_str().ok()).unwrap_or("");
     log.accept_encodings.lock().unwrap().push(enc.to_string());
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+    log.trace_headers.lock().unwrap().push((header("traceparent"), header("tracestate")));
     ActiveGuard(log.clone())
 }
 

@@ -46,7 +46,7 @@ class PullSource:
             ctx.release(seq)
             raise duplicate_request_id(seq.rid)
         pages = seq.pages[:ctx.pool.pages_for(seq.prompt_len)]
-        ctx.pool.pin(seq.pages)
+        ctx.pool.pin(seq.pages, seq)
         h = Hold(seq, pages)
         h.expiry = asyncio.get_running_loop().call_later(ctx.timeouts.lease, self._expire, seq.rid)
         self.holds[seq.rid] = h
@@ -153,12 +153,12 @@ async def pull_receive(ctx: TransferContext, params: dict, seq: Seq) -> int:
 
         def first() -> None:
             ctx.table.set(tkey, KVPoll.Transferring)
-            ctx.pool.pin(dst)
+            ctx.pool.pin(dst, seq)
 
         meta, nbytes = await recv_kv(ctx, reader, dst, tag, first)
         seq.meta_extra["kv_transfer_seconds"] = round(meta.get("_seconds", 0.0), 6)
         await wire.send(writer, {"op": "ack", **tag})
-        ctx.pool.unpin(dst)
+        ctx.pool.unpin(dst, seq)
         ctx.table.set(tkey, KVPoll.Success)
         ctx.stats.count(PROTOCOL, "sink", True)
         return nbytes

@@ -112,7 +112,7 @@ class PushSource:
             if wait_first:
                 await _race(ctx.run_prefill(seq), reg.ack)
             ctx.table.set(tkey, KVPoll.Transferring)
-            ctx.pool.pin(seq.pages)
+            ctx.pool.pin(seq.pages, seq)
             src = seq.pages[:ctx.pool.pages_for(seq.prompt_len)]
             nbytes = await send_kv(ctx, reg.writer, src, reg.hdr["dst_pages"], reg.tag,
                                    reg.hdr.get("data_plane"))
@@ -185,13 +185,13 @@ async def push_receive(ctx: TransferContext, protocol: str, key, seq: Seq,
 
         def first() -> None:
             ctx.table.set(tkey, KVPoll.Transferring)
-            ctx.pool.pin(dst)
+            ctx.pool.pin(dst, seq)
 
         meta, nbytes = await recv_kv(ctx, reader, dst, tag, first)
         if meta.get("attempt") != attempt or meta.get("key") != key or meta.get("input_len") != seq.prompt_len:
             raise EngineError(f"metadata row does not match this transfer: {meta}", 500, "kv_transfer_failed")
         await wire.send(writer, {"op": "ack", **tag})
-        ctx.pool.unpin(dst)
+        ctx.pool.unpin(dst, seq)
         ctx.table.set(tkey, KVPoll.Success)
         ctx.stats.count(protocol, "sink", True)
         seq.meta_extra["kv_bytes_received"] = nbytes

@@ -1,0 +1,193 @@
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::*;
+
+fn worked() -> CostModel {
+    CostModel::new(CostPriors::default())
+}
+
+/// The design's worked example: a 6,000-token prompt against a 600 ms TTFT budget, outputs of
+/// 200 tokens, TPOT SLO 50 ms.
+fn input(remote: Option<RemotePath>, local: Option<LocalPath>) -> PlacementInput {
+    PlacementInput { prompt_tokens: 6000, output_tokens: 200, waited_ms: 0.0, remote, local, slo_ttft_ms: 600.0, slo_tpot_ms: 50.0, slack: 1.0 }
+}
+
+fn close(a: f64, b: f64, tol: f64) -> bool {
+    (a - b).abs() <= tol
+}
+
+#[test]
+fn worked_example_predictions() {
+    let m = worked();
+    let p = predict(&m, &input(Some(RemotePath::default()), None));
+    assert!(close(p.prefill_ms, 230.0, 1e-9), "{p:?}");
+    assert!(close(p.transfer_ms, 95.2, 0.1), "{p:?}");
+    assert!(close(p.remote_ttft_ms.unwrap(), 370.2, 0.1), "{p:?}");
+}
+
+#[test]
+fn worked_example_goes_remote_at_low_load() {
+    // Eight decodes run on the colocated target: a 230 ms prefill there stalls each of them.
+    let busy_local = LocalPath { queue_ms: 0.0, batch: 8, cached_tokens: 0 };
+    let d = decide(&worked(), PlacementMode::Conditional, &input(Some(RemotePath::default()), Some(busy_local)));
+    assert_eq!((d.placement, d.reason), (Placement::Disaggregated, "local_stall_breaks_tpot"), "{d:?}");
+    assert!(d.predicted.local_tpot_ms.unwrap() > 50.0);
+}
+
+#[test]
+fn worked_example_goes_colocated_when_decodes_are_saturated() {
+    let m = worked();
+    // No decode has room: the wait is one request of this size finishing (400 steps).
+    let saturated = RemotePath { prefill_queue_ms: 0.0, decode_wait_ms: 400.0 * m.decode_step_ms(1), decode_batch: 32 };
+    let idle_local = LocalPath::default();
+    let d = decide(&m, PlacementMode::Conditional, &input(Some(saturated), Some(idle_local)));
+    assert_eq!((d.placement, d.reason), (Placement::Colocated, "decode_saturated"), "{d:?}");
+}
+
+#[test]
+fn worked_example_is_rejected_when_nothing_meets_the_slo() {
+    let m = worked();
+    let queued = RemotePath { prefill_queue_ms: m.queued_prefill_ms(20_000, 4), ..RemotePath::default() };
+    let local = LocalPath { queue_ms: 1000.0, ..LocalPath::default() };
+    let d = decide(&m, PlacementMode::Conditional, &input(Some(queued), Some(local)));
+    assert_eq!((d.placement, d.reason), (Placement::Reject, "predicted_ttft_over_budget"), "{d:?}");
+    // With slack 2 the budget is 1,200 ms: the lower TTFT is served, missing the SLO.
+    let d = decide(&m, PlacementMode::Conditional, &PlacementInput { slack: 2.0, ..input(Some(queued), Some(local)) });
+    assert_eq!((d.placement, d.reason), (Placement::Disaggregated, "slo_missed_remote_lower"), "{d:?}");
+    // Slack 0 never rejects.
+    let d = decide(&m, PlacementMode::Disaggregated, &PlacementInput { slack: 0.0, ..input(Some(queued), None) });
+    assert_eq!(d.placement, Placement::Disaggregated);
+}
+
+#[test]
+fn every_reason_is_listed() {
+    let m = worked();
+    let remotes =
+        [None, Some(RemotePath::default()), Some(RemotePath { decode_wait_ms: 5000.0, ..Default::default() }), Some(RemotePath { prefill_queue_ms: 700.0, ..Default::default() })];
+    let locals = [None, Some(LocalPath::default()), Some(LocalPath { batch: 30, ..Default::default() }), Some(LocalPath { cached_tokens: 5900, batch: 1, ..Default::default() })];
+    for mode in [PlacementMode::Disaggregated, PlacementMode::Colocated, PlacementMode::Conditional] {
+        for r in remotes {
+            for l in locals {
+                for slack in [0.0, 1.0, 3.0] {
+                    let d = decide(&m, mode, &PlacementInput { slack, ..input(r, l) });
+                    assert!(REASONS.contains(&d.reason), "{}", d.reason);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_cached_prefix_favours_local() {
+    let m = worked();
+    // Two decodes run locally; without its cache the local prefill would be slower than remote.
+    let cached = LocalPath { queue_ms: 200.0, batch: 2, cached_tokens: 5500 };
+    let d = decide(&m, PlacementMode::Conditional, &input(Some(RemotePath::default()), Some(cached)));
+    assert_eq!((d.placement, d.reason), (Placement::Colocated, "cached_prefix_local"), "{d:?}");
+    let uncached = LocalPath { cached_tokens: 0, ..cached };
+    let d = decide(&m, PlacementMode::Conditional, &input(Some(RemotePath::default()), Some(uncached)));
+    assert_eq!(d.placement, Placement::Disaggregated, "{d:?}");
+}
+
+#[test]
+fn short_prompts_stay_local_and_long_ones_go_remote_beside_running_decodes() {
+    let m = worked();
+    let local = Some(LocalPath { batch: 4, ..LocalPath::default() });
+    let short = decide(&m, PlacementMode::Conditional, &PlacementInput { prompt_tokens: 200, ..input(Some(RemotePath::default()), local) });
+    assert_eq!(short.placement, Placement::Colocated, "{short:?}");
+    let long = decide(&m, PlacementMode::Conditional, &PlacementInput { prompt_tokens: 10_000, ..input(Some(RemotePath::default()), local) });
+    assert_eq!(long.placement, Placement::Disaggregated, "{long:?}");
+}
+
+#[test]
+fn fixed_modes_keep_their_placement_unless_over_budget() {
+    let m = worked();
+    let both = input(Some(RemotePath::default()), Some(LocalPath::default()));
+    assert_eq!(decide(&m, PlacementMode::Disaggregated, &both).reason, "placement_disaggregated");
+    assert_eq!(decide(&m, PlacementMode::Colocated, &both).placement, Placement::Colocated);
+    let late = PlacementInput { waited_ms: 500.0, ..both };
+    assert_eq!(decide(&m, PlacementMode::Disaggregated, &late).placement, Placement::Reject, "time already waited counts");
+}
+
+#[test]
+fn prefill_fit_converges_on_noisy_observations() {
+    // Truth: 50 + 0.08·tokens, 5 % multiplicative noise; the prior is the worked example's.
+    let mut m = worked();
+    let mut rng = StdRng::seed_from_u64(7);
+    for _ in 0..2000 {
+        let tokens = rng.random_range(100..16_000u64);
+        let noise = 1.0 + rng.random_range(-0.05..0.05);
+        m.observe_prefill(tokens, (50.0 + 0.08 * tokens as f64) * noise);
+    }
+    let f = m.fitted();
+    assert!(close(f.prefill_ms_per_token, 0.08, 0.004), "{f:?}");
+    assert!(close(f.prefill_base_ms, 50.0, 25.0), "{f:?}");
+    assert!(close(m.prefill_ms(6000), 530.0, 15.0), "{}", m.prefill_ms(6000));
+    assert_eq!(f.prefill_observations, 2000);
+}
+
+#[test]
+fn transfer_and_decode_fits_converge() {
+    let mut m = worked();
+    let mut rng = StdRng::seed_from_u64(11);
+    // Truth: 5 ms setup + 10 GiB/s; decode step 30 ms.
+    for _ in 0..1000 {
+        let bytes = rng.random_range(1u64 << 20..4u64 << 30);
+        let ms = 5.0 + bytes as f64 / (10.0 * GIB) * 1000.0;
+        m.observe_transfer(bytes, ms * (1.0 + rng.random_range(-0.03..0.03)));
+        m.observe_decode_step(30.0 + rng.random_range(-3.0..3.0));
+    }
+    let f = m.fitted();
+    assert!(close(f.link_gib_per_s, 10.0, 0.5), "{f:?}");
+    assert!(close(f.link_setup_ms, 5.0, 5.0), "{f:?}");
+    assert!(close(f.decode_step_ms, 30.0, 1.5), "{f:?}");
+}
+
+#[test]
+fn the_prior_holds_until_observations_outweigh_it_and_bad_samples_are_ignored() {
+    let mut m = worked();
+    m.observe_prefill(6000, f64::NAN);
+    m.observe_prefill(6000, -1.0);
+    assert_eq!(m.fitted().prefill_observations, 0);
+    assert!(close(m.prefill_ms(6000), 230.0, 1e-9));
+    // One slow sample moves the fit, but less than halfway: the prior outweighs it.
+    m.observe_prefill(6000, 2300.0);
+    let after = m.prefill_ms(6000);
+    assert!(after > 230.0 && after < (230.0 + 2300.0) / 2.0, "{after}");
+    // Observations all of one size still leave a usable slope (the prior's floor).
+    let mut m = worked();
+    for _ in 0..5000 {
+        m.observe_prefill(1000, 55.0);
+    }
+    assert!(close(m.prefill_ms(1000), 55.0, 0.5) && m.fitted().prefill_ms_per_token > 0.0, "{:?}", m.fitted());
+}
+
+#[test]
+fn chunked_sends_hide_most_of_the_transfer() {
+    // Issue 14's variant: 2,000-token sends while the prefill runs; ttft_chunked ~ 315 ms.
+    let m = CostModel::new(CostPriors { send_chunk_tokens: 2000, ..CostPriors::default() });
+    let ttft = remote_ttft_ms(&m, 6000, &RemotePath::default());
+    assert!(close(ttft, 314.7, 0.2), "{ttft}");
+}
+
+#[test]
+fn failure_policy_by_remaining_deadline() {
+    let f = |remaining_ms, retry, colocated| recover(&FailureInput { remaining_ms, may_retry: true, retry_ttft_ms: retry, colocated_ttft_ms: colocated });
+    assert_eq!(f(1000.0, Some(370.0), Some(500.0)).0, Recovery::RetryPair);
+    assert_eq!(f(1000.0, Some(370.0), Some(230.0)), (Recovery::RecomputeColocated, "colocated_cheaper"));
+    assert_eq!(f(300.0, Some(370.0), Some(230.0)), (Recovery::RecomputeColocated, "only_colocated_fits_deadline"));
+    assert_eq!(f(200.0, Some(370.0), Some(230.0)), (Recovery::Fail, "deadline_too_short"));
+    assert_eq!(f(200.0, None, None), (Recovery::Fail, "no_alternative"));
+    assert_eq!(f(1000.0, Some(370.0), None).0, Recovery::RetryPair);
+    let no = recover(&FailureInput { remaining_ms: 1e9, may_retry: false, retry_ttft_ms: Some(1.0), colocated_ttft_ms: Some(1.0) });
+    assert_eq!(no, (Recovery::Fail, "not_retryable"));
+}
+
+#[test]
+fn priors_are_checked() {
+    assert!(CostPriors::default().check().is_ok());
+    assert!(CostPriors { link_gib_per_s: 0.0, ..CostPriors::default() }.check().is_err());
+    assert!(CostPriors { forgetting: 1.5, ..CostPriors::default() }.check().is_err());
+    assert!(CostPriors { prefill_ms_per_token: f64::NAN, ..CostPriors::default() }.check().is_err());
+}

@@ -1,0 +1,147 @@
+//! The KV event index against a naive oracle: per worker, every held engine hash with the full
+//! token prefix it stands for; a worker matches k tokens when it holds every block prefix of the
+//! request up to k.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+
+use pdgate_core::kv_events::KvEvent;
+use pdgate_core::kv_index::KvIndex;
+use proptest::prelude::*;
+
+const BS: usize = 2;
+const WORKERS: usize = 3;
+
+/// The engine's name for a block: any function of the whole prefix (here SipHash, unlike the
+/// index's own keys).
+fn engine_hash(prefix: &[u32]) -> u64 {
+    let mut h = DefaultHasher::new();
+    prefix.hash(&mut h);
+    h.finish()
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    /// Worker stores blocks `from..from + count` of base sequence `seq`.
+    Store {
+        worker: usize,
+        seq: usize,
+        from: usize,
+        count: usize,
+    },
+    Remove {
+        worker: usize,
+        seq: usize,
+        block: usize,
+    },
+    Clear {
+        worker: usize,
+    },
+}
+
+fn op(n_seqs: usize) -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..WORKERS, 0..n_seqs, 0..5usize, 1..4usize).prop_map(|(worker, seq, from, count)| Op::Store { worker, seq, from, count }),
+        2 => (0..WORKERS, 0..n_seqs, 0..6usize).prop_map(|(worker, seq, block)| Op::Remove { worker, seq, block }),
+        1 => (0..WORKERS).prop_map(|worker| Op::Clear { worker }),
+    ]
+}
+
+/// Base sequences over a 2-token alphabet, so they share prefixes often.
+fn seqs() -> impl Strategy<Value = Vec<Vec<u32>>> {
+    proptest::collection::vec(proptest::collection::vec(0..2u32, 12), 1..5)
+}
+
+fn event(op: &Op, seqs: &[Vec<u32>]) -> Option<(usize, KvEvent)> {
+    match *op {
+        Op::Store { worker, seq, from, count } => {
+            let s = &seqs[seq];
+            let to = (from + count).min(s.len() / BS);
+            if from >= to {
+                return None;
+            }
+            let hashes = (from..to).map(|b| engine_hash(&s[..(b + 1) * BS])).collect();
+            let parent = (from > 0).then(|| engine_hash(&s[..from * BS]));
+            let tokens = s[from * BS..to * BS].to_vec();
+            Some((worker, KvEvent::BlockStored { block_hashes: hashes, parent_block_hash: parent, token_ids: tokens, block_size: BS as u32, medium: None }))
+        }
+        Op::Remove { worker, seq, block } => {
+            let s = &seqs[seq];
+            let end = ((block + 1) * BS).min(s.len());
+            Some((worker, KvEvent::BlockRemoved { block_hashes: vec![engine_hash(&s[..end])], medium: None }))
+        }
+        Op::Clear { worker } => Some((worker, KvEvent::AllBlocksCleared)),
+    }
+}
+
+/// The oracle: worker -> engine hash -> token prefix.
+fn oracle_apply(held: &mut [HashMap<u64, Vec<u32>>], worker: usize, ev: &KvEvent) {
+    let w = &mut held[worker];
+    match ev {
+        KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, .. } => {
+            let mut prefix = match parent_block_hash {
+                None => vec![],
+                Some(p) => match w.get(p) {
+                    Some(pre) => pre.clone(),
+                    None => return, // unknown parent: nothing placed
+                },
+            };
+            for (i, h) in block_hashes.iter().enumerate() {
+                prefix.extend_from_slice(&token_ids[i * BS..(i + 1) * BS]);
+                w.entry(*h).or_insert_with(|| prefix.clone());
+            }
+        }
+        KvEvent::BlockRemoved { block_hashes, .. } => {
+            for h in block_hashes {
+                w.remove(h);
+            }
+        }
+        KvEvent::AllBlocksCleared => w.clear(),
+    }
+}
+
+fn oracle_match(held: &[HashMap<u64, Vec<u32>>], q: &[u32]) -> Vec<(u32, usize)> {
+    let mut out = vec![];
+    for (i, w) in held.iter().enumerate() {
+        let prefixes: Vec<&Vec<u32>> = w.values().collect();
+        let mut k = 0;
+        while (k + 1) * BS <= q.len() && prefixes.iter().any(|p| p.as_slice() == &q[..(k + 1) * BS]) {
+            k += 1;
+        }
+        if k > 0 {
+            out.push((i as u32, k * BS));
+        }
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    #[test]
+    fn the_index_matches_the_naive_oracle(
+        (seqs, ops, queries) in seqs().prop_flat_map(|s| {
+            let n = s.len();
+            (Just(s), proptest::collection::vec(op(n), 0..40), proptest::collection::vec((0..n, 0..13usize, proptest::collection::vec(0..2u32, 0..4)), 1..6))
+        })
+    ) {
+        let mut ix = KvIndex::new(42, usize::MAX);
+        let slots: Vec<u32> = (0..WORKERS).map(|_| ix.add_worker()).collect();
+        prop_assert_eq!(&slots, &(0..WORKERS as u32).collect::<Vec<_>>());
+        let mut held = vec![HashMap::new(); WORKERS];
+        for o in &ops {
+            if let Some((w, ev)) = event(o, &seqs) {
+                ix.apply_event(slots[w], &ev);
+                oracle_apply(&mut held, w, &ev);
+            }
+        }
+        let total: usize = held.iter().map(HashMap::len).sum();
+        prop_assert_eq!(ix.stats().blocks, total);
+        for (s, cut, tail) in &queries {
+            let mut q = seqs[*s][..*cut.min(&seqs[*s].len())].to_vec();
+            q.extend_from_slice(tail);
+            prop_assert_eq!(ix.match_tokens(&q), oracle_match(&held, &q), "query {:?}", q);
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! Resume after decode death: a stream whose decode (or only worker) dies after tokens reached
+//! the client is continued on a new pair, in the same client stream.
+//!
+//! Before the legs are built, [`Resumer::prepare`] decides whether the request could be
+//! continued exactly (`pdgate_protocol::resume::refusal`); if so the decode is asked for token
+//! ids (`return_token_ids`) and the relay feeds every chunk through a
+//! [`ResumeTracker`], which learns the prompt's and the generated ids and hides the ids from a
+//! client that did not ask for them. When the relayed leg breaks (connection lost, or the end
+//! without `[DONE]`), the relay calls [`Resumer::resume`]: the prompt ids plus every generated
+//! id go as a `/v1/completions` request with `max_tokens` reduced by what was generated, through
+//! a normal attempt (`transaction::attempt`: select, plan, new room or transfer id, both legs)
+//! that avoids the workers that failed this request, within the request's deadline. Its stream
+//! is rewritten to read as the rest of the first one (same id, choice index, usage of the
+//! whole answer). At most `--max-resumes` continuations; what happened is counted in
+//! `pdgate_resumes_total{result,reason}` and logged.
+
+use bytes::Bytes;
+use pdgate_core::breaker::Outcome;
+use pdgate_core::GatewayError;
+use pdgate_protocol::resume::{refusal, ResumeTracker};
+use pdgate_protocol::{Endpoint, ParsedRequest};
+use serde_json::Value;
+use tokio::time::Instant;
+
+use super::commit::Committed;
+use super::relay::StreamRelay;
+use super::Ctx;
+use crate::record::Record;
+
+/// What a stream needs to be resumed; attached to its relay at commit.
+pub struct Resumer {
+    /// The request's context (a copy bound at commit: state, request, deadline, ids).
+    ctx: Option<Box<Ctx>>,
+    /// Why this request will not be resumed, decided before it was sent.
+    refused: Option<&'static str>,
+    tracker: Option<ResumeTracker>,
+    left: u32,
+    /// Workers that failed this stream: no continuation goes to them.
+    failed: Vec<String>,
+    /// The decision the stream started with, for the log.
+    first_route: Record,
+}
+
+impl Resumer {
+    /// `None` when nothing can be resumed: `--max-resumes 0`, or a whole (non-stream) answer,
+    /// which the retry loop already re-sends before any byte reached the client. For a request
+    /// that can be continued exactly, the decode is asked for token ids.
+    pub fn prepare(ctx: &mut Ctx) -> Option<Resumer> {
+        let left = ctx.state.config.max_resumes;
+        if left == 0 || !ctx.req.stream {
+            return None;
+        }
+        let refused = refusal(&ctx.req);
+        let tracker = refused.is_none().then(|| ResumeTracker::new(&ctx.req));
+        // `/generate` streams give `output_ids` anyway; the OpenAI routes are asked for them.
+        let openai = ctx.req.endpoint != Endpoint::Generate;
+        if tracker.is_some() && openai && ctx.req.body.get("return_token_ids") != Some(&Value::Bool(true)) {
+            ctx.req.body.insert("return_token_ids".into(), Value::Bool(true));
+            ctx.req.rewritten = true;
+        }
+        Some(Resumer { ctx: None, refused, tracker, left, failed: Vec::new(), first_route: Record::default() })
+    }
+
+    /// The stream committed: keep what a continuation will need.
+    pub fn bind(mut self, ctx: &Ctx, record: &Record) -> Resumer {
+        self.ctx = Some(Box::new(ctx.clone()));
+        self.first_route = record.clone();
+        self
+    }
+
+    /// Whether the relay must pass its chunks through [`Resumer::process`] (and so holds
+    /// partial events back).
+    pub fn tracking(&self) -> bool {
+        self.tracker.is_some()
+    }
+
+    /// One relayed chunk as the client is to see it.
+    pub fn process(&mut self, chunk: Bytes) -> Bytes {
+        match self.tracker.as_mut() {
+            Some(t) => Bytes::from(t.process(&chunk)),
+            None => chunk,
+        }
+    }
+
+    /// Whether `err` is a relayed leg that died (not the deadline, not a refused answer).
+    pub fn is_death(err: &GatewayError) -> bool {
+        use pdgate_core::{ErrorKind, Leg};
+        matches!(err.leg, Some(Leg::Decode | Leg::Regular)) && matches!(err.kind, ErrorKind::WorkerUnreachable | ErrorKind::StreamTruncated)
+    }
+
+    fn refuse(&self, reason: &'static str, err: &GatewayError) -> Option<StreamRelay> {
+        if let Some(ctx) = &self.ctx {
+            ctx.state.metrics.resumes.with_label_values(&["refused", reason]).inc();
+            tracing::warn!(request_id = %ctx.request_id, reason, error = %err, route = %self.first_route.full(), "stream not resumed after its decode died");
+        }
+        None
+    }
+
+    /// Continues the stream on a new pair after `dead` (the relayed worker) failed with `err`:
+    /// the continuation's relay, its first chunk not yet read, or `None` (then the stream ends
+    /// with the error event, as without resuming).
+    pub async fn resume(&mut self, dead: &str, err: &GatewayError) -> Option<StreamRelay> {
+        if let Some(reason) = self.refused {
+            return self.refuse(reason, err);
+        }
+        if self.left == 0 {
+            return self.refuse("max_resumes", err);
+        }
+        let ctx = self.ctx.as_deref()?;
+        if Instant::now() >= ctx.deadline {
+            return self.refuse("deadline", err);
+        }
+        let limit = ctx.state.registry.routing().snapshot.context_limit(ctx.req.model.as_deref());
+        let progress = &self.tracker.as_ref()?.progress;
+        let generated = progress.generated();
+        let endpoint = if progress.native() { Endpoint::Generate } else { Endpoint::Completions };
+        let body = match progress.continuation(&ctx.req, limit) {
+            Ok(b) => b,
+            Err(reason) => return self.refuse(reason, err),
+        };
+        self.left -= 1;
+        self.failed.push(dead.to_string());
+        let left = body.get("max_tokens").or_else(|| body.get("sampling_params")?.get("max_new_tokens")).and_then(Value::as_u64);
+        let req = ParsedRequest {
+            endpoint,
+            body,
+            stream: true,
+            batch_items: None,
+            wants_input_logprobs: false,
+            model: ctx.req.model.clone(),
+            max_tokens: left.map(|n| (n, "max_tokens")),
+            // The continuation's prompt is the original prompt plus what was generated.
+            prompt_tokens: ctx.req.prompt_tokens + generated as u64,
+            rewritten: true,
+        };
+        // A new rendezvous: the dead pair may still hold the old id.
+        let request_id = crate::request_id::mint(ctx.client_request_id.as_deref());
+        let cont = Ctx { req, raw: Bytes::new(), request_id, ..ctx.clone() };
+        let mut record = Record::default();
+        let metrics = &ctx.state.metrics;
+        match super::transaction::attempt(&cont, &self.failed, None, &mut record).await {
+            Ok(Committed::Stream { relay, .. }) => {
+                metrics.resumes.with_label_values(&["resumed", "decode_died"]).inc();
+                tracing::info!(request_id = %ctx.request_id, continuation_id = %cont.request_id, dead, generated, error = %err,
+                    from = %self.first_route.full(), to = %record.full(), "stream resumed on a new pair after its decode died");
+                if let Some(t) = self.tracker.as_mut() {
+                    t.begin_continuation();
+                }
+                Some(*relay)
+            }
+            Ok(Committed::Whole(_)) => {
+                metrics.resumes.with_label_values(&["failed", "not_a_stream"]).inc();
+                None
+            }
+            Err(f) => {
+                if let Some(url) = &f.worker {
+                    ctx.state.record_outcome(url, Outcome::of_attempt(&f.error, ctx.started));
+                    ctx.state.note_worker_error(url, &f.error);
+                    self.failed.push(url.clone());
+                }
+                metrics.resumes.with_label_values(&["failed", f.error.reason()]).inc();
+                tracing::warn!(request_id = %ctx.request_id, dead, error = %err, continuation_error = %f.error, "resuming the stream failed");
+                None
+            }
+        }
+    }
+}
+
+/// A non-streamed request whose decode died (nothing reached the client: its answer comes
+/// whole) is sent again on a new pair, avoiding the dead decode, when the retry loop would not
+/// (retries off or over budget): at most `--max-resumes` times, within the deadline. `used`
+/// counts this request's resumes.
+pub fn resume_whole(ctx: &Ctx, err: &GatewayError, used: &mut u32) -> bool {
+    if ctx.req.stream || !Resumer::is_death(err) || *used >= ctx.state.config.max_resumes || Instant::now() >= ctx.deadline {
+        return false;
+    }
+    *used += 1;
+    ctx.state.metrics.resumes.with_label_values(&["resumed", "decode_died_whole"]).inc();
+    tracing::info!(request_id = %ctx.request_id, error = %err, "non-streamed request resumed on a new pair after its decode died");
+    true
+}

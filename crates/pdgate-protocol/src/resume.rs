@@ -1,0 +1,436 @@
+//! Resuming a stream after its decode died: which requests can be continued exactly, what the
+//! gateway learns from the stream while it relays it, the continuation request, and how the
+//! continuation's chunks are made to read as the rest of the first stream.
+//!
+//! The continuation is built from token ids, never from re-tokenized text (a byte-level
+//! model's output is mostly not valid UTF-8): the engine is asked for them with vLLM's
+//! `return_token_ids` (the prompt's ids come back as `prompt_token_ids`: on the choice for
+//! completions, at the top of the chunk for chat; each chunk's new ids as the choice's
+//! `token_ids`). The continuation is always a `/v1/completions` request whose `prompt` is the
+//! prompt's ids followed by every id generated so far, so a chat answer is continued inside the
+//! already rendered template instead of restarting it (the choice: no template is applied
+//! twice, and no engine-specific `continue_final_message` is needed). Ids the client did not ask
+//! for are removed before it sees a chunk.
+
+use serde_json::{json, Map, Value};
+
+use crate::request::{Endpoint, ParsedRequest};
+use crate::sse::{frame, SseDecoder};
+
+/// OpenAI's default `max_tokens` for `/v1/completions` (vLLM's too).
+pub const COMPLETIONS_DEFAULT_MAX_TOKENS: u64 = 16;
+
+/// Fields that constrain the output to a grammar: a continuation would restart the grammar at
+/// the prompt's end, not at the partial answer's state, so the answer could be invalid.
+const GUIDED_FIELDS: &[&str] =
+    &["response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "regex", "json_schema", "ebnf", "grammar"];
+
+/// Chat fields that carry over to the completions-style continuation unchanged (sampling).
+const CHAT_CARRIED: &[&str] =
+    &["model", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "stop_token_ids", "skip_special_tokens", "user", "repetition_penalty", "logit_bias"];
+
+fn set(v: Option<&Value>) -> bool {
+    match v {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::String(s)) => !s.is_empty(),
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(Value::Number(n)) => n.as_f64() != Some(0.0),
+        Some(Value::Object(_)) | Some(Value::Bool(true)) => true,
+    }
+}
+
+/// Why a request cannot be resumed exactly, if it cannot (the `reason` of
+/// `pdgate_resumes_total{result="refused"}`). Such a stream ends with the error event.
+pub fn refusal(req: &ParsedRequest) -> Option<&'static str> {
+    let b = &req.body;
+    if !req.stream {
+        return Some("not_streaming");
+    }
+    if req.endpoint == Endpoint::Generate {
+        return native_refusal(req);
+    }
+    if b.get("n").and_then(Value::as_u64).is_some_and(|n| n > 1) {
+        return Some("n_greater_than_1");
+    }
+    if req.batch_items.is_some() {
+        return Some("batch");
+    }
+    let plain_text_format = b.get("response_format").and_then(|f| f.get("type")).and_then(Value::as_str) == Some("text");
+    if GUIDED_FIELDS.iter().any(|f| set(b.get(*f)) && !(*f == "response_format" && plain_text_format)) {
+        return Some("guided_decoding");
+    }
+    let checks: [(&[&str], &'static str); 5] = [
+        // A stop string could straddle the break, and the text held back for one is unknown.
+        (&["stop"], "stop_strings"),
+        // Frequency and presence penalties count output tokens: the continuation's are fewer.
+        (&["frequency_penalty", "presence_penalty"], "penalties"),
+        (&["tools", "functions"], "tools"),
+        (&["echo"], "echo"),
+        (&["prompt_logprobs"], "prompt_logprobs"),
+    ];
+    for (fields, reason) in checks {
+        if fields.iter().any(|f| set(b.get(*f))) {
+            return Some(reason);
+        }
+    }
+    if b.get("best_of").and_then(Value::as_u64).is_some_and(|n| n > 1) {
+        return Some("best_of");
+    }
+    if req.endpoint == Endpoint::ChatCompletions && set(b.get("logprobs")) {
+        return Some("chat_logprobs");
+    }
+    None
+}
+
+/// `/generate`: continued from `input_ids` only (its stream does not give a text prompt's ids).
+fn native_refusal(req: &ParsedRequest) -> Option<&'static str> {
+    let b = &req.body;
+    let sp = b.get("sampling_params").and_then(Value::as_object);
+    let sp_set = |k: &&str| sp.is_some_and(|m| set(m.get(*k)));
+    if sp.and_then(|m| m.get("n")).and_then(Value::as_u64).is_some_and(|n| n > 1) {
+        return Some("n_greater_than_1");
+    }
+    if req.batch_items.is_some() {
+        return Some("batch");
+    }
+    if !b.get("input_ids").is_some_and(Value::is_array) {
+        return Some("generate_text");
+    }
+    if ["regex", "json_schema", "ebnf", "structural_tag"].iter().any(sp_set) {
+        return Some("guided_decoding");
+    }
+    if ["stop"].iter().any(sp_set) {
+        return Some("stop_strings");
+    }
+    if ["frequency_penalty", "presence_penalty"].iter().any(sp_set) {
+        return Some("penalties");
+    }
+    if set(b.get("return_logprob")) {
+        return Some("logprobs");
+    }
+    None
+}
+
+/// SGLang's default `max_new_tokens`.
+pub const GENERATE_DEFAULT_MAX_TOKENS: u64 = 128;
+
+/// What the gateway knows of the answer so far, learned from the relayed chunks.
+#[derive(Debug, Default)]
+pub struct Progress {
+    chat: bool,
+    /// SGLang `/generate`: cumulative `text` and `output_ids` in every chunk.
+    native: bool,
+    /// `/generate`: the text sent so far, and what it was when the running continuation began.
+    text: String,
+    text_base: String,
+    client_wants_ids: bool,
+    head: Map<String, Value>,
+    prompt_ids: Option<Vec<Value>>,
+    generated: Vec<Value>,
+    /// Text went out without its token ids (an engine without `return_token_ids`).
+    ids_unknown: bool,
+    finished: bool,
+    /// Ids generated before the running continuation began (0 on the first stream).
+    resumed_at: Option<usize>,
+}
+
+fn take_ids(obj: &mut Map<String, Value>, key: &str, keep: bool) -> Option<Vec<Value>> {
+    let ids = if keep { obj.get(key).cloned() } else { obj.remove(key) };
+    match ids {
+        Some(Value::Array(a)) if a.iter().all(|t| t.as_u64().is_some()) => Some(a),
+        _ => None,
+    }
+}
+
+/// A choice that says nothing to a client that did not ask for ids (only ids were new).
+fn empty_choice(c: &Map<String, Value>) -> bool {
+    let no_text = match c.get("delta") {
+        Some(Value::Object(d)) => d.is_empty(),
+        Some(_) => false,
+        None => c.get("text").and_then(Value::as_str).is_some_and(str::is_empty),
+    };
+    no_text && !set(c.get("finish_reason")) && !set(c.get("logprobs"))
+}
+
+impl Progress {
+    pub fn new(req: &ParsedRequest) -> Self {
+        let client_wants_ids = req.body.get("return_token_ids") == Some(&Value::Bool(true));
+        let native = req.endpoint == Endpoint::Generate;
+        let prompt_ids = if native { req.body.get("input_ids").and_then(Value::as_array).cloned() } else { None };
+        Progress { chat: req.endpoint == Endpoint::ChatCompletions, native, prompt_ids, client_wants_ids, ..Progress::default() }
+    }
+
+    /// Token ids generated so far (those whose text reached the client).
+    pub fn generated(&self) -> usize {
+        self.generated.len()
+    }
+
+    /// Why this stream cannot be continued, if it cannot.
+    pub fn refusal(&self) -> Option<&'static str> {
+        if self.finished {
+            Some("already_finished")
+        } else if self.ids_unknown {
+            Some("no_token_ids")
+        } else if self.prompt_ids.is_none() {
+            Some("no_prompt_ids")
+        } else {
+            None
+        }
+    }
+
+    /// Learns from one event of the first stream and removes the ids the client did not ask
+    /// for; `false` when nothing is left worth sending.
+    pub fn observe(&mut self, v: &mut Value) -> bool {
+        let Some(obj) = v.as_object_mut() else { return true };
+        if self.native {
+            self.observe_native(obj);
+            return true;
+        }
+        for key in ["id", "created", "model", "object"] {
+            if let (false, Some(x)) = (self.head.contains_key(key), obj.get(key)) {
+                self.head.insert(key.to_string(), x.clone());
+            }
+        }
+        let keep = self.client_wants_ids;
+        if let Some(ids) = take_ids(obj, "prompt_token_ids", keep) {
+            self.prompt_ids.get_or_insert(ids);
+        }
+        let had_usage = set(obj.get("usage"));
+        let Some(Value::Array(choices)) = obj.get_mut("choices") else { return true };
+        let mut all_empty = !choices.is_empty();
+        for c in choices.iter_mut().filter_map(Value::as_object_mut) {
+            if let Some(ids) = take_ids(c, "prompt_token_ids", keep) {
+                self.prompt_ids.get_or_insert(ids);
+            }
+            let ids = take_ids(c, "token_ids", keep);
+            let text = c.get("text").or_else(|| c.get("delta").and_then(|d| d.get("content")));
+            if ids.is_none() && text.and_then(Value::as_str).is_some_and(|t| !t.is_empty()) {
+                self.ids_unknown = true;
+            }
+            self.generated.extend(ids.unwrap_or_default());
+            self.finished |= set(c.get("finish_reason"));
+            all_empty &= empty_choice(c);
+        }
+        keep || had_usage || !all_empty
+    }
+
+    /// The continuation's body: the prompt's ids and every generated id as a completions
+    /// `prompt`, `max_tokens` reduced by what was generated. `context_limit` sets the budget of
+    /// a chat request that gave none (vLLM's default: the rest of the context).
+    pub fn continuation(&self, req: &ParsedRequest, context_limit: Option<u64>) -> Result<Map<String, Value>, &'static str> {
+        if let Some(reason) = self.refusal() {
+            return Err(reason);
+        }
+        let prompt = self.prompt_ids.as_ref().ok_or("no_prompt_ids")?;
+        let done = self.generated.len() as u64;
+        let asked = match (req.max_tokens, self.chat, context_limit) {
+            (Some((n, _)), _, _) => n,
+            (None, _, _) if self.native => GENERATE_DEFAULT_MAX_TOKENS,
+            (None, false, _) => COMPLETIONS_DEFAULT_MAX_TOKENS,
+            (None, true, Some(limit)) => limit.saturating_sub(prompt.len() as u64),
+            (None, true, None) => return Err("unknown_max_tokens"),
+        };
+        let left = asked.saturating_sub(done);
+        if left == 0 {
+            return Err("no_tokens_left");
+        }
+        if self.native {
+            return Ok(self.native_continuation(req, prompt, left));
+        }
+        let mut body = if self.chat { CHAT_CARRIED.iter().filter_map(|k| req.body.get(*k).map(|v| (k.to_string(), v.clone()))).collect() } else { req.body.clone() };
+        for k in ["max_completion_tokens", "stream_options", "messages", "n", "rid", "return_token_ids"] {
+            body.remove(k);
+        }
+        let mut ids = prompt.clone();
+        ids.extend(self.generated.iter().cloned());
+        body.insert("prompt".into(), Value::Array(ids));
+        body.insert("max_tokens".into(), json!(left));
+        body.insert("stream".into(), Value::Bool(true));
+        body.insert("return_token_ids".into(), Value::Bool(true));
+        if let Some(opts) = req.body.get("stream_options") {
+            body.insert("stream_options".into(), opts.clone());
+        }
+        if let Some(min) = req.body.get("min_tokens").and_then(Value::as_u64) {
+            body.insert("min_tokens".into(), json!(min.saturating_sub(done)));
+        }
+        Ok(body)
+    }
+
+    fn native_continuation(&self, req: &ParsedRequest, prompt: &[Value], left: u64) -> Map<String, Value> {
+        let mut body = req.body.clone();
+        body.remove("rid");
+        let mut ids = prompt.to_vec();
+        ids.extend(self.generated.iter().cloned());
+        body.insert("input_ids".into(), Value::Array(ids));
+        body.insert("stream".into(), Value::Bool(true));
+        let mut sp = body.get("sampling_params").and_then(Value::as_object).cloned().unwrap_or_default();
+        sp.insert("max_new_tokens".into(), json!(left));
+        if let Some(min) = sp.get("min_new_tokens").and_then(Value::as_u64) {
+            sp.insert("min_new_tokens".into(), json!(min.saturating_sub(self.generated.len() as u64)));
+        }
+        body.insert("sampling_params".into(), Value::Object(sp));
+        body
+    }
+
+    /// Whether this is a `/generate` stream (its continuation goes to `/generate`).
+    pub fn native(&self) -> bool {
+        self.native
+    }
+
+    /// A continuation starts: its chunks are rewritten from now on.
+    pub fn begin_continuation(&mut self) {
+        self.resumed_at = Some(self.generated.len());
+        self.text_base = self.text.clone();
+    }
+
+    /// `/generate` chunks carry the whole answer so far: keep the new ids' tail and the text.
+    fn observe_native(&mut self, obj: &Map<String, Value>) {
+        let text = obj.get("text").and_then(Value::as_str).unwrap_or_default();
+        match obj.get("output_ids").and_then(Value::as_array) {
+            Some(ids) if ids.iter().all(|t| t.as_u64().is_some()) => self.generated.extend(ids.iter().skip(self.generated.len()).cloned()),
+            _ if !text.is_empty() => self.ids_unknown = true,
+            _ => {}
+        }
+        self.text = text.to_string();
+        let meta = obj.get("meta_info");
+        if let (false, Some(id)) = (self.head.contains_key("id"), meta.and_then(|m| m.get("id"))) {
+            self.head.insert("id".into(), id.clone());
+        }
+        self.finished |= set(meta.and_then(|m| m.get("finish_reason")));
+    }
+
+    /// A `/generate` continuation's chunk as the first stream's: the text and ids so far
+    /// prefixed, the counts of the whole answer.
+    fn rewrite_native(&mut self, mut obj: Map<String, Value>) -> Value {
+        let before = self.resumed_at.unwrap_or(0);
+        let text = format!("{}{}", self.text_base, obj.get("text").and_then(Value::as_str).unwrap_or_default());
+        let mut ids: Vec<Value> = self.generated[..before].to_vec();
+        ids.extend(obj.get("output_ids").and_then(Value::as_array).cloned().unwrap_or_default());
+        if let Some(Value::Object(meta)) = obj.get_mut("meta_info") {
+            let completion = meta.get("completion_tokens").and_then(Value::as_u64).unwrap_or(0) + before as u64;
+            meta.insert("completion_tokens".into(), json!(completion));
+            if let Some(p) = &self.prompt_ids {
+                meta.insert("prompt_tokens".into(), json!(p.len()));
+            }
+            if let Some(id) = self.head.get("id") {
+                meta.insert("id".into(), id.clone());
+            }
+            self.finished |= set(meta.get("finish_reason"));
+        }
+        obj.insert("text".into(), json!(text));
+        self.text = text;
+        self.generated.clone_from(&ids);
+        obj.insert("output_ids".into(), Value::Array(ids));
+        Value::Object(obj)
+    }
+
+    /// One event of a continuation as the next event of the first stream: its id, object,
+    /// created and model, choice index 0, chat deltas for a chat request, usage counting the
+    /// whole answer; `None` when nothing is left worth sending.
+    pub fn rewrite(&mut self, v: Value) -> Option<Value> {
+        let Value::Object(mut obj) = v else { return Some(v) };
+        if obj.contains_key("error") {
+            return Some(Value::Object(obj));
+        }
+        if self.native {
+            return Some(self.rewrite_native(obj));
+        }
+        let before = self.resumed_at.unwrap_or(0) as u64;
+        let mut out = self.head.clone();
+        if self.chat {
+            out.insert("object".into(), json!("chat.completion.chunk"));
+        }
+        let mut choices = Vec::new();
+        if let Some(Value::Array(cs)) = obj.remove("choices") {
+            for mut c in cs.into_iter().filter_map(|c| if let Value::Object(m) = c { Some(m) } else { None }) {
+                let ids = take_ids(&mut c, "token_ids", true);
+                let text = c.remove("text").unwrap_or(json!(""));
+                let finish = c.remove("finish_reason").unwrap_or(Value::Null);
+                self.finished |= set(Some(&finish));
+                let mut choice = Map::new();
+                choice.insert("index".into(), json!(0));
+                if self.chat {
+                    let delta = if text.as_str().is_some_and(|t| !t.is_empty()) { json!({"content": text}) } else { json!({}) };
+                    choice.insert("delta".into(), delta);
+                    choice.insert("logprobs".into(), Value::Null);
+                } else {
+                    choice.insert("text".into(), text);
+                    choice.insert("logprobs".into(), c.remove("logprobs").unwrap_or(Value::Null));
+                }
+                choice.insert("finish_reason".into(), finish);
+                if let Some(ids) = ids {
+                    if self.client_wants_ids {
+                        choice.insert("token_ids".into(), Value::Array(ids.clone()));
+                    }
+                    self.generated.extend(ids);
+                }
+                choices.push(Value::Object(choice));
+            }
+        }
+        let all_empty = !choices.is_empty() && choices.iter().filter_map(Value::as_object).all(empty_choice);
+        out.insert("choices".into(), Value::Array(choices));
+        let usage = obj.remove("usage").filter(|u| u.is_object());
+        if let (Some(mut u), Some(prompt)) = (usage.clone(), self.prompt_ids.as_ref()) {
+            let completion = u.get("completion_tokens").and_then(Value::as_u64).unwrap_or(0) + before;
+            let prompt = prompt.len() as u64;
+            u["prompt_tokens"] = json!(prompt);
+            u["completion_tokens"] = json!(completion);
+            u["total_tokens"] = json!(prompt + completion);
+            out.insert("usage".into(), u);
+        }
+        (self.client_wants_ids || usage.is_some() || !all_empty).then_some(Value::Object(out))
+    }
+}
+
+/// The SSE side of [`Progress`]: whole events in, whole events out (a partial event is held
+/// until its end arrives, so a dead stream never leaves the client mid-event).
+#[derive(Debug)]
+pub struct ResumeTracker {
+    decoder: SseDecoder,
+    pub progress: Progress,
+    continuing: bool,
+}
+
+impl ResumeTracker {
+    pub fn new(req: &ParsedRequest) -> Self {
+        ResumeTracker { decoder: SseDecoder::new(), progress: Progress::new(req), continuing: false }
+    }
+
+    /// The relayed stream broke: what it left half-sent is dropped, the next bytes are a
+    /// continuation's.
+    pub fn begin_continuation(&mut self) {
+        self.decoder = SseDecoder::new();
+        self.progress.begin_continuation();
+        self.continuing = true;
+    }
+
+    /// One chunk of the relayed stream, as the client is to see it.
+    pub fn process(&mut self, chunk: &[u8]) -> String {
+        let mut out = String::new();
+        for ev in self.decoder.feed(chunk) {
+            if ev.is_done() {
+                out.push_str(&frame(&ev.data));
+                continue;
+            }
+            let Ok(mut v) = serde_json::from_str::<Value>(&ev.data) else {
+                out.push_str(&frame(&ev.data));
+                continue;
+            };
+            let kept = if self.continuing {
+                self.progress.rewrite(v)
+            } else if self.progress.observe(&mut v) {
+                Some(v)
+            } else {
+                None
+            };
+            if let Some(v) = kept {
+                out.push_str(&frame(&v.to_string()));
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+#[path = "resume_tests.rs"]
+mod tests;

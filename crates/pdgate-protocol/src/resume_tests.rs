@@ -1,0 +1,161 @@
+#![allow(clippy::unwrap_used)] // test code: a panic is the failure report
+
+use serde_json::{json, Value};
+
+use super::*;
+use crate::limits::Limits;
+use crate::request::parse_request;
+
+fn req(endpoint: Endpoint, body: Value) -> ParsedRequest {
+    parse_request(endpoint, body.to_string().as_bytes(), &Limits::default()).unwrap()
+}
+
+fn completions(extra: Value) -> ParsedRequest {
+    let mut b = json!({"prompt": "hi", "stream": true, "max_tokens": 10});
+    b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    req(Endpoint::Completions, b)
+}
+
+fn chunk(text: &str, ids: &[u64], finish: Option<&str>) -> Value {
+    json!({"id": "cmpl-a", "object": "text_completion", "created": 7, "model": "m",
+           "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish, "token_ids": ids}]})
+}
+
+#[test]
+fn exact_continuations_only() {
+    assert_eq!(refusal(&completions(json!({}))), None);
+    let cases = [
+        (json!({"n": 2}), "n_greater_than_1"),
+        (json!({"stream": false}), "not_streaming"),
+        (json!({"response_format": {"type": "json_object"}}), "guided_decoding"),
+        (json!({"guided_regex": "a+"}), "guided_decoding"),
+        (json!({"stop": ["\n"]}), "stop_strings"),
+        (json!({"presence_penalty": 0.5}), "penalties"),
+        (json!({"echo": true}), "echo"),
+        (json!({"prompt": ["a", "b"]}), "batch"),
+    ];
+    for (extra, reason) in cases {
+        assert_eq!(refusal(&completions(extra.clone())), Some(reason), "{extra}");
+    }
+    assert_eq!(refusal(&completions(json!({"response_format": {"type": "text"}, "stop": [], "presence_penalty": 0}))), None);
+    let gen = req(Endpoint::Generate, json!({"text": "hi", "stream": true}));
+    assert_eq!(refusal(&gen), Some("generate_text"), "a text prompt's ids are not in SGLang's stream");
+    let ids = req(Endpoint::Generate, json!({"input_ids": [1, 2], "stream": true, "sampling_params": {"regex": "a+"}}));
+    assert_eq!(refusal(&ids), Some("guided_decoding"));
+    let chat = req(Endpoint::ChatCompletions, json!({"messages": [{"role": "user", "content": "x"}], "stream": true, "logprobs": true}));
+    assert_eq!(refusal(&chat), Some("chat_logprobs"));
+}
+
+#[test]
+fn the_first_stream_is_learned_and_its_ids_hidden_unless_asked() {
+    let r = completions(json!({}));
+    let mut p = Progress::new(&r);
+    let mut first = chunk("ab", &[97, 98], None);
+    first["choices"][0]["prompt_token_ids"] = json!([256, 104, 105]);
+    assert!(p.observe(&mut first));
+    assert!(first["choices"][0].get("token_ids").is_none() && first["choices"][0].get("prompt_token_ids").is_none(), "{first}");
+    // A chunk with only ids (text held back by the engine) says nothing to this client.
+    assert!(!p.observe(&mut chunk("", &[0xe2], None)));
+    assert_eq!(p.generated(), 3);
+    assert_eq!(p.refusal(), None);
+
+    let body = p.continuation(&r, None).unwrap();
+    assert_eq!(body["prompt"], json!([256, 104, 105, 97, 98, 0xe2]));
+    assert_eq!(body["max_tokens"], json!(7));
+    assert_eq!(body["return_token_ids"], json!(true));
+
+    let mut wants = Progress::new(&completions(json!({"return_token_ids": true})));
+    let mut c = chunk("a", &[97], None);
+    assert!(wants.observe(&mut c));
+    assert_eq!(c["choices"][0]["token_ids"], json!([97]), "asked for: kept");
+}
+
+#[test]
+fn a_stream_without_ids_or_already_finished_is_not_continued() {
+    let r = completions(json!({}));
+    let mut p = Progress::new(&r);
+    let mut c = json!({"choices": [{"index": 0, "text": "ab", "finish_reason": null}]});
+    p.observe(&mut c);
+    assert_eq!(p.continuation(&r, None).unwrap_err(), "no_token_ids");
+    let mut p = Progress::new(&r);
+    let mut c = chunk("a", &[97], Some("length"));
+    c["choices"][0]["prompt_token_ids"] = json!([1]);
+    p.observe(&mut c);
+    assert_eq!(p.refusal(), Some("already_finished"));
+}
+
+#[test]
+fn chat_continues_as_completions_and_reads_as_chat() {
+    let r = req(
+        Endpoint::ChatCompletions,
+        json!({"messages": [{"role": "user", "content": "x"}], "stream": true, "temperature": 0,
+                                                  "stream_options": {"include_usage": true}}),
+    );
+    let mut p = Progress::new(&r);
+    let mut role = json!({"id": "chatcmpl-a", "object": "chat.completion.chunk", "created": 3, "model": "m", "prompt_token_ids": [256, 1, 2],
+                          "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]});
+    assert!(p.observe(&mut role));
+    assert!(role.get("prompt_token_ids").is_none());
+    let mut c = json!({"id": "chatcmpl-a", "choices": [{"index": 0, "delta": {"content": "h"}, "token_ids": [104], "finish_reason": null}]});
+    assert!(p.observe(&mut c));
+    assert_eq!(p.continuation(&r, None).unwrap_err(), "unknown_max_tokens", "no budget given and no context limit known");
+    let body = p.continuation(&r, Some(100)).unwrap();
+    assert!(body.get("messages").is_none());
+    assert_eq!(body["prompt"], json!([256, 1, 2, 104]));
+    assert_eq!(body["max_tokens"], json!(96));
+    assert_eq!(body["temperature"], json!(0));
+    assert_eq!(body["stream_options"], json!({"include_usage": true}));
+
+    p.begin_continuation();
+    let out = p.rewrite(json!({"id": "cmpl-z", "object": "text_completion", "created": 9, "model": "m",
+                               "choices": [{"index": 0, "text": "i", "token_ids": [105], "finish_reason": "length", "prompt_token_ids": [256, 1, 2, 104]}]}));
+    let out = out.unwrap();
+    assert_eq!(out["id"], "chatcmpl-a");
+    assert_eq!(out["object"], "chat.completion.chunk");
+    assert_eq!(out["created"], 3);
+    assert_eq!(out["choices"], json!([{"index": 0, "delta": {"content": "i"}, "logprobs": null, "finish_reason": "length"}]));
+    let usage = p.rewrite(json!({"id": "cmpl-z", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}})).unwrap();
+    assert_eq!(usage["usage"], json!({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}), "the whole answer");
+    assert_eq!(p.generated(), 2);
+}
+
+#[test]
+fn the_tracker_holds_partial_events_and_passes_done() {
+    let r = completions(json!({}));
+    let mut t = ResumeTracker::new(&r);
+    let ev = format!("data: {}\n\n", chunk("a", &[97], None));
+    let (head, tail) = ev.split_at(10);
+    assert_eq!(t.process(head.as_bytes()), "");
+    let out = t.process(tail.as_bytes());
+    assert!(out.starts_with("data: {") && out.ends_with("\n\n") && !out.contains("token_ids"), "{out}");
+    // The stream dies mid-event: the half is dropped, the continuation's events are rewritten.
+    t.process(b"data: {\"choi");
+    t.begin_continuation();
+    let cont = format!("data: {}\n\ndata: [DONE]\n\n", json!({"id": "other", "choices": [{"index": 0, "text": "b", "token_ids": [98], "finish_reason": "length"}]}));
+    let out = t.process(cont.as_bytes());
+    assert!(out.contains("\"id\":\"cmpl-a\"") && out.contains("\"text\":\"b\"") && out.ends_with("data: [DONE]\n\n"), "{out}");
+}
+
+#[test]
+fn generate_continues_from_input_ids_and_reads_as_one_cumulative_stream() {
+    let r = req(Endpoint::Generate, json!({"input_ids": [256, 7], "stream": true, "rid": "x", "sampling_params": {"max_new_tokens": 5, "temperature": 0}}));
+    assert_eq!(refusal(&r), None);
+    let mut p = Progress::new(&r);
+    let mut c = json!({"text": "a", "output_ids": [97], "meta_info": {"id": "g-1", "finish_reason": null, "prompt_tokens": 2, "completion_tokens": 1}});
+    assert!(p.observe(&mut c));
+    let mut c = json!({"text": "ab", "output_ids": [97, 98], "meta_info": {"id": "g-1", "finish_reason": null, "prompt_tokens": 2, "completion_tokens": 2}});
+    p.observe(&mut c);
+    let body = p.continuation(&r, None).unwrap();
+    assert_eq!(body["input_ids"], json!([256, 7, 97, 98]));
+    assert_eq!(body["sampling_params"], json!({"max_new_tokens": 3, "temperature": 0}));
+    assert!(body.get("rid").is_none());
+    p.begin_continuation();
+    let out =
+        p.rewrite(json!({"text": "c", "output_ids": [99], "meta_info": {"id": "g-2", "finish_reason": {"type": "length"}, "prompt_tokens": 4, "completion_tokens": 1}})).unwrap();
+    assert_eq!(out["text"], "abc");
+    assert_eq!(out["output_ids"], json!([97, 98, 99]));
+    assert_eq!(out["meta_info"]["prompt_tokens"], 2);
+    assert_eq!(out["meta_info"]["completion_tokens"], 3);
+    assert_eq!(out["meta_info"]["id"], "g-1", "the first stream's id");
+    assert_eq!(p.refusal(), Some("already_finished"));
+}

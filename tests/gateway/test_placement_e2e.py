@@ -1,0 +1,90 @@
+"""End to end through `pdgate launch` to reference-engine processes: conditional placement sends
+short prompts to the colocated worker and long ones to the prefill/decode pair (the header says
+so), and early rejection answers 429 at once instead of letting requests time out.
+
+The cost model's priors are pinned (a prior worth 100,000 observations, no forgetting), so the
+decisions follow the configured numbers, not this machine's speed; the decisions themselves are
+unit-tested in pdgate-core."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from pdgate.workers import ReferenceWorker
+from tests.conftest import Processes
+from tests.gateway.harness import GatewayProcess, launch
+from tests.gateway.stacks import FAST_HEALTH
+
+PINNED = ["--chars-per-token", "1", "--placement-prior-weight", "100000", "--placement-forgetting", "1.0"]
+
+
+@pytest.fixture
+def engines() -> Iterator[dict[str, ReferenceWorker]]:
+    workers = {"prefill": ReferenceWorker(mode="prefill"), "decode": ReferenceWorker(mode="decode"), "colocated": ReferenceWorker(mode="null")}
+    try:
+        for w in workers.values():
+            w.start(timeout=60)
+        yield workers
+    finally:
+        for w in workers.values():
+            w.stop()
+
+
+def _gateway(processes: Processes, engines: dict[str, ReferenceWorker], *args: str, colocated: bool = True) -> GatewayProcess:
+    p, d = engines["prefill"], engines["decode"]
+    extra = ["--worker-urls", engines["colocated"].url] if colocated else []
+    gw = launch(processes, ["--pd-disaggregation", "--prefill", p.url, str(p.bootstrap_port), "--decode", d.url, *extra, *PINNED, *FAST_HEALTH, *args])
+    gw.wait_ready(timeout=60)
+    return gw
+
+
+def _complete(url: str, tokens: int, timeout: float = 60.0) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"prompt": "a" * tokens, "max_tokens": 16}, timeout=timeout)
+
+
+def test_conditional_places_short_prompts_colocated_and_long_ones_on_the_pair(processes: Processes, engines: Any) -> None:
+    gw = _gateway(processes, engines, "--pd-placement", "conditional")
+    # A long stream on the colocated worker, left unread so it stays in flight: the running
+    # decode that a long local prefill would stall (TPOT 45 + prefill / 16 > 50 from ~1,700 tokens).
+    with httpx.Client(timeout=60) as client:
+        body = {"prompt": "hold", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with client.stream("POST", gw.url + "/v1/completions", json=body) as held:
+            assert held.status_code == 200
+            assert "placement=colocated; reason=local_ttft_lower" in held.headers["x-pdgate-route"]
+            short = _complete(gw.url, 100)
+            long = _complete(gw.url, 3000)
+    assert short.status_code == 200 and long.status_code == 200, (short.text, long.text)
+    short_route, long_route = short.headers["x-pdgate-route"], long.headers["x-pdgate-route"]
+    assert short_route.startswith("protocol=regular") and engines["colocated"].url in short_route, short_route
+    assert "placement=colocated; reason=local_ttft_lower" in short_route
+    assert long_route.startswith("protocol=bootstrap") and "placement=disaggregated; reason=local_stall_breaks_tpot" in long_route, long_route
+    # The pair really moved the KV: the decode reports the prompt as cached.
+    usage = long.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1 > 0, usage
+    metrics = httpx.get(gw.url + "/metrics", timeout=10).text
+    observed = re.search(r'pdgate_placement_model\{param="prefill_observations"\} (\d+)', metrics)
+    assert observed and int(observed.group(1)) >= 1, "the prefill leg fed the cost model"
+
+
+def test_overload_is_answered_429_at_once_and_admitted_requests_finish(processes: Processes, engines: Any) -> None:
+    # TTFT objective 50 ms, no slack: 2,000 tokens predict 1 + 70 ms of prefill alone.
+    gw = _gateway(processes, engines, "--slo-ttft-ms", "50", "--admission-slack", "1", "--placement-prefill-base-ms", "1",
+                  "--placement-decode-step-ms", "1", "--request-timeout-secs", "30", colocated=False)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        long = list(pool.map(lambda _: _complete(gw.url, 2000), range(16)))
+        short = list(pool.map(lambda _: _complete(gw.url, 10), range(8)))
+    for r in long:
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "overloaded"
+        assert r.headers["x-pdgate-dropped-reason"] == "predicted_ttft_over_budget" and int(r.headers["retry-after"]) >= 1
+    assert [r.status_code for r in short] == [200] * 8, [r.text for r in short]
+    metrics = httpx.get(gw.url + "/metrics", timeout=10).text
+    assert 'pdgate_placement_total{placement="rejected",reason="predicted_ttft_over_budget"} 16' in metrics
+    assert not re.search(r'pdgate_requests_total\{route="/v1/completions",status="504"\} [1-9]', metrics), "nothing timed out"
+
+

@@ -1,0 +1,177 @@
+"""Resume after decode death, end to end with reference engines (issue 12 item 2).
+
+One prefill and two decodes (SGLang bootstrap style); one decode runs with the fault hook
+`--fault-kill-after-tokens 5`: it SIGKILLs itself right after sending the chunk with a
+sequence's 5th token (a whole answer: after generating it), so the death is mid-answer on every
+run, not a matter of timing. The gateway continues the stream on the other decode from the
+prompt's and the generated token ids; with greedy decoding the client must get exactly the
+uninterrupted answer, which a third engine (no PD) computes directly.
+
+The tiny preset is byte-level: its output is mostly not valid UTF-8, which is why the resume
+must go by token ids (the text is compared as the engines render it, U+FFFD included).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+import pdgate
+from pdgate.workers import ReferenceWorker
+from tests.gateway.harness import wait_status
+
+pytestmark = pytest.mark.timeout(240)
+KILL_AFTER = 5
+MAX_TOKENS = 24
+COMPLETION = {"model": "tiny", "prompt": "resume me, please", "max_tokens": MAX_TOKENS, "temperature": 0,
+              "ignore_eos": True}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "resume this chat"}], "max_tokens": MAX_TOKENS,
+        "temperature": 0, "ignore_eos": True}
+
+
+def start(workers: list[ReferenceWorker]) -> None:
+    with ThreadPoolExecutor(len(workers)) as pool:
+        list(pool.map(lambda w: w.start(timeout=90), workers))
+
+
+@pytest.fixture(scope="module")
+def reference() -> Iterator[ReferenceWorker]:
+    """A plain engine with the same weights: the uninterrupted greedy answers."""
+    w = ReferenceWorker(mode="null", model="tiny")
+    start([w])
+    yield w
+    w.stop()
+
+
+class Fleet:
+    def __init__(self, max_resumes: int | None):
+        self.prefill = ReferenceWorker(mode="prefill", model="tiny")
+        self.dying = ReferenceWorker(mode="decode", model="tiny", extra_args=["--fault-kill-after-tokens", str(KILL_AFTER)])
+        self.healthy = ReferenceWorker(mode="decode", model="tiny")
+        self.max_resumes = max_resumes
+
+    def __enter__(self) -> "Fleet":
+        start([self.prefill, self.dying, self.healthy])
+        options: dict[str, Any] = dict(
+            pd_disaggregation=True, port=0, request_timeout_secs=60, retry_max_retries=3,
+            prefill=[[self.prefill.url, self.prefill.bootstrap_port]], decode=[self.dying.url, self.healthy.url],
+            decode_policy="round_robin", health_check_interval_secs=1, health_success_threshold=1)
+        if self.max_resumes is not None:
+            options["max_resumes"] = self.max_resumes
+        self.gw = pdgate.Gateway(**options)
+        self.gw.__enter__()
+        assert wait_status(self.gw.url + "/readiness", 200) == 200
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.gw.__exit__(None, None, None)
+        for w in (self.prefill, self.dying, self.healthy):
+            w.stop()
+
+    def dead(self) -> bool:
+        return self.dying.proc is not None and self.dying.proc.poll() is not None
+
+    def metric(self, line: str) -> float | None:
+        text = httpx.get(self.gw.url + "/metrics", timeout=10).text
+        for row in text.splitlines():
+            if row.startswith(line + " "):
+                return float(row.split()[-1])
+        return None
+
+
+def stream(url: str, path: str, body: dict) -> list[Any]:
+    """The stream's events (`[DONE]` as the string)."""
+    out: list[Any] = []
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def text_of(events: list[Any]) -> str:
+    parts = []
+    for e in events:
+        if isinstance(e, dict):
+            for c in e.get("choices", []):
+                parts.append(c.get("text") if "text" in c else (c.get("delta") or {}).get("content") or "")
+    return "".join(p for p in parts if p)
+
+
+def until_killed(fleet: Fleet, send) -> list[Any]:
+    """Round robin puts the dying decode first or second: send until it died, return the
+    answers (each must be whole and right, killed or not)."""
+    answers = []
+    for _ in range(2):
+        answers.append(send())
+        if fleet.dead():
+            return answers
+    raise AssertionError("the fault decode never served a request")
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)], ids=["completions", "chat"])
+def test_a_stream_whose_decode_is_killed_completes_as_if_uninterrupted(reference: ReferenceWorker, path: str, body: dict) -> None:
+    body = {**body, "stream_options": {"include_usage": True}}
+    want = stream(reference.url, path, body)
+    with Fleet(max_resumes=None) as fleet:
+        for got in until_killed(fleet, lambda: stream(fleet.gw.url, path, body)):
+            assert got[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in got), got
+            assert text_of(got) == text_of(want)
+            ids = {e["id"] for e in got if isinstance(e, dict)}
+            assert len(ids) == 1, ids
+            assert all(c["index"] == 0 for e in got if isinstance(e, dict) for c in e["choices"])
+            usage = [e["usage"] for e in got if isinstance(e, dict) and e.get("usage")]
+            assert usage[-1]["prompt_tokens"] == want[-2]["usage"]["prompt_tokens"]
+            assert usage[-1]["completion_tokens"] == MAX_TOKENS
+        assert fleet.metric('pdgate_resumes_total{reason="decode_died",result="resumed"}') == 1.0
+
+
+def test_token_ids_asked_by_the_client_are_the_uninterrupted_ones(reference: ReferenceWorker) -> None:
+    body = {**COMPLETION, "return_token_ids": True}
+    want = [i for e in stream(reference.url, "/v1/completions", body) if isinstance(e, dict) for c in e["choices"] for i in c.get("token_ids", [])]
+    with Fleet(max_resumes=None) as fleet:
+        for got in until_killed(fleet, lambda: stream(fleet.gw.url, "/v1/completions", body)):
+            ids = [i for e in got if isinstance(e, dict) for c in e["choices"] for i in c.get("token_ids", [])]
+            assert ids == want and len(ids) == MAX_TOKENS
+
+
+def test_a_non_stream_answer_whose_decode_is_killed_is_whole(reference: ReferenceWorker) -> None:
+    want = httpx.post(reference.url + "/v1/completions", json=COMPLETION, timeout=60).json()
+    with Fleet(max_resumes=None) as fleet:
+        for _ in range(2):  # round robin: the fault decode serves one of the two
+            r = httpx.post(fleet.gw.url + "/v1/completions", json=COMPLETION, timeout=60)
+            assert r.status_code == 200, r.text
+            got = r.json()
+            assert got["choices"][0]["text"] == want["choices"][0]["text"]
+            assert got["usage"]["completion_tokens"] == MAX_TOKENS
+        assert fleet.dead(), "the fault decode never served a request"
+
+
+def test_with_max_resumes_0_the_stream_ends_with_the_error_event(reference: ReferenceWorker) -> None:
+    with Fleet(max_resumes=0) as fleet:
+        answers = until_killed(fleet, lambda: stream(fleet.gw.url, "/v1/completions", COMPLETION))
+        killed = answers[-1]
+        assert "[DONE]" not in killed and "error" in killed[-1], killed
+        assert fleet.metric('pdgate_resumes_total{reason="decode_died",result="resumed"}') == 0.0
+
+
+def test_a_generate_stream_from_input_ids_is_continued(reference: ReferenceWorker) -> None:
+    body = {"input_ids": [256, *b"resume by ids"],
+            "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}}
+    want = stream(reference.url, "/generate", body)[-2]
+    with Fleet(max_resumes=None) as fleet:
+        for got in until_killed(fleet, lambda: stream(fleet.gw.url, "/generate", body)):
+            assert got[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in got), got
+            texts = [e["text"] for e in got if isinstance(e, dict)]
+            assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), "one cumulative answer"
+            last = got[-2]
+            assert last["text"] == want["text"] and last["output_ids"] == want["output_ids"]
+            assert last["meta_info"]["completion_tokens"] == MAX_TOKENS
+            assert last["meta_info"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
+            assert len({e["meta_info"]["id"] for e in got if isinstance(e, dict)}) == 1
