@@ -85,6 +85,10 @@ class GatewayOptions(TypedDict, total=False):
     """--worker-api-key: Sent as `Authorization: Bearer KEY` on every call to a worker (requests, health checks, load polls, `/server_info`, the Mooncake bootstrap query); the client's own `Authorization` is never forwarded. `pdgate launch` and `pdgate-gateway` also read it from PDGATE_WORKER_API_KEY."""
     worker_ca_cert: str | None
     """--worker-ca-cert: PEM bundle of the CA certificates that sign `https://` workers' certificates (a private CA). When given, only these are trusted for workers; without it, the system's roots."""
+    model_path: str | None
+    """--model-path: A local Hugging Face model directory (or a `tokenizer.json` file) whose tokenizer and chat template the gateway loads and validates at start-up. Not yet used by the routes: prompt token counts are still estimated (`--chars-per-token`) until they are wired to it."""
+    tokenizer_path: str | None
+    """--tokenizer-path: The tokenizer to load instead of `--model-path`'s (a directory or a `tokenizer.json`)."""
     retry_max_retries: int
     """--retry-max-retries: Most attempts per request, the first one included (SMG's meaning: 3 means one try and two retries; 0 and 1 mean no retry). Retries happen only before any byte reached the client, each on another worker or pair. Default: 3. Range: 0 to 4294967295."""
     retry_initial_backoff_ms: int

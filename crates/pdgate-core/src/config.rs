@@ -150,6 +150,17 @@ pub struct GatewayConfig {
     #[arg(long, value_name = "PATH")]
     pub worker_ca_cert: Option<String>,
 
+    // --- Tokenizer (crates/pdgate-tokenizer, docs/tokenizer.md) ---
+    /// A local Hugging Face model directory (or a `tokenizer.json` file) whose tokenizer and
+    /// chat template the gateway loads and validates at start-up. Not yet used by the routes:
+    /// prompt token counts are still estimated (`--chars-per-token`) until they are wired to it.
+    #[arg(long, value_name = "PATH")]
+    pub model_path: Option<String>,
+
+    /// The tokenizer to load instead of `--model-path`'s (a directory or a `tokenizer.json`).
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer_path: Option<String>,
+
     /// Most attempts per request, the first one included (SMG's meaning: 3 means one try and
     /// two retries; 0 and 1 mean no retry). Retries happen only before any byte reached the
     /// client, each on another worker or pair.

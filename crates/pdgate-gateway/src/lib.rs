@@ -18,6 +18,7 @@ mod log_file;
 mod membership;
 mod metrics;
 mod metrics_listener;
+pub mod prompt_ids;
 mod record;
 mod registry;
 mod render;

@@ -38,6 +38,9 @@ pub enum StartError {
     /// `--request-log` cannot be opened for appending.
     #[error("cannot open the request log {path}: {source}")]
     RequestLog { path: String, source: std::io::Error },
+    /// `--model-path` / `--tokenizer-path` cannot be loaded.
+    #[error("{0}")]
+    Tokenizer(String),
 }
 
 pub struct RunningGateway {
@@ -102,6 +105,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     config.validate()?;
     let workers = config.workers()?;
     let upstream = Upstream::from_config(&config).map_err(StartError::Upstream)?;
+    let tokenizer = crate::prompt_ids::load(&config).map_err(StartError::Tokenizer)?;
     let discovery = crate::discovery::prepare(&config).await.map_err(StartError::Discovery)?;
     let bind = format!("{}:{}", config.host, config.port);
     let listener = TcpListener::bind(&bind).await.map_err(|source| StartError::Bind { addr: bind.clone(), source })?;
@@ -120,6 +124,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     let mut state = AppState::new(config, registry, upstream);
     state.open_request_log().map_err(|source| StartError::RequestLog { path: log_path, source })?;
     state.edge.own = own;
+    state.tokenizer = tokenizer;
     let state = Arc::new(state);
     // The static flags are the first source of membership changes (membership.rs).
     for spec in workers {

@@ -51,6 +51,8 @@ pub struct AppState {
     pub admission: Option<crate::admission::Admission>,
     /// What each worker that publishes KV events holds (kv_sub). Fed, not yet read by routing.
     pub kv_view: crate::kv_sub::KvView,
+    /// `--model-path` / `--tokenizer-path`'s tokenizer, loaded at start-up (prompt_ids.rs).
+    pub tokenizer: Option<Arc<pdgate_tokenizer::ModelTokenizer>>,
     /// `--pd-placement`, early rejection and the cost model (exec/placement.rs).
     pub placer: crate::exec::placement::Placer,
     /// The goodput window and the `--request-log` writer (goodput.rs).
@@ -74,6 +76,7 @@ impl AppState {
                 m
             },
             admission: crate::admission::Admission::from_config(&config),
+            tokenizer: None,
             regular_policy: make_policy_with(config.policy, &PolicyOptions::from_config(&config)),
             prefill_policy: make_policy_with(config.effective_prefill_policy(), &PolicyOptions::from_config(&config)),
             decode_policy: make_policy_with(config.effective_decode_policy(), &PolicyOptions::from_config(&config)),

@@ -1,0 +1,22 @@
+//! Shared fixture paths for the integration tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use pdgate_tokenizer::ModelTokenizer;
+
+pub fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+pub fn bpe() -> ModelTokenizer {
+    match ModelTokenizer::from_path(&fixtures().join("bpe")) {
+        Ok(t) => t,
+        Err(e) => panic!("fixture tokenizer loads: {e}"),
+    }
+}
+
+pub fn read_json(name: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(fixtures().join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
