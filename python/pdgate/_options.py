@@ -51,11 +51,11 @@ class GatewayOptions(TypedDict, total=False):
     """--decode: A decode worker, optionally followed by `kv_connector=NAME`, `kv_events=tcp://HOST:PORT`, `kv_events_replay=tcp://HOST:PORT` and `label=KEY=VALUE` (repeatable). Repeat for more workers."""
     kv_connector: Literal["bootstrap", "nixl", "mooncake"]
     """--kv-connector: How KV moves between prefill and decode: SGLang bootstrap rendezvous, vLLM NIXL (pull) or vLLM Mooncake (push). Workers registered with their own connector override this. Default: "bootstrap"."""
-    policy: Literal["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash"]
+    policy: Literal["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash", "least_tokens", "most_free_kv"]
     """--policy: Policy for both pools unless --prefill-policy / --decode-policy say otherwise. Default: "round_robin"."""
-    prefill_policy: Literal["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash"] | None
+    prefill_policy: Literal["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash", "least_tokens", "most_free_kv"] | None
     """--prefill-policy: Policy for choosing the prefill worker in PD mode."""
-    decode_policy: Literal["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash"] | None
+    decode_policy: Literal["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash", "least_tokens", "most_free_kv"] | None
     """--decode-policy: Policy for choosing the decode worker in PD mode."""
     cache_threshold: float
     """--cache-threshold: cache_aware: minimum prefix match ratio (0.0-1.0) to route by cache affinity. Default: 0.3."""
@@ -95,6 +95,8 @@ class GatewayOptions(TypedDict, total=False):
     """--retry-initial-backoff-ms: First retry backoff; grows by --retry-backoff-multiplier per attempt, with jitter. Default: 50. Range: 0 to 18446744073709551615."""
     retry_max_backoff_ms: int
     """--retry-max-backoff-ms: Upper bound of one retry backoff. Default: 1000. Range: 0 to 18446744073709551615."""
+    max_resumes: int
+    """--max-resumes: Most times one stream is continued on a new prefill/decode pair after its decode died mid-answer (prompt + generated token ids, the same client stream); 0 turns resuming off. Always within the request's deadline (docs/architecture.md, "Resume"). Default: 1. Range: 0 to 4294967295."""
     retry_budget_ratio: float
     """--retry-budget-ratio: Retry budget shared by all requests: retries in the window may be at most this fraction of the requests that started in it (plus --retry-budget-min-per-sec), so retries cannot multiply an overload. A retry over budget is not made (`pdgate_retries_refused_total`). Default: 0.2."""
     retry_budget_min_per_sec: int
@@ -123,6 +125,8 @@ class GatewayOptions(TypedDict, total=False):
     """--max-logit-bias: Most entries in `logit_bias`. Default: 2048. Range: 0 to 18446744073709551615."""
     max_tools: int
     """--max-tools: Most entries in `tools` (and the legacy `functions`). OpenAI allows 128. Default: 512. Range: 0 to 18446744073709551615."""
+    chars_per_token: float
+    """--chars-per-token: UTF-8 bytes per token, to estimate a text prompt's token count for token-based load (`least_tokens`, `most_free_kv`); token-id prompts are counted exactly. 4.0 suits English with BPE tokenizers; the reference engine's byte-level presets need 1. Default: 4.0."""
     health_check_interval_secs: int
     """--health-check-interval-secs: Seconds between active health checks of each worker. Default: 5. Range: 0 to 18446744073709551615."""
     health_check_timeout_secs: int
@@ -182,7 +186,11 @@ class GatewayOptions(TypedDict, total=False):
     log_json: bool
     """--log-json: Write logs as JSON objects, one per line."""
     log_dir: str | None
-    """--log-dir: Also write logs to `pdgate.log` in this directory (created when missing)."""
+    """--log-dir: Also write logs to `pdgate.log` in this directory (created when missing), rotated daily (UTC) as SMG rotates: the past day's file becomes `pdgate.log.YYYY-MM-DD`."""
+    enable_trace: bool
+    """--enable-trace: Export OpenTelemetry traces (a span per request and per phase: admit, attempt, select, the prefill and decode legs, relay, finish) over OTLP/gRPC to --otlp-traces-endpoint, and send each leg's W3C `traceparent` to its worker. Off: no exporter, and a client's valid `traceparent`/`tracestate` are passed on to the workers unchanged."""
+    otlp_traces_endpoint: str
+    """--otlp-traces-endpoint: OTLP/gRPC collector for --enable-trace: `host:port` (`http://` is assumed) or a full `http://` / `https://` URL. Default: "localhost:4317"."""
     max_concurrent_requests: int
     """--max-concurrent-requests: Most inference requests served at once; more wait in a FIFO queue. 0 or -1: no limit (SMG's -1 derives one from the host; pdgate has none by default, and --max-connections bounds connections). Default: -1. Range: -9223372036854775808 to 9223372036854775807."""
     queue_size: int
@@ -197,6 +205,26 @@ class GatewayOptions(TypedDict, total=False):
     """--slo-ttft-ms: Time-to-first-token objective in milliseconds (arrival at the gateway to the first content token relayed); a request may set its own with `x-slo-ttft-ms` (or llm-d's `x-llm-d-slo-ttft-ms`). Default: 1000.0."""
     slo_tpot_ms: float
     """--slo-tpot-ms: Time-per-output-token objective in milliseconds, (E2E - TTFT) / (output tokens - 1); per request: `x-slo-tpot-ms` (or `x-llm-d-slo-tpot-ms`). Default: 50.0."""
+    pd_placement: Literal["disaggregated", "colocated", "conditional"]
+    """--pd-placement: Where PD-mode requests run: `disaggregated` (every request on a prefill/decode pair), `colocated` (on one worker of the regular pool, given with --worker-urls), or `conditional` (per request, by the cost model's predicted TTFT and the stall on running decodes). Default: "disaggregated"."""
+    admission_slack: float
+    """--admission-slack: Early rejection: a PD-mode request whose predicted TTFT (time waited + prefill queue + prefill + transfer + decode wait) exceeds the TTFT objective times this is answered 429 `overloaded` at once. 0 turns early rejection off; otherwise at least 1. Default: 2.0."""
+    placement_prefill_base_ms: float
+    """--placement-prefill-base-ms: Cost model prior: fixed cost of one prefill, ms (learned online from there). Default: 20.0."""
+    placement_prefill_ms_per_token: float
+    """--placement-prefill-ms-per-token: Cost model prior: prefill cost per prompt token, ms. Default: 0.035."""
+    placement_decode_step_ms: float
+    """--placement-decode-step-ms: Cost model prior: one decode step (TPOT), ms. Default: 45.0."""
+    placement_kv_bytes_per_token: float
+    """--placement-kv-bytes-per-token: KV cache bytes per prompt token (model and dtype dependent; not learned). Default: 327680.0."""
+    placement_link_setup_ms: float
+    """--placement-link-setup-ms: Cost model prior: fixed cost of one KV transfer, ms. Default: 12.0."""
+    placement_link_gib_per_s: float
+    """--placement-link-gib-per-s: Cost model prior: KV link bandwidth, GiB/s. Default: 22.0."""
+    placement_prior_weight: float
+    """--placement-prior-weight: How many observations the cost model's priors are worth. Default: 10.0."""
+    placement_forgetting: float
+    """--placement-forgetting: Weight the cost model keeps of older observations at each new one, in (0, 1] (0.98: about the last 50 count). Default: 0.98."""
     goodput_window_secs: int
     """--goodput-window-secs: Seconds over which `pdgate_goodput_requests_per_second` counts the requests that met both objectives. Default: 60. Range: 0 to 18446744073709551615."""
     request_log: str | None
