@@ -110,6 +110,13 @@ impl TokenGuard {
         t.kv_placed_total.fetch_add(kv, Ordering::Relaxed);
         TokenGuard { runtime: runtime.clone(), prompt, kv }
     }
+
+    /// The worker has prefilled the prompt (its answer began): the prompt no longer queues
+    /// there, while the KV it placed stays until the response ends.
+    pub fn prefilled(&mut self) {
+        self.runtime.tokens.prompt_tokens.fetch_sub(self.prompt, Ordering::Relaxed);
+        self.prompt = 0;
+    }
 }
 
 impl Drop for TokenGuard {
@@ -124,6 +131,17 @@ impl Drop for TokenGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_prefilled_prompt_stops_queueing_but_its_kv_stays() {
+        let rt = Arc::new(Runtime::default());
+        let mut g = TokenGuard::new(&rt, 100, 600);
+        g.prefilled();
+        assert_eq!(rt.tokens.prompt_tokens.load(Ordering::Relaxed), 0);
+        assert_eq!(rt.tokens.kv_tokens.load(Ordering::Relaxed), 600);
+        drop(g);
+        assert_eq!((rt.tokens.prompt_tokens.load(Ordering::Relaxed), rt.tokens.kv_tokens.load(Ordering::Relaxed)), (0, 0));
+    }
 
     #[test]
     fn guards_count_while_they_live() {

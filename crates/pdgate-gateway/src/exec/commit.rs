@@ -219,6 +219,10 @@ async fn commit_and_relay(
         scanner.scan(&first).map_err(|e| refuse(ctx, leg, BadAnswer { reason: "sse_event_too_long", message: format!("SSE event is longer than {} bytes", e.limit) }))?;
         let logprobs = if plan.merge_logprobs { Some(prefill_logprobs(&mut watched, deadline).await?) } else { None };
         observe_ttfb(ctx);
+        // The first data came: a regular worker has prefilled, its prompt no longer queues.
+        if let Some(tokens) = finish.tokens.as_mut() {
+            tokens.prefilled();
+        }
         let abort = abort.take().ok_or_else(|| GatewayError::internal("the relayed leg's abort guard is gone"))?;
         let tally = StreamTally::new(ctx.req.endpoint, ctx.strip_usage, ctx.req.batch_items.is_some());
         let relayed = Relayed { leg, worker: plan.url, scanner, abort, trace: RelayTrace::start(), tally };
