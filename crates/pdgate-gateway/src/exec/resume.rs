@@ -171,7 +171,11 @@ impl Resumer {
 /// (retries off or over budget): at most `--max-resumes` times, within the deadline. `used`
 /// counts this request's resumes.
 pub fn resume_whole(ctx: &Ctx, err: &GatewayError, used: &mut u32) -> bool {
-    if ctx.req.stream || !Resumer::is_death(err) || *used >= ctx.state.config.max_resumes || Instant::now() >= ctx.deadline {
+    // Only a PD decode: a regular worker that fails a whole answer (refused connection, TLS
+    // handshake) is a plain retry, which the operator may have turned off. The error does not
+    // yet say whether the decode had accepted the request, so a decode refusing its connection
+    // is re-sent here too (see docs/architecture.md, "Resume after decode death").
+    if ctx.req.stream || err.leg != Some(pdgate_core::Leg::Decode) || !Resumer::is_death(err) || *used >= ctx.state.config.max_resumes || Instant::now() >= ctx.deadline {
         return false;
     }
     *used += 1;
