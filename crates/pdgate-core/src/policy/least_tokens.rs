@@ -12,13 +12,14 @@
 //! `(1 - r) × tokens` there. Without a tree or text the credit is zero and the policy is plain
 //! "fewest queued prompt tokens". Ties go to the smaller running batch, then spread at random.
 //!
-//! Cost: at most [`SCAN_LIMIT`] load reads (a random sample beyond that) plus at most
+//! Cost: at most [`super::SCAN_LIMIT`] load reads (a random sample beyond that) plus at most
 //! [`TENANT_VISITS`] tree tenants.
 
 use rand::{Rng, RngCore};
 
 use super::cache_aware::TENANT_VISITS;
-use super::{is_candidate, Policy, RouteInput, Selection, SCAN_LIMIT};
+use super::visit_bounded;
+use super::{is_candidate, Policy, RouteInput, Selection};
 use crate::snapshot::PoolSnapshot;
 
 #[derive(Debug, Default, Clone)]
@@ -88,12 +89,7 @@ impl Policy for LeastTokensPolicy {
         // Workers holding a prefix first, then a scan from a random start (ties spread out).
         credits.iter().for_each(|(w, _)| visit(*w));
         let start = rng.random_range(0..n);
-        if n <= SCAN_LIMIT {
-            (0..n).for_each(|i| visit(candidates[(start + i) % n]));
-        } else {
-            visit(candidates[start]);
-            (1..SCAN_LIMIT).for_each(|_| visit(candidates[rng.random_range(0..n)]));
-        }
+        visit_bounded(candidates, start, rng, &mut visit);
         let b = best?;
         let queued = b.cost.saturating_sub((tokens as f64 * (1.0 - b.ratio)).round() as u64);
         let reason = if b.ratio > 0.0 { format!("least_tokens queued={queued} cache_hit={:.2}", b.ratio) } else { format!("least_tokens queued={queued}") };

@@ -226,20 +226,28 @@ pub(crate) fn scan_loads(candidates: &[usize], loads: &dyn LoadView, rng: &mut d
     }
     let start = rng.random_range(0..n);
     let mut scan = LoadScan { least: candidates[start], min: u64::MAX, max: 0 };
-    let mut visit = |w: usize| {
+    let visit = |w: usize| {
         let l = loads.load(w);
         if l < scan.min {
             scan = LoadScan { least: w, min: l, ..scan };
         }
         scan.max = scan.max.max(l);
     };
+    visit_bounded(candidates, start, rng, visit);
+    Some(scan)
+}
+
+/// Visits every candidate from `start` on (wrapping) when there are at most [`SCAN_LIMIT`],
+/// else `candidates[start]` and a random sample up to [`SCAN_LIMIT`] visits: the bounded scan
+/// every load-reading policy shares, so routing cost does not grow with the fleet.
+pub(crate) fn visit_bounded(candidates: &[usize], start: usize, rng: &mut dyn RngCore, mut visit: impl FnMut(usize)) {
+    let n = candidates.len();
     if n <= SCAN_LIMIT {
         (0..n).for_each(|i| visit(candidates[(start + i) % n]));
     } else {
         visit(candidates[start]);
         (1..SCAN_LIMIT).for_each(|_| visit(candidates[rng.random_range(0..n)]));
     }
-    Some(scan)
 }
 
 /// Whether `worker` is among the ascending `candidates`.

@@ -11,11 +11,12 @@
 //!
 //! When no candidate has room the policy still answers, with the most free KV and the branch
 //! [`NO_ROOM`], so that admission can hold the request back instead of sending it (the gateway
-//! decides; the policy only says so). Cost: at most [`SCAN_LIMIT`] load reads.
+//! decides; the policy only says so). Cost: at most [`super::SCAN_LIMIT`] load reads.
 
 use rand::{Rng, RngCore};
 
-use super::{Policy, RouteInput, Selection, SCAN_LIMIT};
+use super::visit_bounded;
+use super::{Policy, RouteInput, Selection};
 use crate::snapshot::PoolSnapshot;
 
 /// The branch of a selection made when no candidate has KV room for the request.
@@ -48,7 +49,7 @@ impl Policy for MostFreeKvPolicy {
         }
         let need = input.kv_tokens();
         let mut best: Option<(Rank, usize)> = None;
-        let mut visit = |w: usize| {
+        let visit = |w: usize| {
             let free = input.loads.free_kv_tokens(w);
             let no_room = free.is_some_and(|f| f < need);
             // Without room, the most free KV comes first (it pre-empts least); with room, the batch.
@@ -59,12 +60,7 @@ impl Policy for MostFreeKvPolicy {
             }
         };
         let start = rng.random_range(0..n);
-        if n <= SCAN_LIMIT {
-            (0..n).for_each(|i| visit(candidates[(start + i) % n]));
-        } else {
-            visit(candidates[start]);
-            (1..SCAN_LIMIT).for_each(|_| visit(candidates[rng.random_range(0..n)]));
-        }
+        visit_bounded(candidates, start, rng, visit);
         let (rank, w) = best?;
         let free = -rank.less_free;
         Some(if rank.no_room {
