@@ -20,6 +20,7 @@ import pytest
 from aiohttp import web
 
 import pdgate
+from pdgate.workers import free_port
 from tests.mock_workers import BootstrapDecode, BootstrapPrefill, MockHost, MockWorker
 from tests.mock_workers.model import expected_text
 
@@ -197,12 +198,6 @@ def test_start_errors_and_restart(mocks: MockHost) -> None:
                     await gw.start()
 
     asyncio.run(scenario())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_cancelled_start_leaves_no_gateway_serving() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +13,8 @@ import time
 
 import httpx
 import pytest
+
+from pdgate.workers import free_port
 
 from tests.conftest import Processes
 from tests.gateway.harness import wait_status
@@ -44,12 +45,6 @@ def test_disable_retries_sends_one_attempt(mocks: MockHost, processes: Processes
                      args=["--retry-max-retries", "5", "--disable-retries", "--disable-circuit-breaker"])
     httpx.post(stack.url + "/v1/completions", json=BODY, timeout=30)
     assert decode_hits(mocks, stack.decode) == 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def smg_binary() -> str | None:

@@ -11,7 +11,6 @@ import contextlib
 import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,7 @@ import pytest
 
 pytest.importorskip("smg_grpc_proto", reason="smg-grpc-proto (a pdgate dependency on Python 3.10+) is not installed")
 
-from pdgate.workers import ReferenceWorker  # noqa: E402
+from pdgate.workers import ReferenceWorker, free_port  # noqa: E402
 from tests.gateway.harness import wait_status  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -35,12 +34,6 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 def smg_binary() -> str | None:
     beside = pathlib.Path(sys.executable).parent / "smg"
     return str(beside) if beside.exists() else shutil.which("smg")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

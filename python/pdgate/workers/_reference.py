@@ -20,11 +20,23 @@ from pdgate.errors import WorkerStartError
 _CONNECTORS = ("NixlConnector", "MooncakeConnector")
 
 
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port that was free a moment ago (the OS picks it), never one this process handed out
+    before: the OS may offer a just-released port again, and two workers started together would
+    then both be told to bind it."""
+    with _handed_out_lock:
+        for _ in range(64):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
+    raise OSError("no fresh free port found in 64 tries")
 
 
 class ReferenceWorker:
@@ -133,9 +145,15 @@ class ReferenceWorker:
                                      env=env, start_new_session=True)
 
     def _healthy(self) -> bool:
+        """/health is 200 and the port is really this engine's: another server that took the
+        port (e.g. a prefill's bootstrap server, which also answers /health) has no /v1/models,
+        and a worker that lost the port is told apart by its exit instead of passing for ready."""
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                return r.status == 200
+                if r.status != 200:
+                    return False
+            with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
+                return r.status == 200 and "data" in json.loads(r.read())
         except (urllib.error.URLError, OSError, ValueError):
             return False
 
