@@ -102,6 +102,11 @@ pub struct GatewayConfig {
     #[arg(long, default_value_t = 67_108_864)]
     pub max_tree_size: usize,
 
+    /// Most worker-block entries the KV event index keeps (docs/kv-events.md); past it the
+    /// oldest are evicted, except that a prefix lookups reach gets a second chance.
+    #[arg(long, default_value_t = 4_194_304)]
+    pub kv_index_max_blocks: usize,
+
     /// Which prefill/decode pairs may work together: off (KV transport only), lenient (a known
     /// runtime or KV layout mismatch refuses) or strict (an unknown one refuses too).
     #[arg(long, value_enum, default_value_t = PairingMode::Lenient)]

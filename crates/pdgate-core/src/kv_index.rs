@@ -8,23 +8,35 @@
 //! block's token ids. Equal prefixes get equal keys on every worker, so a request's token ids,
 //! cut into blocks and keyed the same way, find every worker holding them.
 //!
-//! Per worker: engine hash -> (key, block size), and the next expected event sequence number.
-//! Across workers: key -> sorted list of the workers holding it. A match walks the request's
-//! blocks from the start and keeps the workers that hold every block so far, so its cost is the
-//! sum of the holder lists it reads: a block held by every worker is read whole (the worst case
-//! is a long prefix cached on the whole fleet; see the `kv_index` bench).
+//! Per worker: engine hash -> its entry, and the next expected event sequence number. Across
+//! workers: key -> the set of workers holding it (`holders.rs`: one slot, a short list, or a
+//! bitset when many hold it). A lookup walks the prompt's blocks once, narrowing the workers
+//! that held every block so far (`walk.rs`), so its cost is the prompt's blocks plus, per block,
+//! the short list or one word per 64 workers: a prefix cached on the whole fleet costs 16 word
+//! operations a block at 1,000 workers, not 1,000 searches (see the `kv_index` bench).
 //!
 //! A stored block whose parent the worker's view does not know (events missed, or the parent
 //! was evicted and re-stored under another prefix) cannot be placed and is counted as an orphan,
-//! never guessed. Memory is bounded by `max_blocks` (worker-block entries): stores past it are
-//! counted and ignored, so the view under-reports, which costs routing quality, not correctness.
-//! Pure: no IO, no clock; the keys are seeded (pass a random seed in a gateway, so a client
-//! cannot aim prompts at colliding keys).
+//! never guessed. Memory is bounded by `max_blocks` (worker-block entries): past it the oldest
+//! entry is evicted (`order.rs`), unless a lookup hit its key since it was stored, in which case
+//! it goes to the back once (second chance: a hot system prompt outlives a one-off prompt). An
+//! eviction makes the view under-report, which costs routing quality, not correctness.
+//! Pure: no IO, no clock (the lookup counter is the only time); the keys are seeded (pass a
+//! random seed in a gateway, so a client cannot aim prompts at colliding keys).
 
+mod holders;
+mod order;
+mod walk;
+
+use std::collections::hash_map::Entry as MapEntry;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
 use crate::kv_events::{DecodedBatch, KvEvent};
+use holders::Holders;
+use order::{Entry, Order};
+use walk::Walk;
 
 /// A worker's index in the view; stable while the worker is registered.
 pub type WorkerSlot = u32;
@@ -47,46 +59,77 @@ pub enum SeqCheck {
 /// Counters for metrics.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct IndexStats {
+    /// Worker-block entries held (the quantity `max_blocks` bounds).
     pub blocks: usize,
+    /// Distinct content keys (prefixes) held by at least one worker.
+    pub keys: usize,
     pub stored: u64,
     pub removed: u64,
     pub orphans: u64,
+    /// Stores ignored because the index has no room at all (`max_blocks` 0).
     pub over_capacity: u64,
+    /// Entries evicted to stay within `max_blocks`.
+    pub evicted: u64,
     pub gaps: u64,
     pub resets: u64,
     pub undecodable: u64,
 }
 
-#[derive(Clone, Copy)]
-struct Held {
-    key: u64,
-    block_size: u32,
-}
-
 #[derive(Default)]
 struct WorkerState {
-    blocks: Map<Held>,
-    /// How many of its engine hashes map to each key (equal content hashed twice by an engine
-    /// that salts its hashes): the worker holds the key while any of them is held.
-    key_refs: Map<u32>,
+    /// Engine hash -> its entry in `Order`.
+    blocks: Map<u32>,
     next_seq: Option<u64>,
 }
 
+/// One content key: who holds it, and the lookup clock when a lookup last reached it.
+struct Key {
+    holders: Holders,
+    last_hit: AtomicU32,
+}
+
 type Map<V> = HashMap<u64, V, BuildHasherDefault<MixHasher>>;
+
+/// An eviction gives at most this many hot entries a second chance before evicting anyway.
+const SECOND_CHANCES: usize = 16;
+/// A lookup computes this many block keys, then looks them all up (their cache misses overlap),
+/// then goes on only while every block was found: a long prompt that misses early costs little.
+const KEY_BATCH: usize = 16;
 
 /// The per-worker block views and the key -> holders table.
 pub struct KvIndex {
     seed: u64,
     max_blocks: usize,
-    holders: Map<Holders>,
+    holders: Map<Key>,
     workers: Vec<Option<WorkerState>>,
+    order: Order,
+    /// (slot, key) -> how many more engine hashes of that worker map to the key beyond the
+    /// first (equal content hashed twice by an engine that salts its hashes): the worker holds
+    /// the key until the last one goes. Rare, so kept apart from the hot table.
+    dups: HashMap<(WorkerSlot, u64), u32>,
     block_sizes: HashMap<u32, usize>,
+    /// Heap of the Few/Bits holder sets, kept current so the size gauge costs O(1).
+    set_bytes: usize,
+    /// The lookup clock: one tick per `match_tokens`, for second chances.
+    lookups: AtomicU32,
     stats: IndexStats,
 }
 
 impl KvIndex {
+    /// `max_blocks`: the bound on worker-block entries, beyond which the oldest are evicted.
     pub fn new(seed: u64, max_blocks: usize) -> Self {
-        KvIndex { seed, max_blocks, holders: Map::default(), workers: Vec::new(), block_sizes: HashMap::new(), stats: IndexStats::default() }
+        KvIndex {
+            seed,
+            max_blocks,
+            holders: Map::default(),
+            workers: Vec::new(),
+            order: Order::default(),
+            dups: HashMap::new(),
+            block_sizes: HashMap::new(),
+            set_bytes: 0,
+            lookups: AtomicU32::new(0),
+            stats: IndexStats::default(),
+        }
     }
 
     /// Register a worker (its view starts empty); returns its slot.
@@ -114,7 +157,7 @@ impl KvIndex {
     /// is taken as `First`.
     pub fn reset(&mut self, slot: WorkerSlot) {
         self.clear_blocks(slot);
-        if let Some(Some(w)) = self.workers.get_mut(slot as usize) {
+        if let Some(w) = self.worker_mut(slot) {
             w.next_seq = None;
         }
         self.stats.resets += 1;
@@ -123,7 +166,7 @@ impl KvIndex {
     /// Apply one batch from a worker, unless its sequence number says it must not be (see
     /// [`SeqCheck`]). Unknown slots are ignored (`Stale`).
     pub fn apply(&mut self, slot: WorkerSlot, seq: u64, batch: &DecodedBatch) -> SeqCheck {
-        let Some(Some(w)) = self.workers.get_mut(slot as usize) else { return SeqCheck::Stale };
+        let Some(w) = self.worker_mut(slot) else { return SeqCheck::Stale };
         let check = match w.next_seq {
             None => SeqCheck::First,
             Some(next) if seq == next => SeqCheck::Next,
@@ -157,130 +200,181 @@ impl KvIndex {
         }
     }
 
+    fn worker_mut(&mut self, slot: WorkerSlot) -> Option<&mut WorkerState> {
+        self.workers.get_mut(slot as usize).and_then(Option::as_mut)
+    }
+
     fn store(&mut self, slot: WorkerSlot, hashes: &[u64], parent: Option<u64>, tokens: &[u32], block_size: u32) {
-        let Some(Some(w)) = self.workers.get_mut(slot as usize) else { return };
+        let Some(w) = self.workers.get(slot as usize).and_then(Option::as_ref) else { return };
+        if block_size == 0 {
+            self.stats.undecodable += 1; // the decoder refuses these; a direct caller may not
+            return;
+        }
         let mut key = match parent {
             None => root(self.seed),
-            Some(p) => match w.blocks.get(&p) {
-                Some(h) if h.block_size == block_size => h.key,
+            Some(p) => match w.blocks.get(&p).map(|&i| self.order.get(i)) {
+                Some(e) if e.block_size == block_size => e.key,
                 _ => {
                     self.stats.orphans += hashes.len() as u64;
                     return;
                 }
             },
         };
-        for (i, h) in hashes.iter().enumerate() {
+        let now = self.lookups.load(Relaxed);
+        for (i, &h) in hashes.iter().enumerate() {
             let chunk = tokens.get(i * block_size as usize..(i + 1) * block_size as usize).unwrap_or(&[]);
             key = content_key(self.seed, key, block_size, chunk);
-            if w.blocks.contains_key(h) {
-                continue; // re-stored: same hash, same content
+            let known = self.worker_mut(slot).and_then(|w| w.blocks.get(&h).copied());
+            if let Some(idx) = known {
+                self.order.move_to_back(idx, now); // re-stored: same hash, same content, fresh
+                continue;
             }
-            if self.stats.blocks >= self.max_blocks {
+            if self.max_blocks == 0 {
                 self.stats.over_capacity += (hashes.len() - i) as u64;
                 return;
             }
-            w.blocks.insert(*h, Held { key, block_size });
-            let refs = w.key_refs.entry(key).or_default();
-            *refs += 1;
-            if *refs == 1 {
-                self.holders.entry(key).or_default().add(slot);
+            while self.stats.blocks >= self.max_blocks && self.evict_one(now) {}
+            let idx = self.order.push_back(h, key, slot, block_size, now);
+            if let Some(w) = self.worker_mut(slot) {
+                w.blocks.insert(h, idx);
             }
+            self.hold(slot, key, now);
             *self.block_sizes.entry(block_size).or_default() += 1;
             self.stats.blocks += 1;
             self.stats.stored += 1;
         }
     }
 
-    fn remove(&mut self, slot: WorkerSlot, hash: u64) {
-        let Some(Some(w)) = self.workers.get_mut(slot as usize) else { return };
-        if let Some(held) = w.blocks.remove(&hash) {
-            self.forget(slot, held);
-            self.stats.removed += 1;
+    /// `slot` holds one more engine block keyed `key`.
+    fn hold(&mut self, slot: WorkerSlot, key: u64, now: u32) {
+        let n_slots = self.workers.len();
+        match self.holders.entry(key) {
+            MapEntry::Occupied(mut o) => {
+                let set = &mut o.get_mut().holders;
+                if set.contains(slot) {
+                    *self.dups.entry((slot, key)).or_default() += 1;
+                } else {
+                    let before = set.heap_bytes();
+                    set.insert(slot, n_slots);
+                    self.set_bytes = self.set_bytes - before + set.heap_bytes();
+                }
+            }
+            MapEntry::Vacant(v) => {
+                v.insert(Key { holders: Holders::One(slot), last_hit: AtomicU32::new(now) });
+                self.stats.keys += 1;
+            }
         }
+    }
+
+    fn remove(&mut self, slot: WorkerSlot, hash: u64) {
+        let Some(idx) = self.worker_mut(slot).and_then(|w| w.blocks.remove(&hash)) else { return };
+        let e = self.order.remove(idx);
+        self.forget(e);
+        self.stats.removed += 1;
+    }
+
+    /// Evict the oldest entry, or give it a second chance if a lookup reached its key since it
+    /// was queued. False when the index is empty.
+    fn evict_one(&mut self, now: u32) -> bool {
+        for chance in 0..=SECOND_CHANCES {
+            let Some(idx) = self.order.front() else { return false };
+            let e = *self.order.get(idx);
+            let hot = self.holders.get(&e.key).is_some_and(|k| (k.last_hit.load(Relaxed).wrapping_sub(e.queued_at) as i32) > 0);
+            if hot && chance < SECOND_CHANCES {
+                self.order.move_to_back(idx, now);
+                continue;
+            }
+            let e = self.order.remove(idx);
+            if let Some(w) = self.worker_mut(e.slot) {
+                w.blocks.remove(&e.hash);
+            }
+            self.forget(e);
+            self.stats.evicted += 1;
+            return true;
+        }
+        false
     }
 
     fn clear_blocks(&mut self, slot: WorkerSlot) {
-        let Some(Some(w)) = self.workers.get_mut(slot as usize) else { return };
-        let held: Vec<Held> = w.blocks.drain().map(|(_, h)| h).collect();
-        for h in held {
-            self.forget(slot, h);
+        let Some(w) = self.worker_mut(slot) else { return };
+        let held: Vec<u32> = w.blocks.drain().map(|(_, idx)| idx).collect();
+        for idx in held {
+            let e = self.order.remove(idx);
+            self.forget(e);
         }
     }
 
-    /// A worker let go of one engine block: drop it from the key's holders once no engine
-    /// block of that worker maps to the key any more.
-    fn forget(&mut self, slot: WorkerSlot, held: Held) {
+    /// A worker let go of one engine block (its entry already unlinked): drop it from the
+    /// key's holders once no engine block of that worker maps to the key any more.
+    fn forget(&mut self, e: Entry) {
         self.stats.blocks -= 1;
-        if let Some(n) = self.block_sizes.get_mut(&held.block_size) {
+        if let Some(n) = self.block_sizes.get_mut(&e.block_size) {
             *n -= 1;
             if *n == 0 {
-                self.block_sizes.remove(&held.block_size);
+                self.block_sizes.remove(&e.block_size);
             }
         }
-        let Some(Some(w)) = self.workers.get_mut(slot as usize) else { return };
-        let refs = w.key_refs.get_mut(&held.key).map(|r| {
-            *r -= 1;
-            *r
-        });
-        if refs != Some(0) {
+        if let Some(n) = self.dups.get_mut(&(e.slot, e.key)) {
+            *n -= 1;
+            if *n == 0 {
+                self.dups.remove(&(e.slot, e.key));
+            }
             return;
         }
-        w.key_refs.remove(&held.key);
-        if let Some(list) = self.holders.get_mut(&held.key) {
-            if list.remove(slot) {
-                self.holders.remove(&held.key);
-            }
+        let n_slots = self.workers.len();
+        let Some(k) = self.holders.get_mut(&e.key) else { return };
+        let before = k.holders.heap_bytes();
+        if k.holders.remove(e.slot, n_slots) {
+            self.holders.remove(&e.key);
+            self.set_bytes -= before;
+            self.stats.keys -= 1;
+        } else {
+            self.set_bytes = self.set_bytes - before + k.holders.heap_bytes();
         }
     }
 
     /// For each worker holding a prefix of `tokens`: how many leading tokens it holds (whole
     /// blocks, consecutive from the start). Sorted by slot; workers with nothing are left out.
     pub fn match_tokens(&self, tokens: &[u32]) -> Vec<(WorkerSlot, usize)> {
+        let now = self.lookups.fetch_add(1, Relaxed).wrapping_add(1);
         let mut out: Vec<(WorkerSlot, usize)> = Vec::new();
         for &bs in self.block_sizes.keys() {
-            self.match_block_size(tokens, bs, &mut out);
+            self.match_block_size(tokens, bs, now, &mut out);
         }
-        out.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
-        out.dedup_by_key(|e| e.0); // several block sizes: keep each worker's longest match
+        by_slot(&mut out, self.workers.len());
         out
     }
 
-    /// Walk the blocks keeping the workers that hold all of them so far; a worker leaving the
-    /// walk (or still in it at the end) is pushed to `out` with its depth.
-    fn match_block_size(&self, tokens: &[u32], bs: u32, out: &mut Vec<(WorkerSlot, usize)>) {
-        // Keys first, then the lookups: they do not depend on each other, so their cache misses
-        // (the table is large) overlap instead of queueing one per block.
+    fn match_block_size(&self, tokens: &[u32], bs: u32, now: u32, out: &mut Vec<(WorkerSlot, usize)>) {
+        let mut walk = Walk::new(out);
         let mut key = root(self.seed);
-        let keys: Vec<u64> = tokens
-            .chunks_exact(bs as usize)
-            .map(|chunk| {
+        let mut chunks = tokens.chunks_exact(bs as usize);
+        let mut depth = 0;
+        loop {
+            let mut keys = [0u64; KEY_BATCH];
+            let mut n = 0;
+            for chunk in chunks.by_ref().take(KEY_BATCH) {
                 key = content_key(self.seed, key, bs, chunk);
-                key
-            })
-            .collect();
-        let found: Vec<&[WorkerSlot]> = keys.iter().map_while(|k| self.holders.get(k).map(Holders::as_slice)).collect();
-        let (mut alive, mut next) = (Vec::<WorkerSlot>::new(), Vec::<WorkerSlot>::new());
-        for (i, holders) in found.iter().enumerate() {
-            let depth = i * bs as usize;
-            if i == 0 {
-                alive.extend_from_slice(holders);
-            } else {
-                next.clear();
-                for &s in &alive {
-                    if holders.binary_search(&s).is_ok() {
-                        next.push(s);
-                    } else {
-                        out.push((s, depth));
-                    }
-                }
-                std::mem::swap(&mut alive, &mut next);
+                keys[n] = key;
+                n += 1;
             }
-            if alive.is_empty() {
-                return;
+            if n == 0 {
+                break;
+            }
+            let found: [Option<&Key>; KEY_BATCH] = std::array::from_fn(|i| if i < n { self.holders.get(&keys[i]) } else { None });
+            for k in &found[..n] {
+                let Some(k) = k else {
+                    walk.finish(depth);
+                    return;
+                };
+                k.last_hit.store(now, Relaxed);
+                if !walk.step(&k.holders, depth) {
+                    return;
+                }
+                depth += bs as usize;
             }
         }
-        let depth = found.len() * bs as usize;
-        out.extend(alive.into_iter().map(|s| (s, depth)));
+        walk.finish(depth);
     }
 
     /// The sequence number this worker's next batch should have (None: any, the view is fresh).
@@ -293,67 +387,48 @@ impl KvIndex {
         self.workers.get(slot as usize).and_then(Option::as_ref).map_or(0, |w| w.blocks.len())
     }
 
+    /// The bound on worker-block entries.
+    pub fn max_blocks(&self) -> usize {
+        self.max_blocks
+    }
+
+    #[cfg(test)]
+    fn order_len(&self) -> usize {
+        self.order.len()
+    }
+
     pub fn stats(&self) -> IndexStats {
         self.stats.clone()
     }
 
-    /// An estimate of the heap the index uses (tables at capacity), for a size metric.
+    /// An estimate of the heap the index uses (tables at capacity, one control byte per
+    /// bucket), for a size metric. O(workers), no walk over the blocks.
     pub fn memory_bytes(&self) -> usize {
-        let per_worker: usize = self.workers.iter().flatten().map(|w| w.blocks.capacity() * (8 + 16 + 1) + w.key_refs.capacity() * (8 + 4 + 1)).sum();
-        let lists: usize = self.holders.values().map(|l| if let Holders::Many(v) = l { v.capacity() * 4 } else { 0 }).sum();
-        per_worker + self.holders.capacity() * (8 + 32 + 1) + lists
+        let bucket = |entry: usize| entry + 1;
+        let per_worker: usize = self.workers.iter().flatten().map(|w| w.blocks.capacity() * bucket(std::mem::size_of::<(u64, u32)>())).sum();
+        let keys = self.holders.capacity() * bucket(std::mem::size_of::<(u64, Key)>()) + self.set_bytes;
+        let dups = self.dups.capacity() * bucket(std::mem::size_of::<((WorkerSlot, u64), u32)>());
+        per_worker + keys + dups + self.order.heap_bytes() + self.workers.capacity() * std::mem::size_of::<Option<WorkerState>>()
     }
 }
 
-/// The workers holding one key, sorted; most keys have one holder, kept inline (one cache miss
-/// less per block on the routing path).
-#[derive(Clone, Debug, Default)]
-enum Holders {
-    #[default]
-    None,
-    One(WorkerSlot),
-    Many(Vec<WorkerSlot>),
-}
-
-impl Holders {
-    fn as_slice(&self) -> &[WorkerSlot] {
-        match self {
-            Holders::None => &[],
-            Holders::One(s) => std::slice::from_ref(s),
-            Holders::Many(v) => v,
+/// Sort a lookup's answer by slot, keeping each worker's longest match (several block sizes can
+/// each report it). A large answer (a prefix the whole fleet holds) is bucketed by slot: O(n)
+/// where a sort would be O(n log n) on the routing path.
+fn by_slot(out: &mut Vec<(WorkerSlot, usize)>, n_slots: usize) {
+    if out.len() <= 64 {
+        out.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+        out.dedup_by_key(|e| e.0);
+        return;
+    }
+    let mut depth = vec![0usize; n_slots]; // a match is never 0 tokens: 0 means absent
+    for &(s, d) in out.iter() {
+        if let Some(slot) = depth.get_mut(s as usize) {
+            *slot = (*slot).max(d);
         }
     }
-
-    fn add(&mut self, slot: WorkerSlot) {
-        match self {
-            Holders::None => *self = Holders::One(slot),
-            Holders::One(s) if *s == slot => {}
-            Holders::One(s) => *self = Holders::Many(if *s < slot { vec![*s, slot] } else { vec![slot, *s] }),
-            Holders::Many(v) => {
-                if let Err(at) = v.binary_search(&slot) {
-                    v.insert(at, slot);
-                }
-            }
-        }
-    }
-
-    /// Remove `slot`; true when nobody holds the key any more.
-    fn remove(&mut self, slot: WorkerSlot) -> bool {
-        match self {
-            Holders::None => true,
-            Holders::One(s) => *s == slot,
-            Holders::Many(v) => {
-                if let Ok(at) = v.binary_search(&slot) {
-                    v.remove(at);
-                }
-                let (len, first) = (v.len(), v.first().copied());
-                if let (1, Some(only)) = (len, first) {
-                    *self = Holders::One(only);
-                }
-                len == 0
-            }
-        }
-    }
+    out.clear();
+    out.extend(depth.iter().enumerate().filter(|(_, d)| **d > 0).map(|(s, d)| (s as WorkerSlot, *d)));
 }
 
 const K1: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -371,13 +446,29 @@ fn root(seed: u64) -> u64 {
     mix(seed ^ K1)
 }
 
-/// The key of a block: its parent's key, its size and its tokens, mixed under the seed.
+/// The key of a block: its parent's key and a hash of its size and tokens, mixed under the
+/// seed. Only the final mix is chained from block to block; the token hashes of a prompt's
+/// blocks are independent, so the CPU computes them side by side (a long prompt's keys cost
+/// about one multiply per two tokens, not a dependent chain through every token).
 pub(crate) fn content_key(seed: u64, parent: u64, block_size: u32, tokens: &[u32]) -> u64 {
-    let mut h = parent ^ mix(seed.wrapping_add(u64::from(block_size)));
-    for &t in tokens {
-        h = (h.rotate_left(23) ^ u64::from(t)).wrapping_mul(K1);
+    mix(parent.rotate_left(17) ^ block_hash(seed, block_size, tokens))
+}
+
+/// Four independent lanes, each taking two tokens a step.
+fn block_hash(seed: u64, block_size: u32, tokens: &[u32]) -> u64 {
+    let base = mix(seed ^ (u64::from(block_size) << 32) ^ tokens.len() as u64);
+    let mut lanes = [base ^ K1, base ^ K2, base.rotate_left(21) ^ K1, base.rotate_left(43) ^ K2];
+    let step = |lane: u64, x: u64| (lane ^ x).wrapping_mul(K1).rotate_left(31);
+    let mut eights = tokens.chunks_exact(8);
+    for c in &mut eights {
+        for (j, lane) in lanes.iter_mut().enumerate() {
+            *lane = step(*lane, u64::from(c[2 * j]) | (u64::from(c[2 * j + 1]) << 32));
+        }
     }
-    mix(h ^ tokens.len() as u64)
+    for (j, &t) in eights.remainder().iter().enumerate() {
+        lanes[j % 4] = step(lanes[j % 4], u64::from(t) | (1 << 63)); // the length is in `base`
+    }
+    mix(lanes[0] ^ lanes[1].rotate_left(16) ^ lanes[2].rotate_left(32) ^ lanes[3].rotate_left(48))
 }
 
 /// Hasher for u64 keys that are already well mixed (content keys) or engine hashes: one final

@@ -80,14 +80,157 @@ fn sequence_numbers_detect_gaps_and_stale_replays() {
 }
 
 #[test]
-fn memory_is_bounded_and_what_does_not_fit_is_counted() {
+fn past_the_bound_the_oldest_entries_are_evicted_and_counted() {
     let mut ix = KvIndex::new(1, 2);
     let a = ix.add_worker();
     ix.apply_event(a, &stored(&[10, 11, 12], None, &[1, 2, 3, 4, 5, 6]));
-    assert_eq!(ix.stats().blocks, 2);
-    assert_eq!(ix.stats().over_capacity, 1);
-    assert_eq!(ix.match_tokens(&[1, 2, 3, 4, 5, 6]), vec![(a, 4)]);
+    let s = ix.stats();
+    assert_eq!((s.blocks, s.evicted, s.over_capacity), (2, 1, 0));
+    // the oldest (the chain's first block) went, so nothing matches from the start any more
+    assert_eq!(ix.match_tokens(&[1, 2, 3, 4, 5, 6]), vec![]);
+    assert_eq!(ix.worker_blocks(a), 2);
     assert!(ix.memory_bytes() > 0);
+    // a bound of 0 keeps nothing, and says so
+    let mut none = KvIndex::new(1, 0);
+    let b = none.add_worker();
+    none.apply_event(b, &stored(&[10], None, &[1, 2]));
+    assert_eq!((none.stats().blocks, none.stats().over_capacity), (0, 1));
+}
+
+#[test]
+fn a_prefix_that_lookups_reach_gets_a_second_chance_at_eviction() {
+    let mut ix = KvIndex::new(1, 3);
+    let (a, b) = (ix.add_worker(), ix.add_worker());
+    ix.apply_event(a, &stored(&[10, 11], None, &[1, 2, 3, 4])); // the hot system prompt, oldest
+    ix.apply_event(b, &stored(&[20], None, &[7, 7])); // a one-off
+    assert_eq!(ix.match_tokens(&[1, 2, 3, 4, 9, 9]), vec![(a, 4)]);
+    ix.apply_event(b, &stored(&[21], None, &[8, 8]));
+    // once more: a second chance lasts until the entry reaches the front again unreached
+    assert_eq!(ix.match_tokens(&[1, 2, 3, 4]), vec![(a, 4)]);
+    ix.apply_event(b, &stored(&[22], None, &[6, 6]));
+    assert_eq!(ix.stats().evicted, 2);
+    assert_eq!(ix.match_tokens(&[1, 2, 3, 4]), vec![(a, 4)]); // still whole
+    assert_eq!(ix.match_tokens(&[7, 7]), vec![]); // the one-off went
+    assert_eq!(ix.match_tokens(&[8, 8]), vec![]); // and the next oldest unreached one
+    assert_eq!(ix.match_tokens(&[6, 6]), vec![(b, 2)]);
+}
+
+#[test]
+fn a_re_stored_block_counts_as_new_for_eviction() {
+    let mut ix = KvIndex::new(1, 2);
+    let a = ix.add_worker();
+    ix.apply_event(a, &stored(&[10], None, &[1, 2]));
+    ix.apply_event(a, &stored(&[20], None, &[3, 4]));
+    ix.apply_event(a, &stored(&[10], None, &[1, 2])); // the engine stored it again
+    ix.apply_event(a, &stored(&[30], None, &[5, 6]));
+    assert_eq!(ix.match_tokens(&[1, 2]), vec![(a, 2)]);
+    assert_eq!(ix.match_tokens(&[3, 4]), vec![]);
+    assert_eq!(ix.stats().stored, 3);
+}
+
+#[test]
+fn equal_content_under_two_engine_hashes_is_held_until_both_go() {
+    let mut ix = KvIndex::new(1, 100);
+    let a = ix.add_worker();
+    ix.apply_event(a, &stored(&[10, 11], None, &[1, 2, 3, 4]));
+    ix.apply_event(a, &stored(&[90], None, &[1, 2])); // a salted engine: same tokens, other hash
+    ix.apply_event(a, &removed(&[10]));
+    ix.apply_event(a, &stored(&[12], Some(90), &[3, 4])); // the chain continues from the twin
+    assert_eq!(ix.match_tokens(&[1, 2, 3, 4]), vec![(a, 4)]);
+    ix.apply_event(a, &removed(&[90]));
+    assert_eq!(ix.match_tokens(&[1, 2, 3, 4]), vec![]);
+    ix.apply_event(a, &removed(&[11, 12]));
+    assert_eq!((ix.stats().blocks, ix.stats().keys), (0, 0));
+}
+
+#[test]
+fn signed_and_unsigned_hashes_are_just_names() {
+    // older vLLM published Python's signed hash(); the decoder hands them over as their u64 bits
+    let (neg, big) = (-5i64 as u64, u64::MAX - 1);
+    let mut ix = KvIndex::new(1, 100);
+    let a = ix.add_worker();
+    ix.apply_event(a, &stored(&[neg], None, &[1, 2]));
+    ix.apply_event(a, &stored(&[big, 0], Some(neg), &[3, 4, 5, 6]));
+    assert_eq!(ix.match_tokens(&[1, 2, 3, 4, 5, 6]), vec![(a, 6)]);
+    ix.apply_event(a, &removed(&[big]));
+    assert_eq!(ix.match_tokens(&[1, 2, 3, 4, 5, 6]), vec![(a, 2)]);
+}
+
+#[test]
+fn a_prefix_on_the_whole_fleet_is_a_bitset_and_matches_the_same() {
+    let n = 300;
+    let mut ix = KvIndex::new(1, 1 << 20);
+    let slots: Vec<u32> = (0..n).map(|_| ix.add_worker()).collect();
+    for &s in &slots {
+        ix.apply_event(s, &stored(&[10, 11], None, &[1, 2, 3, 4]));
+        if s % 3 == 0 {
+            ix.apply_event(s, &stored(&[12], Some(11), &[5, 6]));
+        }
+        if s % 7 == 0 {
+            ix.apply_event(s, &removed(&[11])); // eviction in the middle of the chain
+        }
+    }
+    assert!(matches!(ix.holders.get(&content_key(1, root(1), BS, &[1, 2])).map(|k| &k.holders), Some(Holders::Bits(_))));
+    let got = ix.match_tokens(&[1, 2, 3, 4, 5, 6, 7, 8]);
+    let want: Vec<(u32, usize)> = slots
+        .iter()
+        .map(|&s| {
+            (
+                s,
+                if s % 7 == 0 {
+                    2
+                } else if s % 3 == 0 {
+                    6
+                } else {
+                    4
+                },
+            )
+        })
+        .collect();
+    assert_eq!(got, want);
+    // workers leave: the set shrinks back to a list and still answers the same
+    for &s in &slots[5..] {
+        ix.remove_worker(s);
+    }
+    assert_eq!(ix.match_tokens(&[1, 2, 3, 4, 5, 6]), vec![(0, 2), (1, 4), (2, 4), (3, 6), (4, 4)]);
+    assert!(matches!(ix.holders.get(&content_key(1, root(1), BS, &[1, 2])).map(|k| &k.holders), Some(Holders::Few(_))));
+    assert_eq!(ix.stats().blocks, ix.order_len());
+}
+
+#[test]
+fn a_long_prompt_walks_past_one_key_batch() {
+    let mut ix = KvIndex::new(1, 1 << 20);
+    let (a, b) = (ix.add_worker(), ix.add_worker());
+    let tokens: Vec<u32> = (0..200).collect();
+    let hashes: Vec<u64> = (1000..1100).collect();
+    ix.apply_event(a, &stored(&hashes, None, &tokens));
+    ix.apply_event(b, &stored(&hashes[..40], None, &tokens[..80]));
+    assert_eq!(ix.match_tokens(&tokens), vec![(a, 200), (b, 80)]);
+    let mut longer = tokens.clone();
+    longer.extend(0..1000);
+    assert_eq!(ix.match_tokens(&longer), vec![(a, 200), (b, 80)]);
+}
+
+#[test]
+fn a_removed_worker_s_slot_is_reused_empty() {
+    let mut ix = KvIndex::new(1, 100);
+    let (a, b) = (ix.add_worker(), ix.add_worker());
+    ix.apply_event(a, &stored(&[10], None, &[1, 2]));
+    ix.apply_event(b, &stored(&[10], None, &[1, 2]));
+    ix.remove_worker(a);
+    assert_eq!(ix.add_worker(), a);
+    assert_eq!(ix.match_tokens(&[1, 2]), vec![(b, 2)]);
+    ix.apply_event(a, &stored(&[11], Some(10), &[3, 4])); // its old blocks are gone: an orphan
+    assert_eq!(ix.stats().orphans, 1);
+}
+
+#[test]
+fn a_zero_block_size_from_a_direct_caller_is_refused() {
+    let mut ix = KvIndex::new(1, 100);
+    let a = ix.add_worker();
+    ix.apply_event(a, &KvEvent::BlockStored { block_hashes: vec![1], parent_block_hash: None, token_ids: vec![], block_size: 0, medium: None });
+    assert_eq!((ix.stats().blocks, ix.stats().undecodable), (0, 1));
+    assert_eq!(ix.match_tokens(&[1, 2]), vec![]);
 }
 
 #[test]
@@ -107,4 +250,12 @@ fn keys_depend_on_the_whole_prefix_and_the_block_size() {
     assert_ne!(k(1, 2, &[3, 4]), k(1, 4, &[3, 4]));
     assert_ne!(k(1, 2, &[3, 4]), k(1, 2, &[4, 3]));
     assert_ne!(content_key(7, 1, 2, &[3, 4]), content_key(8, 1, 2, &[3, 4]));
+    // every position counts, in full blocks and in the tail past the last 8 tokens
+    let base: Vec<u32> = (0..21).collect();
+    for i in 0..base.len() {
+        let mut other = base.clone();
+        other[i] += 1;
+        assert_ne!(k(1, 21, &base), k(1, 21, &other), "position {i}");
+    }
+    assert_ne!(k(1, 2, &[0, 0]), k(1, 2, &[0]));
 }

@@ -1,6 +1,7 @@
 //! The KV event index against a naive oracle: per worker, every held engine hash with the full
 //! token prefix it stands for; a worker matches k tokens when it holds every block prefix of the
-//! request up to k.
+//! request up to k. A second index under a tight `max_blocks` must never claim more than the
+//! oracle (eviction only under-reports) and must stay within its bound.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
 use std::collections::hash_map::DefaultHasher;
@@ -12,7 +13,8 @@ use pdgate_core::kv_index::KvIndex;
 use proptest::prelude::*;
 
 const BS: usize = 2;
-const WORKERS: usize = 3;
+/// Enough workers that a shared prefix outgrows a short holder list into a bitset (more than 8).
+const WORKERS: usize = 12;
 
 /// The engine's name for a block: any function of the whole prefix (here SipHash, unlike the
 /// index's own keys).
@@ -39,6 +41,15 @@ enum Op {
     Clear {
         worker: usize,
     },
+    /// The worker is removed and a new one takes its slot (empty).
+    Replace {
+        worker: usize,
+    },
+    /// Every worker stores the sequence's first blocks (a fleet-wide prefix).
+    StoreAll {
+        seq: usize,
+        count: usize,
+    },
 }
 
 fn op(n_seqs: usize) -> impl Strategy<Value = Op> {
@@ -46,6 +57,8 @@ fn op(n_seqs: usize) -> impl Strategy<Value = Op> {
         4 => (0..WORKERS, 0..n_seqs, 0..5usize, 1..4usize).prop_map(|(worker, seq, from, count)| Op::Store { worker, seq, from, count }),
         2 => (0..WORKERS, 0..n_seqs, 0..6usize).prop_map(|(worker, seq, block)| Op::Remove { worker, seq, block }),
         1 => (0..WORKERS).prop_map(|worker| Op::Clear { worker }),
+        1 => (0..WORKERS).prop_map(|worker| Op::Replace { worker }),
+        1 => (0..n_seqs, 1..5usize).prop_map(|(seq, count)| Op::StoreAll { seq, count }),
     ]
 }
 
@@ -56,6 +69,7 @@ fn seqs() -> impl Strategy<Value = Vec<Vec<u32>>> {
 
 fn event(op: &Op, seqs: &[Vec<u32>]) -> Option<(usize, KvEvent)> {
     match *op {
+        Op::Replace { .. } | Op::StoreAll { .. } => None,
         Op::Store { worker, seq, from, count } => {
             let s = &seqs[seq];
             let to = (from + count).min(s.len() / BS);
@@ -121,27 +135,55 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
     #[test]
     fn the_index_matches_the_naive_oracle(
+        bound in 1..30usize,
         (seqs, ops, queries) in seqs().prop_flat_map(|s| {
             let n = s.len();
             (Just(s), proptest::collection::vec(op(n), 0..40), proptest::collection::vec((0..n, 0..13usize, proptest::collection::vec(0..2u32, 0..4)), 1..6))
         })
     ) {
         let mut ix = KvIndex::new(42, usize::MAX);
+        let mut small = KvIndex::new(42, bound);
         let slots: Vec<u32> = (0..WORKERS).map(|_| ix.add_worker()).collect();
+        for _ in 0..WORKERS {
+            small.add_worker();
+        }
         prop_assert_eq!(&slots, &(0..WORKERS as u32).collect::<Vec<_>>());
         let mut held = vec![HashMap::new(); WORKERS];
         for o in &ops {
-            if let Some((w, ev)) = event(o, &seqs) {
+            let evs: Vec<(usize, KvEvent)> = match *o {
+                Op::Replace { worker } => {
+                    for index in [&mut ix, &mut small] {
+                        index.remove_worker(slots[worker]);
+                        prop_assert_eq!(index.add_worker(), slots[worker]);
+                    }
+                    held[worker].clear();
+                    vec![]
+                }
+                Op::StoreAll { seq, count } => (0..WORKERS).filter_map(|worker| event(&Op::Store { worker, seq, from: 0, count }, &seqs)).collect(),
+                _ => event(o, &seqs).into_iter().collect(),
+            };
+            for (w, ev) in evs {
                 ix.apply_event(slots[w], &ev);
+                small.apply_event(slots[w], &ev);
                 oracle_apply(&mut held, w, &ev);
             }
+            // lookups between events move the lookup clock, so second chances happen too
+            let probe = &seqs[0][..6];
+            prop_assert_eq!(ix.match_tokens(probe), oracle_match(&held, probe));
+            small.match_tokens(probe);
         }
         let total: usize = held.iter().map(HashMap::len).sum();
         prop_assert_eq!(ix.stats().blocks, total);
+        prop_assert!(small.stats().blocks <= bound);
         for (s, cut, tail) in &queries {
             let mut q = seqs[*s][..*cut.min(&seqs[*s].len())].to_vec();
             q.extend_from_slice(tail);
-            prop_assert_eq!(ix.match_tokens(&q), oracle_match(&held, &q), "query {:?}", q);
+            let exact = oracle_match(&held, &q);
+            prop_assert_eq!(ix.match_tokens(&q), exact.clone(), "query {:?}", q);
+            for (slot, n) in small.match_tokens(&q) {
+                let limit = exact.iter().find(|e| e.0 == slot).map_or(0, |e| e.1);
+                prop_assert!(n <= limit, "bounded index claims {} tokens on {} for {:?}, oracle {}", n, slot, q, limit);
+            }
         }
     }
 }

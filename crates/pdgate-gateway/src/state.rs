@@ -21,9 +21,6 @@ use crate::metrics::Metrics;
 use crate::registry::{Registry, Runtime};
 use crate::upstream::Upstream;
 
-/// Bound of the KV event index (worker-block entries; about 60 bytes each). Not yet a flag.
-const KV_INDEX_MAX_BLOCKS: usize = 4 << 20;
-
 pub struct AppState {
     pub config: GatewayConfig,
     pub registry: Registry,
@@ -87,7 +84,7 @@ impl AppState {
             sequence: AtomicU64::new(0),
             tree: Mutex::new(RadixTree::new()),
             edge: crate::edge::Edge::new(),
-            kv_view: crate::kv_sub::KvView::new(rand::random(), KV_INDEX_MAX_BLOCKS, crate::kv_sub::SubTimings::default()),
+            kv_view: crate::kv_sub::KvView::new(rand::random(), config.kv_index_max_blocks, crate::kv_sub::SubTimings::default()),
             registry,
             config,
         }

@@ -146,23 +146,36 @@ async fn a_gap_without_a_replay_socket_resets_the_view() {
 mod common;
 
 /// The gateway wires it: a worker registered with `kv_events=` is subscribed to, its view shows
-/// in `/metrics`, and removing the worker ends the subscription.
+/// in `/metrics`, and `--kv-index-max-blocks` bounds it (an eviction, counted).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_registered_worker_is_subscribed_and_shows_in_metrics() {
     let mut publisher = Publisher::start();
     let prefill = json!([["http://127.0.0.1:9", "none", format!("kv_events={}", publisher.pub_ep), format!("kv_events_replay={}", publisher.replay_ep)]]);
-    let (_gw, url) = common::gateway(json!({"pd_disaggregation": true, "admin_api_open": true, "prefill": prefill, "decode": [["http://127.0.0.1:10"]]})).await;
+    let config = json!({"pd_disaggregation": true, "admin_api_open": true, "prefill": prefill, "decode": [["http://127.0.0.1:10"]], "kv_index_max_blocks": 1});
+    let (_gw, url) = common::gateway(config).await;
     publisher.send(json!({"seq": 0, "events": [stored_map(1, None, 0..16)]})).await;
     let client = reqwest::Client::new();
-    let mut text = String::new();
-    for _ in 0..1000 {
-        text = client.get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
-        if text.contains("pdgate_kv_index_blocks 1\n") {
-            break;
+    let metrics_with = |want: &'static str| {
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let mut text = String::new();
+            for _ in 0..1000 {
+                text = client.get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
+                if text.contains(want) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            text
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    };
+    let text = metrics_with("pdgate_kv_index_blocks 1\n").await;
     assert!(text.contains("pdgate_kv_index_blocks 1\n") && text.contains("pdgate_kv_events_subscriptions 1\n"), "{text}");
+    assert!(text.contains("pdgate_kv_index_max_blocks 1\n") && text.contains("pdgate_kv_index_evictions_total 0\n"), "{text}");
+    // a second block does not fit: the oldest goes
+    publisher.send(json!({"seq": 1, "events": [stored_map(2, Some(1), 16..32)]})).await;
+    let text = metrics_with("pdgate_kv_index_evictions_total 1\n").await;
+    assert!(text.contains("pdgate_kv_index_evictions_total 1\n") && text.contains("pdgate_kv_index_blocks 1\n"), "{text}");
     let workers: Value = client.get(format!("{url}/workers")).send().await.unwrap().json().await.unwrap();
     let listed = workers.to_string();
     assert!(listed.contains(&publisher.pub_ep) && listed.contains(&publisher.replay_ep), "{listed}");

@@ -116,7 +116,8 @@ impl KvView {
     pub fn matches(&self, tokens: &[u32]) -> HashMap<String, usize> {
         let by_slot = self.lock().match_tokens(tokens);
         let subs = self.subs.lock().unwrap_or_else(|p| p.into_inner());
-        subs.iter().filter_map(|(url, s)| by_slot.iter().find(|(slot, _)| *slot == s.slot).map(|(_, n)| (url.clone(), *n))).collect()
+        // sorted by slot: a search per worker, not a scan (a fleet-wide prefix answers 1,000)
+        subs.iter().filter_map(|(url, s)| by_slot.binary_search_by_key(&s.slot, |e| e.0).ok().map(|i| (url.clone(), by_slot[i].1))).collect()
     }
 
     /// Blocks a worker's view holds (0 when not watched).
@@ -125,10 +126,16 @@ impl KvView {
         slot.map_or(0, |s| self.lock().worker_blocks(s))
     }
 
-    /// The index's counters and its size in bytes (estimate), for metrics.
+    /// The index's counters and its size in bytes (estimate, O(workers) to compute), for
+    /// metrics.
     pub fn stats(&self) -> (IndexStats, usize) {
         let index = self.lock();
         (index.stats(), index.memory_bytes())
+    }
+
+    /// The index's bound on worker-block entries (`--kv-index-max-blocks`).
+    pub fn max_blocks(&self) -> usize {
+        self.lock().max_blocks()
     }
 }
 
@@ -142,15 +149,19 @@ impl KvView {
             return String::new();
         }
         let (st, bytes) = self.stats();
+        let max_blocks = self.max_blocks();
         let m = self.metrics();
-        let rows: [(&str, &str, &str, u64); 14] = [
+        let rows: [(&str, &str, &str, u64); 17] = [
             ("pdgate_kv_events_subscriptions", "gauge", "Workers whose KV events this gateway subscribes to", watched as u64),
             ("pdgate_kv_index_blocks", "gauge", "Worker-block entries in the KV event index", st.blocks as u64),
+            ("pdgate_kv_index_max_blocks", "gauge", "Bound on worker-block entries in the KV event index (--kv-index-max-blocks)", max_blocks as u64),
+            ("pdgate_kv_index_keys", "gauge", "Distinct prefixes (content keys) in the KV event index", st.keys as u64),
             ("pdgate_kv_index_bytes", "gauge", "Estimated heap of the KV event index", bytes as u64),
             ("pdgate_kv_events_blocks_stored_total", "counter", "Blocks stored by applied KV events", st.stored),
             ("pdgate_kv_events_blocks_removed_total", "counter", "Blocks removed by applied KV events", st.removed),
             ("pdgate_kv_events_orphans_total", "counter", "Stored blocks whose parent the view did not know", st.orphans),
-            ("pdgate_kv_events_over_capacity_total", "counter", "Stored blocks ignored because the index was full", st.over_capacity),
+            ("pdgate_kv_index_evictions_total", "counter", "Worker-block entries evicted to stay within --kv-index-max-blocks", st.evicted),
+            ("pdgate_kv_events_over_capacity_total", "counter", "Stored blocks ignored because --kv-index-max-blocks is 0", st.over_capacity),
             ("pdgate_kv_events_undecodable_total", "counter", "KV events (or whole payloads) that could not be decoded", st.undecodable),
             ("pdgate_kv_events_gaps_total", "counter", "Sequence gaps seen in a worker's KV event stream", st.gaps),
             ("pdgate_kv_events_resets_total", "counter", "Worker views reset (connect, unfilled gap)", st.resets),

@@ -1,0 +1,114 @@
+//! One lookup's walk down a prompt's blocks: the workers that held every block so far (alive),
+//! narrowed by each block's holders; a worker dropping out is emitted with the depth it reached.
+//! Alive starts as the first block's holder set: a list when few workers hold it (then each
+//! step costs the list's length), a bitset when many do (then each step costs one word
+//! operation per 64 slots, whatever the number of holders).
+
+use super::holders::{bit, BitIter, Holders};
+use super::WorkerSlot;
+
+enum Alive {
+    Empty,
+    /// Sorted slots.
+    List(Vec<WorkerSlot>),
+    Bits(Vec<u64>),
+}
+
+pub(super) struct Walk<'o> {
+    alive: Alive,
+    started: bool,
+    out: &'o mut Vec<(WorkerSlot, usize)>,
+}
+
+impl<'o> Walk<'o> {
+    pub(super) fn new(out: &'o mut Vec<(WorkerSlot, usize)>) -> Self {
+        Walk { alive: Alive::Empty, started: false, out }
+    }
+
+    /// Narrow to the holders of the next block; `depth` is the tokens matched before it.
+    /// Returns false once nobody is left (the walk can stop).
+    pub(super) fn step(&mut self, holders: &Holders, depth: usize) -> bool {
+        if !self.started {
+            self.started = true;
+            self.alive = match holders {
+                Holders::One(s) => Alive::List(vec![*s]),
+                Holders::Few(v) => Alive::List(v.to_vec()),
+                Holders::Bits(b) => Alive::Bits(b.to_vec()),
+            };
+            return true;
+        }
+        let out = &mut *self.out;
+        self.alive = match std::mem::replace(&mut self.alive, Alive::Empty) {
+            Alive::Empty => Alive::Empty,
+            Alive::List(mut list) => {
+                list.retain(|&s| {
+                    let kept = holders.contains(s);
+                    if !kept {
+                        out.push((s, depth));
+                    }
+                    kept
+                });
+                if list.is_empty() {
+                    Alive::Empty
+                } else {
+                    Alive::List(list)
+                }
+            }
+            Alive::Bits(mut words) => match holders {
+                Holders::Bits(b) => {
+                    let mut any = 0;
+                    for (i, w) in words.iter_mut().enumerate() {
+                        let keep = *w & b.get(i).copied().unwrap_or(0);
+                        emit(out, i, *w & !keep, depth);
+                        *w = keep;
+                        any |= keep;
+                    }
+                    if any == 0 {
+                        Alive::Empty
+                    } else {
+                        Alive::Bits(words)
+                    }
+                }
+                // few holders: the survivors are among them, and alive becomes a list
+                Holders::One(_) | Holders::Few(_) => {
+                    let listed: &[WorkerSlot] = match holders {
+                        Holders::One(s) => std::slice::from_ref(s),
+                        Holders::Few(v) => v,
+                        Holders::Bits(_) => &[],
+                    };
+                    let kept: Vec<WorkerSlot> = listed.iter().copied().filter(|&s| bit(&words, s)).collect();
+                    for &s in &kept {
+                        words[s as usize / 64] &= !(1 << (s % 64));
+                    }
+                    for (i, w) in words.iter().enumerate() {
+                        emit(out, i, *w, depth);
+                    }
+                    if kept.is_empty() {
+                        Alive::Empty
+                    } else {
+                        Alive::List(kept)
+                    }
+                }
+            },
+        };
+        !matches!(self.alive, Alive::Empty)
+    }
+
+    /// The walk ended (a block nobody holds, or the prompt's last full block): whoever is still
+    /// alive matched `depth` tokens.
+    pub(super) fn finish(self, depth: usize) {
+        match self.alive {
+            Alive::Empty => {}
+            Alive::List(list) => self.out.extend(list.into_iter().map(|s| (s, depth))),
+            Alive::Bits(words) => {
+                for (i, w) in words.iter().enumerate() {
+                    emit(self.out, i, *w, depth);
+                }
+            }
+        }
+    }
+}
+
+fn emit(out: &mut Vec<(WorkerSlot, usize)>, word: usize, bits: u64, depth: usize) {
+    out.extend(BitIter(bits).map(|b| ((word * 64) as WorkerSlot + b, depth)));
+}
