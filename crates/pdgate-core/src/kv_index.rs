@@ -416,6 +416,9 @@ impl KvIndex {
 /// each report it). A large answer (a prefix the whole fleet holds) is bucketed by slot: O(n)
 /// where a sort would be O(n log n) on the routing path.
 fn by_slot(out: &mut Vec<(WorkerSlot, usize)>, n_slots: usize) {
+    if out.windows(2).all(|w| w[0].0 < w[1].0) {
+        return; // one walk's survivors, emitted in order: already sorted, no repeats
+    }
     if out.len() <= 64 {
         out.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
         out.dedup_by_key(|e| e.0);

@@ -37,12 +37,27 @@ impl<'o> Walk<'o> {
             };
             return true;
         }
+        // the common long walk: the same few workers hold block after block
+        if let (Alive::List(list), Holders::Few(v)) = (&self.alive, holders) {
+            if list.as_slice() == &**v {
+                return true;
+            }
+        }
         let out = &mut *self.out;
         self.alive = match std::mem::replace(&mut self.alive, Alive::Empty) {
             Alive::Empty => Alive::Empty,
             Alive::List(mut list) => {
+                let mut cursor = 0; // both sorted: a merge, not a search per slot
                 list.retain(|&s| {
-                    let kept = holders.contains(s);
+                    let kept = match holders {
+                        Holders::Few(v) => {
+                            while cursor < v.len() && v[cursor] < s {
+                                cursor += 1;
+                            }
+                            cursor < v.len() && v[cursor] == s
+                        }
+                        _ => holders.contains(s),
+                    };
                     if !kept {
                         out.push((s, depth));
                     }
@@ -101,6 +116,7 @@ impl<'o> Walk<'o> {
             Alive::Empty => {}
             Alive::List(list) => self.out.extend(list.into_iter().map(|s| (s, depth))),
             Alive::Bits(words) => {
+                self.out.reserve(words.iter().map(|w| w.count_ones() as usize).sum());
                 for (i, w) in words.iter().enumerate() {
                     emit(self.out, i, *w, depth);
                 }
