@@ -92,9 +92,12 @@ type Map<V> = HashMap<u64, V, BuildHasherDefault<MixHasher>>;
 
 /// An eviction gives at most this many hot entries a second chance before evicting anyway.
 const SECOND_CHANCES: usize = 16;
-/// A lookup computes this many block keys, then looks them all up (their cache misses overlap),
-/// then goes on only while every block was found: a long prompt that misses early costs little.
-const KEY_BATCH: usize = 16;
+/// A lookup computes a batch of block keys, then looks them all up (their cache misses overlap),
+/// then goes on only while every block was found. Batches start small and double up to
+/// `KEY_BATCH`: a prompt that misses early hashes few blocks, and a long cached prefix waits for
+/// memory once per batch, not once per 16 blocks.
+const FIRST_BATCH: usize = 8;
+const KEY_BATCH: usize = 64;
 
 /// The per-worker block views and the key -> holders table.
 pub struct KvIndex {
@@ -349,11 +352,11 @@ impl KvIndex {
         let mut walk = Walk::new(out);
         let mut key = root(self.seed);
         let mut chunks = tokens.chunks_exact(bs as usize);
-        let mut depth = 0;
+        let (mut depth, mut batch) = (0, FIRST_BATCH);
+        let mut keys = [0u64; KEY_BATCH];
         loop {
-            let mut keys = [0u64; KEY_BATCH];
             let mut n = 0;
-            for chunk in chunks.by_ref().take(KEY_BATCH) {
+            for chunk in chunks.by_ref().take(batch) {
                 key = content_key(self.seed, key, bs, chunk);
                 keys[n] = key;
                 n += 1;
@@ -362,6 +365,11 @@ impl KvIndex {
                 break;
             }
             let found: [Option<&Key>; KEY_BATCH] = std::array::from_fn(|i| if i < n { self.holders.get(&keys[i]) } else { None });
+            // touch the holder lists too, all at once, so the walk below finds them cached
+            // instead of missing once per block in turn
+            let touched = found[..n].iter().flatten().fold(0, |acc, k| if let Holders::Few(v) = &k.holders { acc ^ v[0] } else { acc });
+            std::hint::black_box(touched);
+            batch = (batch * 2).min(KEY_BATCH);
             for k in &found[..n] {
                 let Some(k) = k else {
                     walk.finish(depth);
