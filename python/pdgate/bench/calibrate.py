@@ -1,0 +1,201 @@
+"""`pdgate bench --calibrate`: measure an engine's service-time tables through pdgate and write
+the service-time file `pdgate simulate --service-model` reads.
+
+What is measured, every request through the gateway(s), one at a time unless said otherwise:
+
+- prefill time against prompt tokens: the idle TTFT of a colocated path (`--colocated-base-url`,
+  a gateway over regular workers of the same engine), whose first token is the prefill's last
+  step; fitted as a + b·tokens. Without a colocated gateway the PD gateway's TTFT is used, and the
+  fitted prefill then holds the transfer too (said in the file);
+- the decode step against the batch: B requests at once through the PD gateway (`--base-url`),
+  the median inter-token gap at each B; fitted as base + per_seq·B;
+- KV bytes per token: what the prefill workers (found by the gateway's `GET /workers`) report in
+  `/v1/loads` (`disaggregation.kv_bytes_sent`), over the prompt tokens sent through them;
+- the transfer: by difference, TTFT(PD) − prefill − one decode step at each prompt length on the
+  idle pipeline, fitted as setup + bytes / bandwidth (calibrate_fit.fit_transfer). This is the
+  *exposed* hand-off as the client sees it (second leg, transfer, pick-up), which is what the
+  simulator's TTFT adds; the engines' own per-transfer seconds are not read yet.
+
+The file holds the `ServiceModel` fields plus a `calibration` block (samples, fits, sources).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Sequence
+
+import httpx
+import numpy as np
+
+from .calibrate_fit import LinearFit, fit_line, fit_transfer, kv_bytes_per_token, service_model_fields
+from .client import RequestOutput, RequestSpec, send_request
+from .dataset import SampleRequest, random_text
+
+__all__ = ["CalibrationPlan", "calibrate"]
+
+
+@dataclass
+class CalibrationPlan:
+    base_url: str                        # the PD gateway
+    model: str
+    colocated_base_url: str | None = None
+    prompt_lens: Sequence[int] = (16, 256, 512, 1024, 2048)
+    batch_sizes: Sequence[int] = (1, 2, 4, 8, 16)
+    repeats: int = 3
+    decode_prompt_len: int = 256
+    decode_output_len: int = 48
+    endpoint: str = "/v1/completions"
+    timeout_s: float = 120.0
+    seed: int = 0
+    log: Any = print
+    notes: list[str] = field(default_factory=list)
+
+
+def _spec(base_url: str, plan: CalibrationPlan) -> RequestSpec:
+    return RequestSpec(url=base_url.rstrip("/") + plan.endpoint, model=plan.model,
+                       chat=plan.endpoint.endswith("chat/completions"), stream=True, ignore_eos=True)
+
+
+def _check(outputs: Sequence[RequestOutput], what: str) -> None:
+    failed = [o.error for o in outputs if not o.success]
+    if failed:
+        raise ValueError(f"calibration {what}: {len(failed)} of {len(outputs)} requests failed, e.g. {failed[0]}")
+
+
+async def _ttft_table(client: httpx.AsyncClient, base_url: str, plan: CalibrationPlan,
+                      rng: np.random.Generator) -> tuple[list[tuple[float, float]], int]:
+    """(prompt tokens, TTFT ms) on an idle path, one request at a time; fresh random text each
+    time so no prefix cache helps. Returns the samples and the prompt tokens sent."""
+    spec = _spec(base_url, plan)
+    samples, tokens = [], 0
+    for _ in range(plan.repeats):
+        for n in plan.prompt_lens:
+            out = await send_request(client, spec, SampleRequest(random_text(n, rng), n, 2), plan.timeout_s)
+            _check([out], f"TTFT at {n} tokens via {base_url}")
+            samples.append((float(out.prompt_len), out.ttft * 1000.0))
+            tokens += out.prompt_len
+    return samples, tokens
+
+
+async def _decode_table(client: httpx.AsyncClient, plan: CalibrationPlan,
+                        rng: np.random.Generator) -> list[tuple[float, float]]:
+    """(batch, inter-token gap ms): B requests sent together; gaps from every request's middle
+    half (when all B are decoding, after the others' prefills)."""
+    spec = _spec(plan.base_url, plan)
+    samples = []
+    for batch in plan.batch_sizes:
+        reqs = [SampleRequest(random_text(plan.decode_prompt_len, rng), plan.decode_prompt_len, plan.decode_output_len)
+                for _ in range(batch)]
+        outs = await asyncio.gather(*(send_request(client, spec, r, plan.timeout_s) for r in reqs))
+        _check(outs, f"decode steps at batch {batch}")
+        for out in outs:
+            gaps = out.itl[len(out.itl) // 4: (3 * len(out.itl)) // 4] or out.itl
+            samples.extend((float(batch), g * 1000.0) for g in gaps)
+    return samples
+
+
+async def _workers(client: httpx.AsyncClient, base_url: str) -> list[dict[str, Any]]:
+    resp = await client.get(base_url.rstrip("/") + "/workers")
+    resp.raise_for_status()
+    return list(resp.json().get("workers") or [])
+
+
+async def _kv_bytes_sent(client: httpx.AsyncClient, prefills: Sequence[str]) -> float:
+    total = 0.0
+    for url in prefills:
+        resp = await client.get(url.rstrip("/") + "/v1/loads")
+        resp.raise_for_status()
+        for load in resp.json().get("loads") or []:
+            total += float((load.get("disaggregation") or {}).get("kv_bytes_sent") or 0)
+    return total
+
+
+async def _server_info(client: httpx.AsyncClient, urls: Sequence[str]) -> dict[str, Any]:
+    for url in urls:
+        try:
+            resp = await client.get(url.rstrip("/") + "/server_info")
+            if resp.status_code == 200:
+                return dict(resp.json())
+        except httpx.HTTPError:
+            continue
+    return {}
+
+
+async def _run(plan: CalibrationPlan) -> dict[str, Any]:
+    rng = np.random.default_rng(plan.seed)
+    async with httpx.AsyncClient(timeout=plan.timeout_s) as client:
+        pd_workers = await _workers(client, plan.base_url)
+        prefills = [w["url"] for w in pd_workers if w.get("worker_type") == "prefill"]
+        decodes = [w["url"] for w in pd_workers if w.get("worker_type") == "decode"]
+        if not prefills or not decodes:
+            raise ValueError(f"{plan.base_url} is not a PD gateway (GET /workers lists no prefill or no decode)")
+        local = plan.colocated_base_url
+        local_workers = [w["url"] for w in await _workers(client, local)] if local else []
+        # Warm-up: the first requests pay connection set-up and the engines' first-call costs.
+        warm = SampleRequest(random_text(64, rng), 64, 4)
+        for url in filter(None, (plan.base_url, local)):
+            for _ in range(2):
+                _check([await send_request(client, _spec(url, plan), warm, plan.timeout_s)], f"warm-up via {url}")
+
+        plan.log("calibrate: decode step against batch size ...")
+        decode_samples = await _decode_table(client, plan, rng)
+        decode = fit_line(decode_samples)
+        plan.log("calibrate: TTFT against prompt tokens through the PD gateway ...")
+        before = await _kv_bytes_sent(client, prefills)
+        pd_samples, pd_tokens = await _ttft_table(client, plan.base_url, plan, rng)
+        sent = await _kv_bytes_sent(client, prefills) - before
+        kv_bpt = kv_bytes_per_token(sent, pd_tokens)
+        if local:
+            plan.log("calibrate: TTFT against prompt tokens through the colocated gateway ...")
+            local_samples, _ = await _ttft_table(client, local, plan, rng)
+            prefill = fit_line(local_samples)
+            setup, gib, transfer = fit_transfer(pd_samples, prefill, decode.at(1), kv_bpt)
+            transfer_source = "TTFT(PD) - TTFT(colocated) - one decode step, idle, at each prompt length"
+        else:
+            local_samples, transfer = [], None
+            prefill = fit_line(pd_samples)
+            setup, gib = 0.0, 1000.0
+            transfer_source = "not measured (no --colocated-base-url): the prefill fit includes the hand-off"
+            plan.notes.append(transfer_source)
+        info = await _server_info(client, local_workers or decodes)
+        fields = service_model_fields(
+            prefill, decode, kv_bpt=kv_bpt, link_setup_ms=setup, link_gib_per_s=gib,
+            prefill_chunk_tokens=int(info.get("chunked_prefill_size") or 0) if local else 2048,
+            max_batch=int((await _server_info(client, decodes)).get("max_running_requests") or 32))
+    if fields["prefill_chunk_tokens"] < 0:  # -1: whole prompts in one step
+        fields["prefill_chunk_tokens"] = 0
+
+    def fit(f: LinearFit | None) -> dict[str, Any] | None:
+        return f.to_dict() if f is not None else None
+
+    return {**fields, "calibration": {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "base_url": plan.base_url, "colocated_base_url": local, "model": plan.model,
+        "prefill_workers": prefills, "decode_workers": decodes, "colocated_workers": local_workers,
+        "kv_bytes_sent": sent, "kv_prompt_tokens": pd_tokens,
+        "fits": {"prefill_ms_vs_tokens": fit(prefill), "decode_step_ms_vs_batch": fit(decode),
+                 "transfer_ms_vs_bytes": fit(transfer)},
+        "samples": {"colocated_ttft_ms": local_samples, "pd_ttft_ms": pd_samples, "decode_itl_ms": decode_samples},
+        "sources": {"prefill": "idle TTFT via " + (local or plan.base_url),
+                    "decode_step": "median inter-token gap, B concurrent requests via " + plan.base_url,
+                    "kv_bytes_per_token": "prefill workers' /v1/loads kv_bytes_sent / prompt tokens",
+                    "transfer": transfer_source},
+        "notes": plan.notes,
+    }}
+
+
+def calibrate(plan: CalibrationPlan, out_path: str) -> dict[str, Any]:
+    """Measure, fit, write `out_path` (the service-time file) and return its contents."""
+    started = time.perf_counter()
+    try:
+        data = asyncio.run(_run(plan))
+    except httpx.HTTPError as exc:  # a gateway or worker API that did not answer as expected
+        raise ValueError(f"calibration: {type(exc).__name__}: {exc}") from None
+    data["calibration"]["wall_seconds"] = round(time.perf_counter() - started, 1)
+    with open(out_path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+    return data

@@ -1,0 +1,111 @@
+"""`pdgate bench --calibrate`'s fitting on recorded samples: known lines come back, outliers of a
+loaded machine do not move the fit, slopes never go negative, the transfer comes out of the
+difference of two TTFT tables, and the written file is one `pdgate simulate` reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdgate.bench.calibrate_fit import (
+    MAX_LINK_GIB_PER_S,
+    fit_line,
+    fit_transfer,
+    kv_bytes_per_token,
+    service_model_fields,
+)
+from pdgate.simulate.model import GIB, ServiceModel
+
+# Samples as `--calibrate` records them, (x, ms): three repeats per size, one of them hit by
+# another process's burst (the machine is shared), as happens on a loaded host.
+PREFILL = [(16, 20.56), (16, 20.60), (16, 95.0),
+           (256, 28.96), (256, 29.10), (256, 28.96),
+           (1024, 55.84), (1024, 240.0), (1024, 55.84),
+           (2048, 91.68), (2048, 91.68), (2048, 91.70)]
+
+
+def test_line_through_per_size_medians_ignores_one_sided_outliers() -> None:
+    fit = fit_line(PREFILL)
+    assert fit.intercept == pytest.approx(20.0, abs=0.05)
+    assert fit.slope == pytest.approx(0.035, abs=1e-4)
+    assert [p[0] for p in fit.points] == [16, 256, 1024, 2048]
+    assert [p[2] for p in fit.points] == [3, 3, 3, 3]
+    assert fit.max_rel_error < 0.01
+    assert fit.at(6000) == pytest.approx(230.0, abs=0.5)
+
+
+def test_negative_slope_is_clamped_to_a_flat_line() -> None:
+    fit = fit_line([(1, 10.0), (2, 9.0), (4, 8.0)])
+    assert fit.slope == 0.0
+    assert fit.intercept == 9.0
+
+
+def test_negative_intercept_is_clamped_and_the_slope_refit() -> None:
+    # y = -5 + 2x would fit exactly; the clamp keeps the intercept at 0, slope by least squares.
+    samples = [(10, 15.0), (20, 35.0), (30, 55.0)]
+    fit = fit_line(samples)
+    assert fit.intercept == 0.0
+    assert fit.slope == pytest.approx((10 * 15 + 20 * 35 + 30 * 55) / (100 + 400 + 900))
+    assert fit_line(samples, min_intercept=None).intercept == pytest.approx(-5.0)
+
+
+def test_one_size_gives_a_flat_line_and_no_samples_is_an_error() -> None:
+    fit = fit_line([(4, 3.0), (4, 5.0), (4, 4.0)])
+    assert (fit.intercept, fit.slope) == (4.0, 0.0)
+    with pytest.raises(ValueError):
+        fit_line([])
+
+
+def test_kv_bytes_per_token() -> None:
+    # small preset: 8 layers x K,V x 4 KV heads x 64 dims x 4 bytes = 16 KiB per token.
+    assert kv_bytes_per_token(16384 * 3000, 3000) == 16384
+    with pytest.raises(ValueError):
+        kv_bytes_per_token(0, 100)
+    with pytest.raises(ValueError):
+        kv_bytes_per_token(1000, 0)
+
+
+def test_transfer_is_the_difference_of_pd_and_colocated_ttft() -> None:
+    prefill = fit_line(PREFILL)
+    bpt, step = 320 * 1024, 45.0
+    link = lambda tokens: 12.0 + tokens * bpt / (22 * GIB) * 1000.0  # noqa: E731
+    pd = [(n, prefill.at(n) + link(n) + step) for n in (16, 256, 1024, 2048) for _ in range(2)]
+    setup, gib, fit = fit_transfer(pd, prefill, step, bpt)
+    assert setup == pytest.approx(12.0, abs=1e-6)
+    assert gib == pytest.approx(22.0, rel=1e-6)
+    assert fit.max_rel_error < 1e-9
+
+
+def test_unresolvable_transfer_gets_the_bandwidth_cap() -> None:
+    prefill = fit_line(PREFILL)
+    pd = [(n, prefill.at(n) + 5.0) for n in (16, 256, 1024, 2048)]  # no growth with bytes
+    setup, gib, _ = fit_transfer(pd, prefill, 3.0, 16384)
+    assert setup == pytest.approx(2.0)
+    assert gib == MAX_LINK_GIB_PER_S
+
+
+def test_fields_make_a_service_model_that_simulate_reads(tmp_path: Path) -> None:
+    prefill = fit_line(PREFILL)
+    decode = fit_line([(1, 6.0), (2, 6.5), (4, 7.5), (8, 9.5)])
+    fields = service_model_fields(prefill, decode, kv_bpt=16384, link_setup_ms=3.0, link_gib_per_s=0.5,
+                                  prefill_chunk_tokens=512, max_batch=256)
+    model = ServiceModel(**fields)
+    assert model.decode_step(4) == pytest.approx(7.5)
+    assert model.send_chunk_tokens == 0 and model.prefill_chunk_tokens == 512
+    path = tmp_path / "service_model.json"
+    path.write_text(json.dumps({**fields, "calibration": {"samples": {"pd_ttft_ms": [[16, 25.0]]}}}))
+    loaded = ServiceModel.from_json(str(path))
+    assert loaded == model
+    with pytest.raises(ValueError, match="unknown service-model fields"):
+        path.write_text(json.dumps({**fields, "prefil_a_ms": 1.0}))
+        ServiceModel.from_json(str(path))
+
+
+def test_a_flat_decode_fit_of_zero_keeps_a_valid_model() -> None:
+    decode = fit_line([(1, 0.0), (2, 0.0)])
+    fields = service_model_fields(fit_line(PREFILL), decode, kv_bpt=1, link_setup_ms=-1.0, link_gib_per_s=1.0,
+                                  prefill_chunk_tokens=0, max_batch=1)
+    assert fields["decode_step_ms"] == 0.1 and fields["link_setup_ms"] == 0.0
+    ServiceModel(**fields)
