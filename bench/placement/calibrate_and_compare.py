@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fleet import start_fleet  # noqa: E402
+from fleet import ADMIN_KEY, start_fleet  # noqa: E402
 from workload import Mix, write_trace  # noqa: E402
 
 PDGATE = [sys.executable, "-m", "pdgate.cli"]
@@ -39,7 +39,7 @@ def run(cmd: list[str], timeout: float) -> str:
 
 
 def calibrate(pd_url: str, col_url: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
-    run([*PDGATE, "bench", "--calibrate", "--base-url", pd_url, "--colocated-base-url", col_url,
+    run([*PDGATE, "bench", "--calibrate", "--base-url", pd_url, "--colocated-base-url", col_url, "--admin-api-key", ADMIN_KEY,
          "--calibrate-prompt-lens", args.calibrate_prompt_lens, "--calibrate-batch-sizes", args.calibrate_batch_sizes,
          "--calibrate-repeats", str(args.calibrate_repeats), "--calibrate-decode-prompt-len",
          str(args.decode_prompt_len), "--service-model-out", out, "--seed", str(args.seed)], timeout=1800)
@@ -72,14 +72,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="0.5,1,2")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per level")
-    p.add_argument("--goodput", nargs="+", default=["ttft:1000", "tpot:100"])
+    p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:40"])
     p.add_argument("--model", default="small")
     p.add_argument("--chunk", type=int, default=512, help="--chunked-prefill-size of the workers")
     p.add_argument("--long-fraction", type=float, default=0.2)
-    p.add_argument("--calibrate-prompt-lens", default="16,256,512,1024,2048")
+    p.add_argument("--calibrate-prompt-lens", default="16,128,256,512,1024")
     p.add_argument("--calibrate-batch-sizes", default="1,2,4,8")
     p.add_argument("--calibrate-repeats", type=int, default=3)
-    p.add_argument("--decode-prompt-len", type=int, default=400, help="the mix's mean prompt, roughly")
+    p.add_argument("--decode-prompt-len", type=int, default=64, help="prompt tokens of the decode-step requests")
     p.add_argument("--service-model", default=None, help="skip calibration and use this file")
     p.add_argument("--out-dir", default="placement-results")
     p.add_argument("--seed", type=int, default=0)

@@ -23,13 +23,16 @@ import httpx
 
 from pdgate.workers import ReferenceWorker
 
-__all__ = ["Fleet", "start_fleet", "model_priors"]
+__all__ = ["ADMIN_KEY", "Fleet", "start_fleet", "model_priors"]
 
 # One BLAS thread per engine: the machine has 2 cores shared by everyone; more threads per
 # process only add contention.
 ENGINE_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-COMMON = ["--chars-per-token", "1", "--policy", "least_tokens", "--health-check-interval-secs", "1",
-          "--health-success-threshold", "1", "--request-timeout-secs", "120"]
+ADMIN_KEY = "placement-bench"  # loopback only; `pdgate bench --calibrate` lists workers with it
+COMMON = ["--admin-api-key", ADMIN_KEY, "--chars-per-token", "1", "--policy", "least_tokens", "--health-check-interval-secs", "1",
+          "--health-success-threshold", "1", "--request-timeout-secs", "120",
+          # Early rejection off: the comparison is of placements, and calibration must not be shed.
+          "--admission-slack", "0"]
 
 
 @dataclass

@@ -16,7 +16,7 @@ __all__ = ["Mix", "write_trace"]
 @dataclass(frozen=True)
 class Mix:
     short: tuple[int, int] = (32, 128)       # prompt tokens, uniform
-    long: tuple[int, int] = (1024, 2048)
+    long: tuple[int, int] = (512, 1024)
     long_fraction: float = 0.2
     output: tuple[int, int] = (16, 48)       # output tokens, uniform
 

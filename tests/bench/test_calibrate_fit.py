@@ -24,6 +24,7 @@ PREFILL = [(16, 20.56), (16, 20.60), (16, 95.0),
            (256, 28.96), (256, 29.10), (256, 28.96),
            (1024, 55.84), (1024, 240.0), (1024, 55.84),
            (2048, 91.68), (2048, 91.68), (2048, 91.70)]
+LOCAL_MEDIANS = {16: 20.60, 256: 28.96, 1024: 55.84, 2048: 91.68}
 
 
 def test_line_through_per_size_medians_ignores_one_sided_outliers() -> None:
@@ -45,10 +46,24 @@ def test_negative_slope_is_clamped_to_a_flat_line() -> None:
 def test_negative_intercept_is_clamped_and_the_slope_refit() -> None:
     # y = -5 + 2x would fit exactly; the clamp keeps the intercept at 0, slope by least squares.
     samples = [(10, 15.0), (20, 35.0), (30, 55.0)]
-    fit = fit_line(samples)
+    fit = fit_line(samples, relative=False)
     assert fit.intercept == 0.0
     assert fit.slope == pytest.approx((10 * 15 + 20 * 35 + 30 * 55) / (100 + 400 + 900))
-    assert fit_line(samples, min_intercept=None).intercept == pytest.approx(-5.0)
+    assert fit_line(samples, min_intercept=None, relative=False).intercept == pytest.approx(-5.0)
+    assert fit_line(samples, min_intercept=None).intercept == pytest.approx(-5.0)  # exact either way
+
+
+def test_relative_fit_keeps_short_prompts_right_on_a_superlinear_engine() -> None:
+    # Recorded on the reference engine (`small`, one regular worker, idle TTFT medians, ms): the
+    # prefill grows faster than linearly. An absolute fit runs through the long prompts and puts
+    # the fixed cost at 0 (the 17-token prompt predicted at half its time); the relative fit
+    # keeps every point within 25 %.
+    recorded = [(17, 36.9), (129, 103.9), (257, 249.3), (513, 463.8), (1025, 1161.3)]
+    absolute = fit_line(recorded, relative=False)
+    relative = fit_line(recorded)
+    assert absolute.intercept == 0.0 and absolute.max_rel_error > 0.4
+    assert relative.intercept > 10.0
+    assert relative.max_rel_error < 0.25
 
 
 def test_one_size_gives_a_flat_line_and_no_samples_is_an_error() -> None:
@@ -68,20 +83,24 @@ def test_kv_bytes_per_token() -> None:
 
 
 def test_transfer_is_the_difference_of_pd_and_colocated_ttft() -> None:
-    prefill = fit_line(PREFILL)
+    # PD TTFT = the colocated median at the same length (not the prefill fit) + link + one step.
     bpt, step = 320 * 1024, 45.0
     link = lambda tokens: 12.0 + tokens * bpt / (22 * GIB) * 1000.0  # noqa: E731
-    pd = [(n, prefill.at(n) + link(n) + step) for n in (16, 256, 1024, 2048) for _ in range(2)]
-    setup, gib, fit = fit_transfer(pd, prefill, step, bpt)
+    pd = [(n, LOCAL_MEDIANS[n] + link(n) + step) for n in LOCAL_MEDIANS for _ in range(2)]
+    setup, gib, fit = fit_transfer(pd, PREFILL, step, bpt)
     assert setup == pytest.approx(12.0, abs=1e-6)
     assert gib == pytest.approx(22.0, rel=1e-6)
     assert fit.max_rel_error < 1e-9
 
 
+def test_transfer_needs_shared_prompt_lengths() -> None:
+    with pytest.raises(ValueError, match="share no prompt length"):
+        fit_transfer([(100, 50.0)], [(200, 40.0)], 1.0, 16384)
+
+
 def test_unresolvable_transfer_gets_the_bandwidth_cap() -> None:
-    prefill = fit_line(PREFILL)
-    pd = [(n, prefill.at(n) + 5.0) for n in (16, 256, 1024, 2048)]  # no growth with bytes
-    setup, gib, _ = fit_transfer(pd, prefill, 3.0, 16384)
+    pd = [(n, LOCAL_MEDIANS[n] + 5.0) for n in LOCAL_MEDIANS]  # no growth with bytes
+    setup, gib, _ = fit_transfer(pd, PREFILL, 3.0, 16384)
     assert setup == pytest.approx(2.0)
     assert gib == MAX_LINK_GIB_PER_S
 

@@ -46,11 +46,12 @@ class CalibrationPlan:
     prompt_lens: Sequence[int] = (16, 256, 512, 1024, 2048)
     batch_sizes: Sequence[int] = (1, 2, 4, 8, 16)
     repeats: int = 3
-    decode_prompt_len: int = 256
-    decode_output_len: int = 48
+    decode_prompt_len: int = 64
+    decode_output_len: int = 64
     endpoint: str = "/v1/completions"
     timeout_s: float = 120.0
     seed: int = 0
+    admin_api_key: str | None = None     # GET /workers is an admin endpoint
     log: Any = print
     notes: list[str] = field(default_factory=list)
 
@@ -83,23 +84,44 @@ async def _ttft_table(client: httpx.AsyncClient, base_url: str, plan: Calibratio
 
 async def _decode_table(client: httpx.AsyncClient, plan: CalibrationPlan,
                         rng: np.random.Generator) -> list[tuple[float, float]]:
-    """(batch, inter-token gap ms): B requests sent together; gaps from every request's middle
-    half (when all B are decoding, after the others' prefills)."""
+    """(batch, inter-token gap ms): B requests sent together, `repeats` times; only the gaps that
+    end while all B are decoding count (after the last one's first token, before the first one
+    finishes), so neither a prefill nor a smaller batch is in them."""
     spec = _spec(plan.base_url, plan)
     samples = []
-    for batch in plan.batch_sizes:
-        reqs = [SampleRequest(random_text(plan.decode_prompt_len, rng), plan.decode_prompt_len, plan.decode_output_len)
-                for _ in range(batch)]
-        outs = await asyncio.gather(*(send_request(client, spec, r, plan.timeout_s) for r in reqs))
-        _check(outs, f"decode steps at batch {batch}")
-        for out in outs:
-            gaps = out.itl[len(out.itl) // 4: (3 * len(out.itl)) // 4] or out.itl
-            samples.extend((float(batch), g * 1000.0) for g in gaps)
+    for _ in range(plan.repeats):
+        for batch in plan.batch_sizes:
+            reqs = [SampleRequest(random_text(plan.decode_prompt_len, rng), plan.decode_prompt_len,
+                                  plan.decode_output_len) for _ in range(batch)]
+            outs = await asyncio.gather(*(send_request(client, spec, r, plan.timeout_s) for r in reqs))
+            _check(outs, f"decode steps at batch {batch}")
+            samples.extend((float(batch), gap) for gap in _full_batch_gaps(outs))
+    if not {b for b, _ in samples} >= set(map(float, plan.batch_sizes)):
+        plan.notes.append("some batch sizes never ran full (prefills slower than the decodes): "
+                          "raise --calibrate-decode-output-len")
     return samples
 
 
-async def _workers(client: httpx.AsyncClient, base_url: str) -> list[dict[str, Any]]:
-    resp = await client.get(base_url.rstrip("/") + "/workers")
+def _full_batch_gaps(outs: Sequence[RequestOutput]) -> list[float]:
+    """Gaps (ms) whose end lies between the last first token and the first finish."""
+    first = max(o.start_time + o.ttft for o in outs)
+    end = min(o.start_time + o.latency for o in outs)
+    gaps = []
+    for o in outs:
+        t = o.start_time + o.ttft
+        for g in o.itl:
+            t += g
+            if first < t <= end:
+                gaps.append(g * 1000.0)
+    return gaps
+
+
+async def _workers(client: httpx.AsyncClient, base_url: str, key: str | None) -> list[dict[str, Any]]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    resp = await client.get(base_url.rstrip("/") + "/workers", headers=headers)
+    if resp.status_code in (401, 403):
+        raise ValueError(f"{base_url}/workers answered {resp.status_code}: calibration lists the gateway's workers "
+                         "through its admin API; pass --admin-api-key (or set PDGATE_ADMIN_API_KEY)")
     resp.raise_for_status()
     return list(resp.json().get("workers") or [])
 
@@ -128,13 +150,13 @@ async def _server_info(client: httpx.AsyncClient, urls: Sequence[str]) -> dict[s
 async def _run(plan: CalibrationPlan) -> dict[str, Any]:
     rng = np.random.default_rng(plan.seed)
     async with httpx.AsyncClient(timeout=plan.timeout_s) as client:
-        pd_workers = await _workers(client, plan.base_url)
+        pd_workers = await _workers(client, plan.base_url, plan.admin_api_key)
         prefills = [w["url"] for w in pd_workers if w.get("worker_type") == "prefill"]
         decodes = [w["url"] for w in pd_workers if w.get("worker_type") == "decode"]
         if not prefills or not decodes:
             raise ValueError(f"{plan.base_url} is not a PD gateway (GET /workers lists no prefill or no decode)")
         local = plan.colocated_base_url
-        local_workers = [w["url"] for w in await _workers(client, local)] if local else []
+        local_workers = [w["url"] for w in await _workers(client, local, plan.admin_api_key)] if local else []
         # Warm-up: the first requests pay connection set-up and the engines' first-call costs.
         warm = SampleRequest(random_text(64, rng), 64, 4)
         for url in filter(None, (plan.base_url, local)):
@@ -153,7 +175,7 @@ async def _run(plan: CalibrationPlan) -> dict[str, Any]:
             plan.log("calibrate: TTFT against prompt tokens through the colocated gateway ...")
             local_samples, _ = await _ttft_table(client, local, plan, rng)
             prefill = fit_line(local_samples)
-            setup, gib, transfer = fit_transfer(pd_samples, prefill, decode.at(1), kv_bpt)
+            setup, gib, transfer = fit_transfer(pd_samples, local_samples, decode.at(1), kv_bpt)
             transfer_source = "TTFT(PD) - TTFT(colocated) - one decode step, idle, at each prompt length"
         else:
             local_samples, transfer = [], None

@@ -87,12 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--colocated-base-url", default=None,
                    help="a gateway over regular workers of the same engine: prefill times from its idle TTFT "
                         "(without it the prefill fit includes the KV hand-off)")
+    c.add_argument("--admin-api-key", default=os.environ.get("PDGATE_ADMIN_API_KEY"),
+                   help="the gateways' admin key, to list their workers (GET /workers); default: "
+                        "$PDGATE_ADMIN_API_KEY")
     c.add_argument("--calibrate-prompt-lens", type=_int_list, default=[16, 256, 512, 1024, 2048])
     c.add_argument("--calibrate-batch-sizes", type=_int_list, default=[1, 2, 4, 8, 16])
     c.add_argument("--calibrate-repeats", type=int, default=3, help="samples per prompt length")
-    c.add_argument("--calibrate-decode-prompt-len", type=int, default=256,
+    c.add_argument("--calibrate-decode-prompt-len", type=int, default=64,
                    help="prompt tokens of the decode-step requests (the step grows with the context)")
-    c.add_argument("--calibrate-decode-output-len", type=int, default=48)
+    c.add_argument("--calibrate-decode-output-len", type=int, default=64,
+                   help="output tokens of the decode-step requests (long enough for the batch to form)")
     c.add_argument("--service-model-out", default="service_model.json",
                    help="where --calibrate writes the service-time file (default: %(default)s)")
     return p
@@ -209,7 +213,7 @@ def _calibrate(args: argparse.Namespace, model: str) -> int:
         prompt_lens=args.calibrate_prompt_lens, batch_sizes=args.calibrate_batch_sizes,
         repeats=args.calibrate_repeats, decode_prompt_len=args.calibrate_decode_prompt_len,
         decode_output_len=args.calibrate_decode_output_len, endpoint=args.endpoint,
-        timeout_s=args.request_timeout, seed=args.seed, log=lambda msg: print(msg, file=sys.stderr))
+        timeout_s=args.request_timeout, seed=args.seed, admin_api_key=args.admin_api_key, log=lambda msg: print(msg, file=sys.stderr))
     data = calibrate(plan, args.service_model_out)
     print(json.dumps({k: v for k, v in data.items() if k != "calibration"}, indent=2))
     for note in data["calibration"]["notes"]:
