@@ -122,7 +122,8 @@ def start_fleet(placement: str, *, workers: int = 3, prefill: int = 1, decode: i
                 log_dir: str = "/tmp/pdgate-placement") -> Fleet:
     """Start the workers and the gateway of one placement (see the module doc)."""
     os.makedirs(log_dir, exist_ok=True)
-    decode = (workers - prefill) if decode is None else decode
+    if decode is None:  # conditional: split what the prefill leaves between decode and regular
+        decode = max(1, (workers - prefill) // 2)
     plan: dict[str, int] = {"colocated": {"regular": workers},
                             "disaggregated": {"prefill": prefill, "decode": workers - prefill},
                             "conditional": {"prefill": prefill, "decode": decode,

@@ -32,7 +32,13 @@ from calibrate_and_compare import bench, simulate  # noqa: E402
 from fleet import start_fleet, model_priors  # noqa: E402
 from workload import Mix, write_trace  # noqa: E402
 
-PLACEMENTS = ("colocated", "disaggregated", "conditional")
+PLACEMENTS = ("colocated", "disaggregated", "conditional", "conditional_pinned")
+# name -> (the gateway's --pd-placement, extra gateway flags). `conditional_pinned` keeps the
+# calibrated cost model (the priors outweigh any observation): the gateway's online prefill fit
+# takes each prefill leg's time, queueing at the engine included, and drifts up under load.
+VARIANTS = {"colocated": ("colocated", []), "disaggregated": ("disaggregated", []),
+            "conditional": ("conditional", []),
+            "conditional_pinned": ("conditional", ["--placement-prior-weight", "1000000", "--placement-forgetting", "1.0"])}
 
 
 def placement_counts(url: str) -> dict[str, float]:
@@ -55,6 +61,27 @@ def model_gauges(url: str) -> dict[str, float]:
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
+
+
+def run_cell(name: str, url: str, rate: float, trace: str, args: argparse.Namespace) -> dict[str, Any]:
+    placement = VARIANTS[name][0]
+    before = placement_counts(url) if placement != "colocated" else {}
+    result = bench(url, trace, os.path.join(args.out_dir, f"claim-{name}-{rate}.json"), args.goodput, name)
+    cell = {"placement": name, "rate": rate, "requests": result["completed"] + result["failed"],
+            "goodput": result["request_goodput"], "throughput": result["request_throughput"],
+            "failed": result["failed"], "p99_ttft_ms": result["p99_ttft_ms"], "p99_tpot_ms": result["p99_tpot_ms"],
+            "median_ttft_ms": result["median_ttft_ms"], "load_avg": os.getloadavg()[0]}
+    if placement != "colocated":
+        cell["decisions"] = delta(placement_counts(url), before)
+        cell["model"] = model_gauges(url)
+    if args.service_model:
+        # The simulator's conditional runs local prefills on a decode worker (kv_both); the
+        # gateway's uses the regular pool: the same worker count, a close model.
+        sim = simulate(trace, args.service_model, placement, 1, args.workers - 1, args.goodput)
+        cell["sim_goodput"] = sim["request_goodput"]
+        cell["sim_p99_ttft_ms"] = sim["p99_ttft_ms"]
+        cell["sim_decisions"] = sim.get("decisions")
+    return cell
 
 
 def main() -> int:
@@ -84,48 +111,49 @@ def main() -> int:
         write_trace(traces[rate], rate=rate, duration_s=args.duration, mix=mix, seed=args.seed + i)
     started = time.time()
     cells: list[dict[str, Any]] = []
-    for placement in args.placements.split(","):
-        fleet = start_fleet(placement, workers=args.workers, model=args.model, chunk=args.chunk,
-                            gateway_args=priors if placement != "colocated" else (),
-                            log_dir=os.path.join(args.out_dir, "logs"))
-        try:
-            for rate in rates:
-                before = placement_counts(fleet.url) if placement != "colocated" else {}
-                result = bench(fleet.url, traces[rate], os.path.join(args.out_dir, f"claim-{placement}-{rate}.json"),
-                               args.goodput, placement)
-                cell = {"placement": placement, "rate": rate, "requests": result["completed"] + result["failed"],
-                        "goodput": result["request_goodput"], "throughput": result["request_throughput"],
-                        "failed": result["failed"], "p99_ttft_ms": result["p99_ttft_ms"],
-                        "p99_tpot_ms": result["p99_tpot_ms"], "median_ttft_ms": result["median_ttft_ms"],
-                        "load_avg": os.getloadavg()[0]}
-                if placement != "colocated":
-                    cell["decisions"] = delta(placement_counts(fleet.url), before)
-                    cell["model"] = model_gauges(fleet.url)
-                if args.service_model:
-                    # The simulator's conditional runs local prefills on a decode worker (kv_both);
-                    # the gateway's uses the regular pool: the same worker count, a close model.
-                    dec = args.workers - 1
-                    sim = simulate(traces[rate], args.service_model, placement, 1, dec, args.goodput)
-                    cell["sim_goodput"] = sim["request_goodput"]
-                    cell["sim_p99_ttft_ms"] = sim["p99_ttft_ms"]
-                    cell["sim_decisions"] = sim.get("decisions")
+    fleets = {}
+    try:
+        # All fleets up at once (idle ones cost no CPU), and each level runs every placement back
+        # to back in a rotating order: on a shared machine whose load changes by the minute, the
+        # placements of one level then see the same machine.
+        for name in args.placements.split(","):
+            placement, extra = VARIANTS[name]
+            fleets[name] = start_fleet(placement, workers=args.workers, model=args.model, chunk=args.chunk,
+                                       gateway_args=[*priors, *extra] if placement != "colocated" else (),
+                                       log_dir=os.path.join(args.out_dir, "logs", name))
+        names = list(fleets)
+        for i, rate in enumerate(rates):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                cell = run_cell(name, fleets[name].url, rate, traces[rate], args)
                 cells.append(cell)
                 print(json.dumps(cell), flush=True)
-        finally:
+    finally:
+        for fleet in fleets.values():
             fleet.stop()
-    with open(os.path.join(args.out_dir, "three_placements.json"), "w", encoding="utf-8") as f:
+    # Cells of earlier runs into the same directory (other placements) are kept unless re-run.
+    path = os.path.join(args.out_dir, "three_placements.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            done = {(c["placement"], c["rate"]) for c in cells}
+            cells = [c for c in json.load(f)["cells"] if (c["placement"], c["rate"]) not in done] + cells
+            cells.sort(key=lambda c: (PLACEMENTS.index(c["placement"]), c["rate"]))
+    with open(path, "w", encoding="utf-8") as f:
         json.dump({"mix": mix.__dict__, "goodput": args.goodput, "duration_s": args.duration,
                    "workers": args.workers, "chunk": args.chunk, "cells": cells}, f, indent=2)
     print(f"\nworkload: {mix.describe()}; SLOs {' '.join(args.goodput)}; {args.duration:.0f} s per level; "
           f"{args.workers} workers per placement; wall {time.time() - started:.0f} s")
     names = list(dict.fromkeys(c["placement"] for c in cells))
+    rates = sorted({c["rate"] for c in cells})
     print("| rate (req/s) | " + " | ".join(f"{n} goodput" for n in names) + " | conditional ≥ max(others) |")
     print("|---|" + "---|" * (len(names) + 1))
     for rate in rates:
         row = {c["placement"]: c for c in cells if c["rate"] == rate}
         good = {n: row[n]["goodput"] for n in names if n in row}
-        others = [v for n, v in good.items() if n != "conditional"]
-        verdict = ("yes" if good.get("conditional", -1) >= max(others) else "no") if others and "conditional" in good else "-"
+        verdict = "-"
+        base = [v for n, v in good.items() if not n.startswith("conditional")]
+        cond = [v for n, v in good.items() if n.startswith("conditional")]
+        if base and cond:
+            verdict = "yes" if max(cond) >= max(base) else "no"
         print(f"| {rate} | " + " | ".join(f"{good.get(n, float('nan')):.3f}" for n in names) + f" | {verdict} |")
     try:
         from pdgate.bench.plots import PlotsUnavailable, write_comparison_plot

@@ -128,3 +128,16 @@ def test_a_flat_decode_fit_of_zero_keeps_a_valid_model() -> None:
                                   prefill_chunk_tokens=0, max_batch=1)
     assert fields["decode_step_ms"] == 0.1 and fields["link_setup_ms"] == 0.0
     ServiceModel(**fields)
+
+
+def test_decode_gaps_count_only_while_the_whole_batch_runs() -> None:
+    from pdgate.bench.calibrate import _full_batch_gaps
+    from pdgate.bench.client import RequestOutput
+
+    # A starts at 0 (first token at 0.1 s, gaps of 10 ms, ends at 0.205); B starts at 0.053 (first
+    # token at 0.153: its prefill waited behind A's), gaps of 20 ms, ends at 0.253. Both decode
+    # in (0.153, 0.205]: A's gaps ending at 0.16 ... 0.20 and B's ending at 0.173 and 0.193.
+    a = RequestOutput(True, 10, 11, 0.1, [0.01] * 10, 0.205, 0.0, 200)
+    b = RequestOutput(True, 10, 6, 0.1, [0.02] * 5, 0.2, 0.053, 200)
+    gaps = _full_batch_gaps([a, b])
+    assert sorted(round(g, 6) for g in gaps) == [10.0] * 5 + [20.0] * 2
