@@ -64,6 +64,18 @@ def bench(url: str, trace: str, result: str, goodput: list[str], label: str) -> 
         return json.load(f)
 
 
+def auto_slos(model: dict[str, Any], mix: Mix) -> list[str]:
+    """SLOs scaled to the machine as calibrated: TTFT 2x the idle disaggregated TTFT of the
+    mix's longest prompt, TPOT 2x the decode step at a batch of 4. On a shared machine whose
+    speed changes threefold with other people's builds, fixed SLOs give a goodput of 0 (or the
+    offered rate) everywhere, which validates nothing."""
+    tokens = mix.long[1]
+    kv = tokens * model["kv_bytes_per_token"] / (model["link_gib_per_s"] * 1024 ** 3) * 1000.0
+    ttft = model["prefill_a_ms"] + model["prefill_b_ms"] * tokens + model["link_setup_ms"] + kv + model["decode_step_ms"]
+    tpot = model["decode_step_ms"] + 4 * model["decode_step_per_seq_ms"]
+    return [f"ttft:{2 * ttft:.0f}", f"tpot:{2 * tpot:.0f}"]
+
+
 def ratio(sim: float | None, real: float | None) -> float | None:
     return None if sim is None or not real else sim / real
 
@@ -72,7 +84,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="0.5,1,2")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per level")
-    p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:40"])
+    p.add_argument("--goodput", nargs="+", default=["auto"],
+                   help="SLOs as for `pdgate bench`, or `auto`: scaled to the calibrated machine (see auto_slos)")
     p.add_argument("--model", default="small")
     p.add_argument("--chunk", type=int, default=512, help="--chunked-prefill-size of the workers")
     p.add_argument("--long-fraction", type=float, default=0.2)
@@ -99,6 +112,12 @@ def main() -> int:
             finally:
                 col.stop()
             print("calibrated:", json.dumps({k: v for k, v in model.items() if k != "calibration"}), flush=True)
+        else:
+            with open(model_file, encoding="utf-8") as f:
+                model = json.load(f)
+        if args.goodput == ["auto"]:
+            args.goodput = auto_slos(model, mix)
+            print("SLOs (auto):", " ".join(args.goodput), flush=True)
         rows = []
         for i, rate in enumerate(float(r) for r in args.rates.split(",")):
             trace = os.path.join(args.out_dir, f"trace-{rate}.jsonl")

@@ -28,7 +28,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from calibrate_and_compare import bench, simulate  # noqa: E402
+from calibrate_and_compare import auto_slos, bench, simulate  # noqa: E402
 from fleet import start_fleet, model_priors  # noqa: E402
 from workload import Mix, write_trace  # noqa: E402
 
@@ -88,7 +88,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="0.5,1,2")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per level")
-    p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:40"])
+    p.add_argument("--goodput", nargs="+", default=["auto"],
+                   help="SLOs as for `pdgate bench`, or `auto` (needs --service-model): scaled to the calibrated machine")
     p.add_argument("--workers", type=int, default=3, help="worker processes in every placement")
     p.add_argument("--model", default="small")
     p.add_argument("--chunk", type=int, default=512, help="--chunked-prefill-size of every worker")
@@ -104,7 +105,17 @@ def main() -> int:
     priors: list[str] = []
     if args.service_model:
         with open(args.service_model, encoding="utf-8") as f:
-            priors = model_priors(json.load(f))
+            model = json.load(f)
+        priors = model_priors(model)
+        if args.goodput == ["auto"]:
+            args.goodput = auto_slos(model, mix)
+    elif args.goodput == ["auto"]:
+        p.error("--goodput auto needs --service-model")
+    # The gateways judge their own SLO counters by the same objectives.
+    ttft_slo = next((g.split(":")[1] for g in args.goodput if g.startswith("ttft:")), None)
+    tpot_slo = next((g.split(":")[1] for g in args.goodput if g.startswith("tpot:")), None)
+    priors += (["--slo-ttft-ms", ttft_slo] if ttft_slo else []) + (["--slo-tpot-ms", tpot_slo] if tpot_slo else [])
+    print("SLOs:", " ".join(args.goodput), flush=True)
     traces = {}
     for i, rate in enumerate(rates):
         traces[rate] = os.path.join(args.out_dir, f"claim-trace-{rate}.jsonl")
@@ -160,7 +171,7 @@ def main() -> int:
 
         series = {n: ([c["rate"] for c in cells if c["placement"] == n],
                       [c["goodput"] for c in cells if c["placement"] == n]) for n in names}
-        path = write_comparison_plot(series, os.path.join(args.out_dir, "three_placements_goodput.svg"),
+        path = write_comparison_plot(series, os.path.join(args.out_dir, "three_placements_goodput.png"),
                                      title=f"{args.workers} reference workers ({args.model}), measured")
         print(f"plot written to {path}")
     except PlotsUnavailable as exc:
