@@ -67,18 +67,22 @@ def _check(outputs: Sequence[RequestOutput], what: str) -> None:
         raise ValueError(f"calibration {what}: {len(failed)} of {len(outputs)} requests failed, e.g. {failed[0]}")
 
 
-async def _ttft_table(client: httpx.AsyncClient, base_url: str, plan: CalibrationPlan,
-                      rng: np.random.Generator) -> tuple[list[tuple[float, float]], int]:
-    """(prompt tokens, TTFT ms) on an idle path, one request at a time; fresh random text each
-    time so no prefix cache helps. Returns the samples and the prompt tokens sent."""
-    spec = _spec(base_url, plan)
-    samples, tokens = [], 0
+async def _ttft_tables(client: httpx.AsyncClient, urls: Sequence[str], plan: CalibrationPlan,
+                       rng: np.random.Generator) -> tuple[list[list[tuple[float, float]]], list[int]]:
+    """(prompt tokens, TTFT ms) on each idle path, one request at a time; fresh random text each
+    time so no prefix cache helps. The paths take turns at each length, so on a machine whose
+    load changes by the minute their difference (the transfer) compares like with like.
+    Returns the samples and the prompt tokens sent, per path."""
+    specs = [_spec(url, plan) for url in urls]
+    samples: list[list[tuple[float, float]]] = [[] for _ in urls]
+    tokens = [0 for _ in urls]
     for _ in range(plan.repeats):
         for n in plan.prompt_lens:
-            out = await send_request(client, spec, SampleRequest(random_text(n, rng), n, 2), plan.timeout_s)
-            _check([out], f"TTFT at {n} tokens via {base_url}")
-            samples.append((float(out.prompt_len), out.ttft * 1000.0))
-            tokens += out.prompt_len
+            for i, (url, spec) in enumerate(zip(urls, specs)):
+                out = await send_request(client, spec, SampleRequest(random_text(n, rng), n, 2), plan.timeout_s)
+                _check([out], f"TTFT at {n} tokens via {url}")
+                samples[i].append((float(out.prompt_len), out.ttft * 1000.0))
+                tokens[i] += out.prompt_len
     return samples, tokens
 
 
@@ -88,7 +92,7 @@ async def _decode_table(client: httpx.AsyncClient, plan: CalibrationPlan,
     end while all B are decoding count (after the last one's first token, before the first one
     finishes), so neither a prefill nor a smaller batch is in them."""
     spec = _spec(plan.base_url, plan)
-    samples = []
+    samples: list[tuple[float, float]] = []
     for _ in range(plan.repeats):
         for batch in plan.batch_sizes:
             reqs = [SampleRequest(random_text(plan.decode_prompt_len, rng), plan.decode_prompt_len,
@@ -166,23 +170,27 @@ async def _run(plan: CalibrationPlan) -> dict[str, Any]:
         plan.log("calibrate: decode step against batch size ...")
         decode_samples = await _decode_table(client, plan, rng)
         decode = fit_line(decode_samples)
-        plan.log("calibrate: TTFT against prompt tokens through the PD gateway ...")
+        plan.log("calibrate: TTFT against prompt tokens through the gateway(s) ...")
         before = await _kv_bytes_sent(client, prefills)
-        pd_samples, pd_tokens = await _ttft_table(client, plan.base_url, plan, rng)
+        tables, sent_tokens = await _ttft_tables(client, [plan.base_url, *([local] if local else [])], plan, rng)
         sent = await _kv_bytes_sent(client, prefills) - before
+        pd_samples, pd_tokens = tables[0], sent_tokens[0]
         kv_bpt = kv_bytes_per_token(sent, pd_tokens)
         if local:
-            plan.log("calibrate: TTFT against prompt tokens through the colocated gateway ...")
-            local_samples, _ = await _ttft_table(client, local, plan, rng)
+            local_samples = tables[1]
             prefill = fit_line(local_samples)
             setup, gib, transfer = fit_transfer(pd_samples, local_samples, decode.at(1), kv_bpt)
-            transfer_source = "TTFT(PD) - TTFT(colocated) - one decode step, idle, at each prompt length"
+            transfer_source = ("TTFT(PD) - TTFT(colocated) - one decode step, idle, the two paths taking turns "
+                               "at each prompt length")
         else:
             local_samples, transfer = [], None
             prefill = fit_line(pd_samples)
             setup, gib = 0.0, 1000.0
             transfer_source = "not measured (no --colocated-base-url): the prefill fit includes the hand-off"
             plan.notes.append(transfer_source)
+        if transfer is not None and transfer.slope <= 0:
+            plan.notes.append("the transfer did not grow with the bytes beyond the noise: link_gib_per_s is the "
+                              "cap (1000); on a loaded machine, rerun with more --calibrate-repeats")
         info = await _server_info(client, local_workers or decodes)
         fields = service_model_fields(
             prefill, decode, kv_bpt=kv_bpt, link_setup_ms=setup, link_gib_per_s=gib,
