@@ -19,8 +19,8 @@ from typing import Any, Sequence
 
 from pdgate.simulate.model import GIB
 
-__all__ = ["LinearFit", "fit_line", "fit_transfer", "kv_bytes_per_token", "service_model_fields",
-           "MAX_LINK_GIB_PER_S"]
+__all__ = ["MAX_LINK_GIB_PER_S", "LinearFit", "fit_line", "fit_transfer", "kv_bytes_per_token",
+           "service_model_fields"]
 
 # A transfer too fast to resolve against the noise (its slope fits to 0) gets this bandwidth.
 MAX_LINK_GIB_PER_S = 1000.0

@@ -90,7 +90,7 @@ def write_comparison_plot(series: dict[str, tuple[Sequence[float], Sequence[floa
     end in .png or .svg."""
     plt = _pyplot()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = plt.subplots(figsize=(5, 3.5), dpi=80)  # small enough to keep in the repository
     top = 0.0
     for (label, (rates, values)), marker in zip(series.items(), "osd^v<>"):
         ax.plot(rates, values, marker + "-", label=label)
