@@ -80,7 +80,36 @@ def build_parser() -> argparse.ArgumentParser:
     a("--plot-dir", default=None, help="write TTFT/ITL CDFs and goodput/p99 vs rate here (needs pdgate[bench])")
     a("--disable-tqdm", action="store_true")
     a("--label", default=None)
+    c = p.add_argument_group("calibration (pdgate): measure the engine's service times for `pdgate simulate`")
+    c.add_argument("--calibrate", action="store_true",
+                   help="measure prefill time vs prompt tokens, decode step vs batch, KV bytes per token and "
+                        "the transfer through the PD gateway at --base-url, write --service-model-out, and exit")
+    c.add_argument("--colocated-base-url", default=None,
+                   help="a gateway over regular workers of the same engine: prefill times from its idle TTFT "
+                        "(without it the prefill fit includes the KV hand-off)")
+    c.add_argument("--admin-api-key", default=os.environ.get("PDGATE_ADMIN_API_KEY"),
+                   help="the gateways' admin key, to list their workers (GET /workers); default: "
+                        "$PDGATE_ADMIN_API_KEY")
+    c.add_argument("--calibrate-prompt-lens", type=_int_list, default=[16, 256, 512, 1024, 2048])
+    c.add_argument("--calibrate-batch-sizes", type=_int_list, default=[1, 2, 4, 8, 16])
+    c.add_argument("--calibrate-repeats", type=int, default=3, help="samples per prompt length")
+    c.add_argument("--calibrate-decode-prompt-len", type=int, default=64,
+                   help="prompt tokens of the decode-step requests (the step grows with the context)")
+    c.add_argument("--calibrate-decode-output-len", type=int, default=64,
+                   help="output tokens of the decode-step requests (long enough for the batch to form)")
+    c.add_argument("--service-model-out", default="service_model.json",
+                   help="where --calibrate writes the service-time file (default: %(default)s)")
     return p
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of integers: {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"need positive integers, got {text!r}")
+    return values
 
 
 def _requests(args: argparse.Namespace, rng: np.random.Generator) -> list[SampleRequest]:
@@ -140,6 +169,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--percentile-metrics takes {','.join(PERCENTILE_METRICS)} (got {unknown or metrics}) "
                          f"and --metric-percentiles numbers in [0, 100] (got {percentiles})")
     model = args.model or _first_model(args.base_url, min(args.request_timeout, 30.0))
+    if args.calibrate:
+        return _calibrate(args, model)
     spec = RequestSpec(url=args.base_url.rstrip("/") + args.endpoint, model=model,
                        chat=args.endpoint.endswith("chat/completions"), stream=not args.no_stream,
                        ignore_eos=args.ignore_eos)
@@ -169,6 +200,25 @@ def _run(args: argparse.Namespace) -> int:
             print(f"result written to {path}")
     if args.plot_dir:
         _plots(levels, args.plot_dir)
+    return 0
+
+
+def _calibrate(args: argparse.Namespace, model: str) -> int:
+    from .calibrate import CalibrationPlan, calibrate
+
+    if args.calibrate_repeats < 1:
+        raise ValueError("--calibrate-repeats must be at least 1")
+    plan = CalibrationPlan(
+        base_url=args.base_url, model=model, colocated_base_url=args.colocated_base_url,
+        prompt_lens=args.calibrate_prompt_lens, batch_sizes=args.calibrate_batch_sizes,
+        repeats=args.calibrate_repeats, decode_prompt_len=args.calibrate_decode_prompt_len,
+        decode_output_len=args.calibrate_decode_output_len, endpoint=args.endpoint,
+        timeout_s=args.request_timeout, seed=args.seed, admin_api_key=args.admin_api_key, log=lambda msg: print(msg, file=sys.stderr))
+    data = calibrate(plan, args.service_model_out)
+    print(json.dumps({k: v for k, v in data.items() if k != "calibration"}, indent=2))
+    for note in data["calibration"]["notes"]:
+        print(f"pdgate bench --calibrate: {note}", file=sys.stderr)
+    print(f"service-time file written to {args.service_model_out}", file=sys.stderr)
     return 0
 
 

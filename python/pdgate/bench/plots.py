@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["PlotsUnavailable", "write_plots"]
+__all__ = ["PlotsUnavailable", "write_comparison_plot", "write_plots"]
 
 
 class PlotsUnavailable(RuntimeError):
@@ -81,3 +81,26 @@ def write_plots(levels: Sequence[dict[str, Any]], out_dir: str, prefix: str = "b
     paths.append(_save(fig, os.path.join(out_dir, f"{prefix}_p99_vs_rate.png")))
     plt.close(fig)
     return paths
+
+
+def write_comparison_plot(series: dict[str, tuple[Sequence[float], Sequence[float]]], path: str, *,
+                          ylabel: str = "goodput (req/s)", title: str = "") -> str:
+    """One curve per configuration (e.g. placement): `series[label] = (rates, values)`, against
+    the request rate; the offered rate is drawn as a dotted diagonal for reference. `path` may
+    end in .png or .svg."""
+    plt = _pyplot()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig, ax = plt.subplots(figsize=(5, 3.5), dpi=80)  # small enough to keep in the repository
+    top = 0.0
+    for (label, (rates, values)), marker in zip(series.items(), "osd^v<>"):
+        ax.plot(rates, values, marker + "-", label=label)
+        top = max([top, *rates])
+    ax.plot([0, top], [0, top], ":", color="grey", label="offered rate")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title, fontsize="medium")
+    ax.legend(fontsize="small")
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
