@@ -137,8 +137,9 @@ impl Policy for CacheAwarePolicy {
         let ok: &dyn Fn(u64) -> bool = if imbalanced { &not_overloaded } else { &any };
         let (event_hit, event_ratio) = if events { self.event_hit(snap, candidates, input, ok, rng) } else { (None, 0.0) };
         // The text tree serves every worker without events, and every request without token ids.
+        let events_only = events && source == CacheSource::Events;
         let text = match (input.tree, input.text) {
-            (Some(tree), Some(text)) if !text.is_empty() && !(events && source == CacheSource::Events) => Some((tree, text)),
+            (Some(tree), Some(text)) if !text.is_empty() && !events_only => Some((tree, text)),
             _ => None,
         };
         let (text_hit, text_ratio) = match text {
