@@ -9,6 +9,9 @@ engine caches. The hit rate is the engines' own: sum cached_tokens / sum prompt_
 
 Usage (from the repository root, with the gateway installed in the Python environment):
   python bench/cache_source.py [--conversations 40] [--turns 5] [--cache-tokens 640] [--seeds 16,17,18]
+      [--system-words 28] [--turn-words 5] [--live 6]
+The two settings of docs/performance.md: the defaults (small caches that evict), and
+  --cache-tokens 1536 --system-words 14 --turn-words 10 (larger caches, longer turns).
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--cache-tokens", type=int, default=640, help="each engine's KV pool (--max-total-tokens)")
     p.add_argument("--seeds", default="16,17,18", help="workload seeds; each configuration runs every seed")
+    p.add_argument("--system-words", type=int, default=28, help="words of each group's system prompt")
+    p.add_argument("--turn-words", type=int, default=5, help="words of each user and assistant message")
+    p.add_argument("--live", type=int, default=6, help="conversations in progress at a time")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -52,7 +58,8 @@ def main() -> None:
                     gws = [launch_replica(processes, engines, policy, source, tok) for _ in range(n)]
                     for gw in gws:
                         wait_subscribed(gw, args.workers)
-                    r = run(gws, conversations(seed, n_conversations=args.conversations, turns=args.turns))
+                    r = run(gws, conversations(seed, n_conversations=args.conversations, turns=args.turns, system_words=args.system_words,
+                                                      turn_words=args.turn_words, live=args.live))
                     for gw in gws:
                         gw.stop()
                     prompt, cached, ttft = prompt + r.prompt_tokens, cached + r.cached_tokens, ttft + r.ttft_s
