@@ -59,6 +59,8 @@ class GatewayOptions(TypedDict, total=False):
     """--decode-policy: Policy for choosing the decode worker in PD mode."""
     cache_threshold: float
     """--cache-threshold: cache_aware: minimum prefix match ratio (0.0-1.0) to route by cache affinity. Default: 0.3."""
+    cache_source: Literal["auto", "events", "text"]
+    """--cache-source: cache_aware: what a worker's cache holds, from the engines' KV events (matched in prompt tokens; needs token ids in the request or --model-path/--tokenizer-path), the gateway's text tree, or auto (events for workers that publish them, text otherwise). Requests without token ids use the text tree. Default: "auto"."""
     balance_abs_threshold: int
     """--balance-abs-threshold: cache_aware: load is imbalanced when max - min exceeds this (and the relative threshold). Default: 64. Range: 0 to 18446744073709551615."""
     balance_rel_threshold: float

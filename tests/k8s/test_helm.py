@@ -276,9 +276,11 @@ def test_values_schema_enums_are_the_gateways_choices() -> None:
     assert set(gateway_values["policy"]["enum"]) == choices["policy"]
     assert set(gateway_values["prefillPolicy"]["enum"]) == set(gateway_values["decodePolicy"]["enum"]) == choices["policy"] | {""}
     assert set(gateway_values["kvConnector"]["enum"]) == choices["kv_connector"]
+    assert set(gateway_values["cacheSource"]["enum"]) == choices["cache_source"]
 
 
 @pytest.mark.parametrize("values", [{"gateway": {"policy": "fastest"}}, {"gateway": {"kvConnector": "lmcache"}},
+                                    {"gateway": {"cacheSource": "guess"}},
                                     {"discovery": {"port": 0}}, {"gateway": {"replicas": "two"}}])
 def test_bad_values_are_refused_before_anything_is_applied(values: dict[str, Any]) -> None:
     with pytest.raises(helm.HelmValuesError):

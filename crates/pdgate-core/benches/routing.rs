@@ -95,7 +95,16 @@ fn fleet(n: usize) -> Fleet {
 fn decide(policy: &dyn Policy, f: &Fleet, i: usize, rng: &mut StdRng) -> usize {
     let text = &f.texts[i % f.texts.len()];
     let prompt_tokens = text.len() as u64 / 4;
-    let input = RouteInput { text: Some(text), key: Some(&f.keys[i % f.keys.len()]), sequence: i as u64, loads: &f.loads, tree: Some(&f.tree), prompt_tokens, output_tokens: 512 };
+    let input = RouteInput {
+        text: Some(text),
+        key: Some(&f.keys[i % f.keys.len()]),
+        sequence: i as u64,
+        loads: &f.loads,
+        tree: Some(&f.tree),
+        prompt_tokens,
+        output_tokens: 512,
+        ..RouteInput::default()
+    };
     policy.select(&f.snap, &f.candidates, &input, rng).map(|s| s.worker).unwrap_or(usize::MAX)
 }
 

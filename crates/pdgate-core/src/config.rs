@@ -33,6 +33,21 @@ pub enum PolicyName {
     MostFreeKv,
 }
 
+/// Where `cache_aware` learns what each worker's prefix cache holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, ValueEnum, Default)]
+#[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
+pub enum CacheSource {
+    /// The engines' KV events for workers that publish them, the text tree for the others.
+    #[default]
+    Auto,
+    /// The engines' KV events only (a worker that publishes none holds nothing).
+    Events,
+    /// The gateway's radix tree of the prompts it sent (a guess: blind to evictions and to
+    /// what other replicas sent).
+    Text,
+}
+
 #[derive(Clone, Debug, Parser, Serialize, Deserialize, PartialEq)]
 #[command(name = "pdgate-gateway", about = "pdgate: a gateway for prefill/decode disaggregated LLM serving", version)]
 #[serde(default, deny_unknown_fields)]
@@ -88,6 +103,13 @@ pub struct GatewayConfig {
     /// cache_aware: minimum prefix match ratio (0.0-1.0) to route by cache affinity.
     #[arg(long, visible_alias = "cache-match-threshold", default_value_t = 0.3)]
     pub cache_threshold: f64,
+
+    /// cache_aware: what a worker's cache holds, from the engines' KV events (matched in prompt
+    /// tokens; needs token ids in the request or --model-path/--tokenizer-path), the gateway's
+    /// text tree, or auto (events for workers that publish them, text otherwise). Requests
+    /// without token ids use the text tree.
+    #[arg(long, value_enum, default_value_t = CacheSource::Auto)]
+    pub cache_source: CacheSource,
 
     /// cache_aware: load is imbalanced when max - min exceeds this (and the relative threshold).
     #[arg(long, default_value_t = 64)]

@@ -27,11 +27,11 @@ pub mod snapshot;
 pub mod worker;
 
 pub use breaker::{Breaker, BreakerConfig, BreakerState, Judgement, Outcome};
-pub use config::{ConfigError, GatewayConfig, PolicyName};
+pub use config::{CacheSource, ConfigError, GatewayConfig, PolicyName};
 pub use error::{ErrorKind, GatewayError, Leg, Source};
 pub use health::HealthState;
 pub use pairing::{KvLayout, PairingKey, PairingMode};
-pub use policy::{make_policy, make_policy_with, LoadView, Policy, PolicyOptions, RouteInput, Selection};
+pub use policy::{make_policy, make_policy_with, KvMatch, LoadView, Policy, PolicyOptions, RouteInput, Selection};
 pub use radix::RadixTree;
 pub use registration::{RegistrationError, WorkerRegistration};
 pub use snapshot::{PoolSnapshot, SnapshotOptions, WorkerView};

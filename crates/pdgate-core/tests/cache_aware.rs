@@ -19,7 +19,7 @@ fn snapshot(n: usize) -> PoolSnapshot {
 }
 
 fn policy() -> CacheAwarePolicy {
-    CacheAwarePolicy::new(PolicyOptions { cache_threshold: 0.5, balance_abs_threshold: 64, balance_rel_threshold: 1.5 })
+    CacheAwarePolicy::new(PolicyOptions { cache_threshold: 0.5, ..PolicyOptions::default() })
 }
 
 fn pick(snap: &PoolSnapshot, tree: &RadixTree, loads: &[u64], text: &str, seed: u64) -> (usize, String, &'static str) {

@@ -144,8 +144,11 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
         }
     }
     let scope = Arc::new(RequestScope { request_id: request_id.clone(), via, span, client_trace });
-    let mut resp =
-        scope::run(scope.clone(), execute(Ctx { state, req, raw, request_id, client_request_id, session_key, deadline, started, arrival_unix_s, route, slo, strip_usage })).await;
+    let mut resp = scope::run(
+        scope.clone(),
+        execute(Ctx { state, req, raw, request_id, client_request_id, session_key, deadline, started, arrival_unix_s, route, slo, strip_usage, prompt_ids: Default::default() }),
+    )
+    .await;
     // For the body wrapper in edge/conn.rs: the relay's stream warnings name the request.
     resp.extensions_mut().insert(scope);
     resp

@@ -106,6 +106,9 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     let workers = config.workers()?;
     let upstream = Upstream::from_config(&config).map_err(StartError::Upstream)?;
     let tokenizer = crate::prompt_ids::load(&config).map_err(StartError::Tokenizer)?;
+    if let Some(note) = crate::prompt_ids::no_tokenizer_note(&config, tokenizer.is_some()) {
+        tracing::warn!("{note}");
+    }
     let discovery = crate::discovery::prepare(&config).await.map_err(StartError::Discovery)?;
     let bind = format!("{}:{}", config.host, config.port);
     let listener = TcpListener::bind(&bind).await.map_err(|source| StartError::Bind { addr: bind.clone(), source })?;

@@ -46,8 +46,10 @@ pub struct AppState {
     pub edge: crate::edge::Edge,
     /// `--max-concurrent-requests` and its queue; `None` without a limit.
     pub admission: Option<crate::admission::Admission>,
-    /// What each worker that publishes KV events holds (kv_sub). Fed, not yet read by routing.
+    /// What each worker that publishes KV events holds (kv_sub); cache_aware reads it.
     pub kv_view: crate::kv_sub::KvView,
+    /// A cache_aware pool may route on `kv_view` (`--cache-source` events or auto).
+    pub routes_on_events: bool,
     /// `--model-path` / `--tokenizer-path`'s tokenizer, loaded at start-up (prompt_ids.rs).
     pub tokenizer: Option<Arc<pdgate_tokenizer::ModelTokenizer>>,
     /// `--pd-placement`, early rejection and the cost model (exec/placement.rs).
@@ -74,6 +76,7 @@ impl AppState {
             },
             admission: crate::admission::Admission::from_config(&config),
             tokenizer: None,
+            routes_on_events: crate::prompt_ids::routes_on_events(&config),
             regular_policy: make_policy_with(config.policy, &PolicyOptions::from_config(&config)),
             prefill_policy: make_policy_with(config.effective_prefill_policy(), &PolicyOptions::from_config(&config)),
             decode_policy: make_policy_with(config.effective_decode_policy(), &PolicyOptions::from_config(&config)),

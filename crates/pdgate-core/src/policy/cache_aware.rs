@@ -9,15 +9,23 @@
 //!   the longest match above the threshold still wins (`rebalance cache_hit=0.64`); with no
 //!   such match, the least loaded worker (`rebalance`).
 //!
+//! Where the cache view comes from is `--cache-source` (`cache_events.rs`): the engines' KV
+//! events, matched in prompt tokens (ratio = tokens held / prompt tokens), or this text tree.
+//! With events, a PD decode pick goes by free KV as `most_free_kv` does (a decode's own prefix
+//! cache does not matter: the prompt's KV arrives from the prefill).
+//!
 //! The policy only reads the tree. After the decision the gateway inserts the text for the
 //! chosen worker (see [`Policy::uses_tree`]). Cost: O(text length) for the match, plus at most
-//! [`TENANT_VISITS`] worker lookups and [`super::SCAN_LIMIT`] load reads.
+//! [`TENANT_VISITS`] worker lookups and [`super::SCAN_LIMIT`] load and holder reads.
 
 use rand::{Rng, RngCore};
 
-use super::{is_candidate, scan_loads, LoadScan, Policy, PolicyOptions, RouteInput, Selection};
+use super::cache_events::{best_held, uses_events};
+use super::{is_candidate, scan_loads, LoadScan, MostFreeKvPolicy, Policy, PolicyOptions, RouteInput, Selection};
+use crate::config::CacheSource;
 use crate::radix::{MatchLevel, RadixTree};
 use crate::snapshot::PoolSnapshot;
+use crate::worker::WorkerRole;
 
 /// The most tenants (workers sharing a prefix) looked at per decision, over all tree levels.
 pub const TENANT_VISITS: usize = 64;
@@ -43,6 +51,8 @@ struct Lookup<'a> {
     visits: usize,
     /// Random start within each level's tenant list, so that ties spread out.
     offset: usize,
+    /// Workers whose view comes from events: their tree entries are not read.
+    skip_events: Option<CacheSource>,
 }
 
 impl Lookup<'_> {
@@ -53,7 +63,7 @@ impl Lookup<'_> {
         for i in 0..n.min(self.visits) {
             let tenant = level.tenant((self.offset + i) % n)?;
             let Some(w) = self.snap.index_of(self.tree.key(tenant)) else { continue };
-            if !is_candidate(self.candidates, w) {
+            if !is_candidate(self.candidates, w) || self.skip_events.is_some_and(|src| uses_events(src, self.snap, w)) {
                 continue;
             }
             let load = self.input.loads.load(w);
@@ -63,6 +73,42 @@ impl Lookup<'_> {
         }
         self.visits -= n.min(self.visits);
         best.map(|(_, w)| w)
+    }
+}
+
+/// A cache hit found by one source: the worker, its match ratio, and how it was found.
+struct Hit {
+    worker: usize,
+    ratio: f64,
+    /// Appended to the reason (empty for the text tree, as before events existed).
+    how: String,
+}
+
+impl CacheAwarePolicy {
+    /// The text tree's deepest hit at or above the threshold (and the best ratio seen).
+    fn text_hit(&self, lookup: &mut Lookup<'_>, text: &str, ok: &dyn Fn(u64) -> bool) -> (Option<Hit>, f64) {
+        let m = lookup.tree.match_prefix(text);
+        let ratio = |matched: usize| matched as f64 / text.len() as f64;
+        // Deepest match first: shallower levels have lower ratios and more tenants.
+        for level in m.levels.iter().rev() {
+            let r = ratio(level.matched);
+            if r < self.options.cache_threshold || lookup.visits == 0 {
+                break;
+            }
+            if let Some(w) = lookup.best_at(level, ok) {
+                return (Some(Hit { worker: w, ratio: r, how: String::new() }), r);
+            }
+        }
+        (None, ratio(m.matched()))
+    }
+
+    /// The events' best hit at or above the threshold (and the best ratio seen).
+    fn event_hit(&self, snap: &PoolSnapshot, candidates: &[usize], input: &RouteInput<'_>, ok: &dyn Fn(u64) -> bool, rng: &mut dyn RngCore) -> (Option<Hit>, f64) {
+        let Some(kv) = input.kv else { return (None, 0.0) };
+        let Some((w, matched)) = best_held(self.options.cache_source, snap, candidates, input, ok, rng) else { return (None, 0.0) };
+        let r = matched as f64 / kv.prompt_tokens.max(1) as f64;
+        let hit = (r >= self.options.cache_threshold).then(|| Hit { worker: w, ratio: r, how: format!(" events matched={matched}/{}", kv.prompt_tokens) });
+        (hit, r)
     }
 }
 
@@ -76,43 +122,56 @@ impl Policy for CacheAwarePolicy {
     }
 
     fn select(&self, snap: &PoolSnapshot, candidates: &[usize], input: &RouteInput<'_>, rng: &mut dyn RngCore) -> Option<Selection> {
+        let source = self.options.cache_source;
+        // Events apply when the source allows them and the gateway matched the prompt's token ids.
+        let events = source != CacheSource::Text && input.kv.is_some_and(|k| k.prompt_tokens > 0);
+        if events && candidates.first().is_some_and(|&w| snap.worker(w).spec.role == WorkerRole::Decode) {
+            return MostFreeKvPolicy.select(snap, candidates, input, rng);
+        }
         let scan: LoadScan = scan_loads(candidates, input.loads, rng)?;
         let imbalanced = self.options.imbalanced(scan.min, scan.max);
-        let (tree, text) = match (input.tree, input.text) {
-            (Some(tree), Some(text)) if !text.is_empty() => (tree, text),
-            _ => {
-                let branch = if imbalanced { "rebalance" } else { "cache_miss" };
-                return Some(Selection::with_reason(scan.least, branch, format!("{branch} no_text")));
-            }
-        };
-        let m = tree.match_prefix(text);
-        let ratio = |matched: usize| matched as f64 / text.len() as f64;
         let opts = self.options;
         let min = scan.min;
         let not_overloaded = move |load: u64| !opts.imbalanced(min, load);
         let any = |_: u64| true;
         let ok: &dyn Fn(u64) -> bool = if imbalanced { &not_overloaded } else { &any };
-        let offset = rng.random_range(0..usize::MAX / 2);
-        let mut lookup = Lookup { snap, tree, candidates, input, visits: TENANT_VISITS, offset };
-        // Deepest match first: shallower levels have lower ratios and more tenants.
-        for level in m.levels.iter().rev() {
-            let r = ratio(level.matched);
-            if r < self.options.cache_threshold || lookup.visits == 0 {
-                break;
+        let (event_hit, event_ratio) = if events { self.event_hit(snap, candidates, input, ok, rng) } else { (None, 0.0) };
+        // The text tree serves every worker without events, and every request without token ids.
+        let events_only = events && source == CacheSource::Events;
+        let text = match (input.tree, input.text) {
+            (Some(tree), Some(text)) if !text.is_empty() && !events_only => Some((tree, text)),
+            _ => None,
+        };
+        let (text_hit, text_ratio) = match text {
+            Some((tree, text)) => {
+                let offset = rng.random_range(0..usize::MAX / 2);
+                let skip_events = events.then_some(source);
+                let mut lookup = Lookup { snap, tree, candidates, input, visits: TENANT_VISITS, offset, skip_events };
+                self.text_hit(&mut lookup, text, ok)
             }
-            if let Some(w) = lookup.best_at(level, ok) {
-                return Some(if imbalanced {
-                    Selection::with_reason(w, "rebalance_hit", format!("rebalance cache_hit={r:.2}"))
-                } else {
-                    Selection::with_reason(w, "cache_hit", format!("cache_hit={r:.2}"))
-                });
-            }
+            None => (None, 0.0),
+        };
+        if !events && text.is_none() {
+            let branch = if imbalanced { "rebalance" } else { "cache_miss" };
+            return Some(Selection::with_reason(scan.least, branch, format!("{branch} no_text")));
         }
-        let r = ratio(m.matched());
+        let hit = match (event_hit, text_hit) {
+            (Some(e), Some(t)) => Some(if t.ratio > e.ratio { t } else { e }),
+            (e, t) => e.or(t),
+        };
+        if let Some(Hit { worker, ratio: r, how }) = hit {
+            return Some(if imbalanced {
+                Selection::with_reason(worker, "rebalance_hit", format!("rebalance cache_hit={r:.2}{how}"))
+            } else {
+                Selection::with_reason(worker, "cache_hit", format!("cache_hit={r:.2}{how}"))
+            });
+        }
+        let r = event_ratio.max(text_ratio);
+        let how = if events { " events" } else { "" };
         Some(if imbalanced {
-            Selection::with_reason(scan.least, "rebalance", format!("rebalance cache_miss={r:.2}"))
+            Selection::with_reason(scan.least, "rebalance", format!("rebalance cache_miss={r:.2}{how}"))
         } else {
-            Selection::with_reason(scan.least, "cache_miss", format!("cache_miss={r:.2}"))
+            Selection::with_reason(scan.least, "cache_miss", format!("cache_miss={r:.2}{how}"))
         })
     }
 }

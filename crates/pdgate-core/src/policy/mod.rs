@@ -19,12 +19,13 @@ use std::fmt;
 
 use rand::{Rng, RngCore};
 
-use crate::config::{GatewayConfig, PolicyName};
+use crate::config::{CacheSource, GatewayConfig, PolicyName};
 use crate::radix::RadixTree;
 use crate::snapshot::PoolSnapshot;
 
 mod basic;
 mod cache_aware;
+mod cache_events;
 mod consistent_hash;
 mod least_tokens;
 mod most_free_kv;
@@ -32,6 +33,7 @@ mod power_of_two;
 
 pub use basic::{RandomPolicy, RoundRobinPolicy};
 pub use cache_aware::CacheAwarePolicy;
+pub use cache_events::uses_events;
 pub use consistent_hash::{ConsistentHashPolicy, HashRing};
 pub use least_tokens::LeastTokensPolicy;
 pub use most_free_kv::{MostFreeKvPolicy, NO_ROOM};
@@ -103,11 +105,24 @@ pub struct RouteInput<'a> {
     /// The output tokens the request may generate (its `max_tokens`, or the gateway's
     /// assumption when it gave none); with the prompt, the KV it needs (most_free_kv).
     pub output_tokens: u64,
+    /// What the engines' KV events say the workers hold of this prompt (cache_aware with
+    /// `--cache-source events|auto`); `None` when the request has no token ids.
+    pub kv: Option<KvMatch<'a>>,
+}
+
+/// A request's prompt matched against the workers' KV event views, by snapshot index.
+#[derive(Clone, Copy, Debug)]
+pub struct KvMatch<'a> {
+    /// The prompt's length in tokens.
+    pub prompt_tokens: usize,
+    /// `(worker, leading prompt tokens it holds)` for the workers holding at least one block,
+    /// ascending by worker.
+    pub held: &'a [(usize, usize)],
 }
 
 impl Default for RouteInput<'_> {
     fn default() -> Self {
-        RouteInput { text: None, key: None, sequence: 0, loads: &NoLoad, tree: None, prompt_tokens: 0, output_tokens: 0 }
+        RouteInput { text: None, key: None, sequence: 0, loads: &NoLoad, tree: None, prompt_tokens: 0, output_tokens: 0, kv: None }
     }
 }
 
@@ -127,6 +142,7 @@ impl fmt::Debug for RouteInput<'_> {
             .field("prompt_tokens", &self.prompt_tokens)
             .field("output_tokens", &self.output_tokens)
             .field("tree_size", &self.tree.map(RadixTree::size))
+            .field("kv_held", &self.kv.map(|k| k.held.len()))
             .finish()
     }
 }
@@ -173,17 +189,24 @@ pub struct PolicyOptions {
     pub balance_abs_threshold: u64,
     /// ...and max exceeds this times min.
     pub balance_rel_threshold: f64,
+    /// Where cache_aware learns what the workers hold (`--cache-source`).
+    pub cache_source: CacheSource,
 }
 
 impl Default for PolicyOptions {
     fn default() -> Self {
-        PolicyOptions { cache_threshold: 0.3, balance_abs_threshold: 64, balance_rel_threshold: 1.5 }
+        PolicyOptions { cache_threshold: 0.3, balance_abs_threshold: 64, balance_rel_threshold: 1.5, cache_source: CacheSource::Auto }
     }
 }
 
 impl PolicyOptions {
     pub fn from_config(c: &GatewayConfig) -> Self {
-        PolicyOptions { cache_threshold: c.cache_threshold, balance_abs_threshold: c.balance_abs_threshold, balance_rel_threshold: c.balance_rel_threshold }
+        PolicyOptions {
+            cache_threshold: c.cache_threshold,
+            balance_abs_threshold: c.balance_abs_threshold,
+            balance_rel_threshold: c.balance_rel_threshold,
+            cache_source: c.cache_source,
+        }
     }
 
     /// SMG's rule: imbalanced when both `max - min > abs` and `max > rel * min`.

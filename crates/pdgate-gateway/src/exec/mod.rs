@@ -24,10 +24,10 @@ mod transaction;
 
 pub use transaction::execute;
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
-use pdgate_core::{GatewayError, RouteInput};
+use pdgate_core::{GatewayError, KvMatch, RouteInput};
 use pdgate_protocol::ParsedRequest;
 use tokio::time::Instant;
 
@@ -62,6 +62,9 @@ pub struct Ctx {
     pub slo: pdgate_core::slo::SloTargets,
     /// The gateway asked the engine for the stream's usage: the relay strips it again.
     pub strip_usage: bool,
+    /// The prompt's token ids, computed once on first use (KV-event routing); `Default` for a
+    /// new prompt.
+    pub prompt_ids: Arc<OnceLock<Option<Vec<u32>>>>,
 }
 
 impl Ctx {
@@ -83,11 +86,31 @@ impl Ctx {
         }
     }
 
+    /// The prompt's token ids for routing (the request's own, else the tokenizer's), computed
+    /// on the first call only.
+    pub fn routing_ids(&self) -> Option<&[u32]> {
+        let tokenizer = self.state.tokenizer.as_deref();
+        self.prompt_ids.get_or_init(|| crate::prompt_ids::routing_ids(tokenizer, self.req.endpoint, &self.req.body)).as_deref()
+    }
+
+    /// What the workers' KV event views hold of this prompt, by snapshot index; `None` unless
+    /// a cache_aware pool routes on events, some worker publishes them, and the prompt has ids.
+    fn kv_held(&self, routing: &Routing) -> Option<(usize, Vec<(usize, usize)>)> {
+        if !self.state.routes_on_events || !self.state.kv_view.any_watched() {
+            return None;
+        }
+        let ids = self.routing_ids().filter(|ids| !ids.is_empty())?;
+        Some((ids.len(), self.state.kv_view.held_in(&routing.snapshot, ids)))
+    }
+
     /// Runs one policy decision with everything a policy may read: the load view, the affinity
-    /// key, the text and, when a policy reads it, the radix tree (locked for the decision only).
+    /// key, the text, the KV event match and, when a policy reads it, the radix tree (locked
+    /// for the decision only).
     pub fn decide<T>(&self, routing: &Routing, text: Option<&str>, select: impl FnOnce(&RouteInput<'_>) -> T) -> T {
         let loads = self.state.loads(&routing.runtime);
+        let held = self.kv_held(routing);
         let input = RouteInput {
+            kv: held.as_ref().map(|(prompt_tokens, held)| KvMatch { prompt_tokens: *prompt_tokens, held }),
             text,
             key: self.session_key.as_deref(),
             sequence: self.state.next_sequence(),

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use pdgate_core::kv_events::DecodedBatch;
 use pdgate_core::kv_index::{IndexStats, KvIndex, SeqCheck, WorkerSlot};
+use pdgate_core::PoolSnapshot;
 use tokio::task::JoinHandle;
 
 pub use subscriber::SubTimings;
@@ -118,6 +119,31 @@ impl KvView {
         let subs = self.subs.lock().unwrap_or_else(|p| p.into_inner());
         // sorted by slot: a search per worker, not a scan (a fleet-wide prefix answers 1,000)
         subs.iter().filter_map(|(url, s)| by_slot.binary_search_by_key(&s.slot, |e| e.0).ok().map(|i| (url.clone(), by_slot[i].1))).collect()
+    }
+
+    /// Whether any worker publishes KV events to us.
+    pub fn any_watched(&self) -> bool {
+        !self.subs.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+    }
+
+    /// For each worker of `snap` holding a prefix of `tokens`: `(snapshot index, leading tokens
+    /// it holds)`, ascending by index (what cache_aware reads as `RouteInput::kv`).
+    pub fn held_in(&self, snap: &PoolSnapshot, tokens: &[u32]) -> Vec<(usize, usize)> {
+        let mut by_slot = self.lock().match_tokens(tokens);
+        if by_slot.is_empty() {
+            return Vec::new();
+        }
+        by_slot.sort_unstable_by_key(|e| e.0);
+        let subs = self.subs.lock().unwrap_or_else(|p| p.into_inner());
+        let mut held: Vec<(usize, usize)> = subs
+            .iter()
+            .filter_map(|(url, s)| {
+                let i = by_slot.binary_search_by_key(&s.slot, |e| e.0).ok()?;
+                Some((snap.index_of(url)?, by_slot[i].1))
+            })
+            .collect();
+        held.sort_unstable();
+        held
     }
 
     /// Blocks a worker's view holds (0 when not watched).

@@ -66,6 +66,8 @@ app.kubernetes.io/component: gateway
 {{- end }}
 - --policy
 - {{ $g.policy | quote }}
+- --cache-source
+- {{ $g.cacheSource | default "auto" | quote }}
 {{- if and $g.pdDisaggregation $g.prefillPolicy }}
 - --prefill-policy
 - {{ $g.prefillPolicy | quote }}

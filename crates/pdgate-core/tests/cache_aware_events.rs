@@ -1,0 +1,146 @@
+//! cache_aware with `--cache-source events|auto`: workers scored by the prompt tokens their KV
+//! event views hold, balanced against load; auto mixes in the text tree for workers without
+//! events; a PD decode pick goes by free KV.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
+
+use std::sync::Arc;
+
+use pdgate_core::policy::CacheAwarePolicy;
+use pdgate_core::{CacheSource, KvMatch, LoadView, Policy, PolicyOptions, PoolSnapshot, RadixTree, RouteInput, WorkerRole, WorkerSpec, WorkerView};
+use rand::{rngs::StdRng, SeedableRng};
+
+fn url(i: usize) -> String {
+    format!("http://w{i}:8000")
+}
+
+/// `n` workers of `role`; those in `publishers` registered a KV event endpoint.
+fn snapshot(n: usize, role: WorkerRole, publishers: &[usize]) -> PoolSnapshot {
+    let views = (0..n)
+        .map(|i| {
+            let mut spec = WorkerSpec::new(&url(i), role).unwrap();
+            if publishers.contains(&i) {
+                spec.kv_events = Some(format!("tcp://w{i}:5557"));
+            }
+            WorkerView::new(Arc::new(spec), true)
+        })
+        .collect();
+    PoolSnapshot::build(views, Default::default())
+}
+
+fn policy(source: CacheSource) -> CacheAwarePolicy {
+    CacheAwarePolicy::new(PolicyOptions { cache_threshold: 0.5, cache_source: source, ..PolicyOptions::default() })
+}
+
+struct Pick {
+    worker: usize,
+    reason: String,
+    branch: &'static str,
+}
+
+fn pick(snap: &PoolSnapshot, source: CacheSource, loads: &dyn LoadView, kv: Option<KvMatch<'_>>, tree: Option<(&RadixTree, &str)>, seed: u64) -> Pick {
+    let role = snap.worker(0).spec.role;
+    let candidates = snap.eligible(role).to_vec();
+    let input = RouteInput { kv, loads, tree: tree.map(|t| t.0), text: tree.map(|t| t.1), prompt_tokens: 100, output_tokens: 20, ..RouteInput::default() };
+    let s = policy(source).select(snap, &candidates, &input, &mut StdRng::seed_from_u64(seed)).unwrap();
+    Pick { worker: s.worker, reason: s.reason.into_owned(), branch: s.branch }
+}
+
+#[test]
+fn the_worker_holding_the_longest_prefix_wins() {
+    let snap = snapshot(4, WorkerRole::Regular, &[0, 1, 2, 3]);
+    let held = [(0, 32), (2, 96), (3, 64)];
+    let kv = KvMatch { prompt_tokens: 100, held: &held };
+    let p = pick(&snap, CacheSource::Events, &vec![0, 0, 5, 0], Some(kv), None, 1);
+    assert_eq!((p.worker, p.branch), (2, "cache_hit"));
+    assert_eq!(p.reason, "cache_hit=0.96 events matched=96/100");
+}
+
+#[test]
+fn equal_matches_go_to_the_less_loaded_and_below_the_threshold_is_a_miss() {
+    let snap = snapshot(4, WorkerRole::Regular, &[0, 1, 2, 3]);
+    let held = [(1, 80), (2, 80)];
+    let kv = KvMatch { prompt_tokens: 100, held: &held };
+    assert_eq!(pick(&snap, CacheSource::Events, &vec![0, 4, 2, 0], Some(kv), None, 1).worker, 2);
+    let held = [(1, 16)];
+    let p = pick(&snap, CacheSource::Events, &vec![3, 0, 2, 1], Some(KvMatch { prompt_tokens: 100, held: &held }), None, 1);
+    assert_eq!((p.worker, p.branch, p.reason.as_str()), (1, "cache_miss", "cache_miss=0.16 events"));
+    let p = pick(&snap, CacheSource::Events, &vec![3, 2, 0, 1], Some(KvMatch { prompt_tokens: 100, held: &[] }), None, 1);
+    assert_eq!((p.worker, p.branch), (2, "cache_miss"), "nothing held: the least loaded");
+}
+
+#[test]
+fn an_overloaded_holder_is_passed_over_for_the_next_best_holder() {
+    let snap = snapshot(4, WorkerRole::Regular, &[0, 1, 2, 3]);
+    let held = [(0, 90), (1, 70)];
+    let kv = KvMatch { prompt_tokens: 100, held: &held };
+    // Worker 0 is overloaded (200 vs a minimum of 10): worker 1's shorter match still wins.
+    let p = pick(&snap, CacheSource::Events, &vec![200, 12, 10, 11], Some(kv), None, 1);
+    assert_eq!((p.worker, p.branch), (1, "rebalance_hit"));
+    assert_eq!(p.reason, "rebalance cache_hit=0.70 events matched=70/100");
+}
+
+#[test]
+fn events_win_over_a_stale_text_tree() {
+    // The tree says worker 1 has the prompt; the events say worker 1 evicted it and worker 3 has it.
+    let snap = snapshot(4, WorkerRole::Regular, &[0, 1, 2, 3]);
+    let mut tree = RadixTree::new();
+    let text = "a long shared system prompt and a question";
+    tree.insert(text, &url(1), 1);
+    let held = [(3, 80)];
+    let kv = KvMatch { prompt_tokens: 100, held: &held };
+    assert_eq!(pick(&snap, CacheSource::Events, &vec![0; 4], Some(kv), Some((&tree, text)), 1).worker, 3);
+    assert_eq!(pick(&snap, CacheSource::Auto, &vec![0; 4], Some(kv), Some((&tree, text)), 1).worker, 3, "w1 publishes: its tree entry is not read");
+    assert_eq!(pick(&snap, CacheSource::Text, &vec![0; 4], Some(kv), Some((&tree, text)), 1).worker, 1);
+}
+
+#[test]
+fn auto_reads_the_tree_for_workers_without_events_and_takes_the_deeper_match() {
+    // Workers 0 and 1 publish; 2 and 3 do not.
+    let snap = snapshot(4, WorkerRole::Regular, &[0, 1]);
+    let mut tree = RadixTree::new();
+    let text = "0123456789";
+    tree.insert(text, &url(2), 1);
+    let shallow = [(0, 60)];
+    let p = pick(&snap, CacheSource::Auto, &vec![0; 4], Some(KvMatch { prompt_tokens: 100, held: &shallow }), Some((&tree, text)), 1);
+    assert_eq!((p.worker, p.reason.as_str()), (2, "cache_hit=1.00"), "the tree's full match beats 60%");
+    let deep = [(0, 100)];
+    let p = pick(&snap, CacheSource::Auto, &vec![0; 4], Some(KvMatch { prompt_tokens: 100, held: &deep }), Some((&tree, "01234567xx")), 1);
+    assert_eq!(p.worker, 0, "the events' full match beats the tree's 80%");
+}
+
+#[test]
+fn without_token_ids_every_source_falls_back_to_the_text_tree() {
+    let snap = snapshot(3, WorkerRole::Regular, &[0, 1, 2]);
+    let mut tree = RadixTree::new();
+    tree.insert("hello world", &url(2), 1);
+    for source in [CacheSource::Events, CacheSource::Auto, CacheSource::Text] {
+        let p = pick(&snap, source, &vec![0; 3], None, Some((&tree, "hello world!")), 1);
+        assert_eq!((p.worker, p.branch), (2, "cache_hit"), "{source:?}");
+    }
+}
+
+/// Free KV and running requests per worker.
+struct Kv(Vec<(u64, u64)>);
+
+impl LoadView for Kv {
+    fn load(&self, w: usize) -> u64 {
+        self.0[w].1
+    }
+    fn free_kv_tokens(&self, w: usize) -> Option<u64> {
+        Some(self.0[w].0)
+    }
+}
+
+#[test]
+fn a_decode_pick_with_events_goes_by_free_kv() {
+    let snap = snapshot(3, WorkerRole::Decode, &[0, 1, 2]);
+    let held = [(0, 100)];
+    let kv = KvMatch { prompt_tokens: 100, held: &held };
+    // Worker 0 holds the prompt but lacks room for prompt + output (120 tokens).
+    let loads = Kv(vec![(50, 0), (9_000, 4), (9_000, 2)]);
+    let p = pick(&snap, CacheSource::Events, &loads, Some(kv), None, 1);
+    assert_eq!((p.worker, p.branch), (2, "most_free_kv"));
+    // With the text source, a decode pick is cache_aware's as before.
+    let p = pick(&snap, CacheSource::Text, &loads, Some(kv), None, 1);
+    assert_eq!(p.branch, "cache_miss");
+}
