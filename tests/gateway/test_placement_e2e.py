@@ -56,7 +56,7 @@ def _metric(url: str, pattern: str) -> float | None:
 
 
 def test_conditional_places_short_prompts_colocated_and_long_ones_on_the_pair(processes: Processes, engines: Any) -> None:
-    gw = _gateway(processes, engines, "--pd-placement", "conditional", "--load-poll-interval-secs", "1")
+    gw = _gateway(processes, engines, "--pd-placement", "conditional")
     # A long stream on the colocated worker, left unread so it stays in flight: the running
     # decode that a long local prefill would stall (TPOT 45 + prefill / 16 > 50 from ~1,700 tokens).
     with httpx.Client(timeout=60) as client:
@@ -77,12 +77,22 @@ def test_conditional_places_short_prompts_colocated_and_long_ones_on_the_pair(pr
     metrics = httpx.get(gw.url + "/metrics", timeout=10).text
     observed = re.search(r'pdgate_placement_model\{param="prefill_observations"\} (\d+)', metrics)
     assert observed and int(observed.group(1)) >= 1, "the prefill leg fed the cost model"
-    # The decode's KV transfer counters, polled (--load-poll-interval-secs 1), fed the transfer
-    # fit: its observation count leaves 0 within a few polls.
+
+
+def test_the_engines_transfer_counters_feed_the_transfer_fit(processes: Processes, engines: Any) -> None:
+    gw = _gateway(processes, engines, "--load-poll-interval-secs", "1", colocated=False)
+    param = r'pdgate_placement_model\{param="%s"\}'
+    assert _metric(gw.url, param % "transfer_observations") == 0
+    assert _metric(gw.url, param % "link_setup_ms") == 12, "the prior"
+    r = _complete(gw.url, 2000)
+    assert r.status_code == 200, r.text
+    # The decode's cumulative counters, polled every second: the transfer since the last poll is
+    # one observation within a few polls.
     deadline = time.monotonic() + 20
-    while (_metric(gw.url, r'pdgate_placement_model\{param="transfer_observations"\}') or 0) < 1:
+    while (_metric(gw.url, param % "transfer_observations") or 0) < 1:
         assert time.monotonic() < deadline, "no transfer observation from the engines' reports"
         time.sleep(0.2)
+    assert _metric(gw.url, param % "link_setup_ms") != 12, "the fit moved off its prior"
 
 
 def test_overload_is_answered_429_at_once_and_admitted_requests_finish(processes: Processes, engines: Any, tmp_path: Path) -> None:

@@ -72,13 +72,14 @@ impl Placer {
     }
 
     /// A worker's cumulative transfer counters from its load report (load.rs): the mean
-    /// transfer since its previous report is one observation. Returns whether there was one.
+    /// transfer since its previous report (its first: since the engine started) is one
+    /// observation. Returns whether there was one.
     pub fn observe_transfer_totals(&self, worker: &str, now: TransferTotals) -> bool {
         let before = {
             let mut last = self.transfers.lock().unwrap_or_else(|p| p.into_inner());
-            last.insert(worker.to_string(), now)
+            last.insert(worker.to_string(), now).unwrap_or_default()
         };
-        match before.and_then(|b| now.mean_since(&b)) {
+        match now.mean_since(&before) {
             Some((bytes, ms)) => {
                 self.observe_transfer(bytes.round() as u64, ms);
                 true
@@ -421,7 +422,7 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(7);
         let mut totals = [TransferTotals::default(); 2];
         for w in 0..2 {
-            assert!(!placer.observe_transfer_totals(&format!("http://d{w}:1"), totals[w]), "the first report is the baseline");
+            assert!(!placer.observe_transfer_totals(&format!("http://d{w}:1"), totals[w]), "no transfer yet");
         }
         for poll in 0..400 {
             let w = poll % 2;
