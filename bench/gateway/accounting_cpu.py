@@ -13,6 +13,14 @@ Needs no wrk or nginx (bench/gateway/standalone_cpu.sh does the non-streamed loa
     python bench/gateway/accounting_cpu.py --gateway new=target/release/pdgate-gateway \
         --gateway new+log=target/release/pdgate-gateway:--request-log=/tmp/requests.jsonl \
         --gateway base=/path/to/older/pdgate-gateway --requests 2000 --concurrency 16 --rounds 2
+
+With `--pd-mocks`, two more mocks stand in for a prefill and a decode worker (they answer
+`/health` only) and `{prefill}` / `{decode}` in a gateway's flags become their URLs, so a
+PD-mode gateway with `--pd-placement conditional` runs its placement decision on every request
+and, the regular worker being idle, places each one colocated on it (the same worker and answer
+as the regular-mode runs):
+
+    --gateway 'conditional=BINARY:--pd-disaggregation,--prefill={prefill},--decode={decode},--pd-placement=conditional'
 """
 
 from __future__ import annotations
@@ -142,19 +150,22 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-stream", action="store_true")
+    ap.add_argument("--pd-mocks", action="store_true", help="start a prefill and a decode mock for {prefill}/{decode}")
     ap.add_argument("--serve-mock", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_mock:
         serve_mock(args.serve_mock)
         return
-    mock_port = free_port()
-    mock = subprocess.Popen([sys.executable, __file__, "--gateway", "x=x", "--serve-mock", str(mock_port)])
-    worker = f"http://127.0.0.1:{mock_port}"
+    ports = [free_port() for _ in range(3 if args.pd_mocks else 1)]
+    mocks = [subprocess.Popen([sys.executable, __file__, "--gateway", "x=x", "--serve-mock", str(p)]) for p in ports]
+    mock = mocks[0]
+    worker = f"http://127.0.0.1:{ports[0]}"
+    urls = {"{prefill}": f"http://127.0.0.1:{ports[1]}", "{decode}": f"http://127.0.0.1:{ports[2]}"} if args.pd_mocks else {}
     gateways = []
     for spec in args.gateway:
         name, _, rest = spec.partition("=")
         binary, _, flags = rest.partition(":")
-        extra = [p for f in flags.split(",") if f for p in f.split("=", 1)]
+        extra = [urls.get(p, p) for f in flags.split(",") if f for p in f.split("=", 1)]
         gateways.append((name, binary, extra))
     results: dict[str, list[float]] = {name: [] for name, _, _ in gateways}
     try:
@@ -166,8 +177,9 @@ def main() -> None:
                 results[name].append(us)
                 print(f"round {r + 1} {name:>12}: {us:7.1f} us/request ({ok}/{args.requests} ok)", flush=True)
     finally:
-        mock.terminate()
-        mock.wait(timeout=10)
+        for m in mocks:
+            m.terminate()
+            m.wait(timeout=10)
     load = os.getloadavg()[0]
     kind = "non-streamed" if args.no_stream else f"streamed ({CHUNKS} chunks)"
     print(f"\n{kind}, {args.requests} requests x {args.rounds} rounds, concurrency {args.concurrency}, load {load:.1f}")

@@ -145,11 +145,16 @@ def test_load_reports_in_each_flavor(workers):
     assert 'sglang:cache_config_info{num_pages="4096",page_size="16"} 1.0' in m, m
     for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:max_total_num_tokens"):
         assert f'{name}{{model_name="tiny"}}' in m, name
+    # KV transfers received, as SGLang's histograms (count and sum; the gateway's transfer fit).
+    for name in ("sglang:kv_transfer_latency_ms_count", "sglang:kv_transfer_latency_ms_sum", "sglang:kv_transfer_total_mb_sum"):
+        assert f'{name}{{model_name="tiny"}}' in m, name
+    assert set(ld["disaggregation"]["kv_transfer_totals"]) == {"count", "bytes", "seconds"}
     assert "vllm:" not in m
     nixl_p, _ = workers["nixl"]
     m = httpx.get(nixl_p.url + "/metrics").text
     assert 'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="4096"} 1.0' in m, m
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:nixl_xfer_time_seconds_count", "vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_bytes_transferred_sum"):
         assert f'{name}{{engine="0",model_name="tiny"}}' in m, name
     assert "sglang:" not in m
 

@@ -135,6 +135,7 @@ def test_bootstrap_equals_colocated(pd_workers):
             return ref, pairs
 
     sent0, recv0, page_bytes = _counters(p, d)
+    totals0 = loads(d)["disaggregation"]["kv_transfer_totals"]
     ref, pairs = asyncio.run(run())
     for i, (ids, want, (rp, rd)) in enumerate(zip(ps, ref, pairs)):
         assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
@@ -148,6 +149,10 @@ def test_bootstrap_equals_colocated(pd_workers):
     sent1, recv1, _ = _counters(p, d)
     expected = sum(pages(len(ids)) for ids in ps) * page_bytes
     assert sent1 - sent0 == expected and recv1 - recv0 == expected
+    # The cumulative transfer totals the gateway's transfer fit reads: one per request.
+    totals1 = loads(d)["disaggregation"]["kv_transfer_totals"]
+    assert totals1["count"] - totals0["count"] == len(ps)
+    assert totals1["bytes"] - totals0["bytes"] == expected and totals1["seconds"] >= totals0["seconds"]
     assert_clean(p, d)
 
 

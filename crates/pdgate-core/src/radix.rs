@@ -256,6 +256,22 @@ impl RadixTree {
         (m.matched(), keys)
     }
 
+    /// Each worker's longest cached prefix of `text`, in bytes (workers with none left out).
+    pub fn matched_by_key(&self, text: &str) -> Vec<(&str, usize)> {
+        let mut out: Vec<(&str, usize)> = Vec::new();
+        // Levels deepen along the path: a tenant's last level is its longest match.
+        for level in self.match_prefix(text).levels {
+            for t in level.tenants() {
+                let key = self.key(t);
+                match out.iter_mut().find(|(k, _)| *k == key) {
+                    Some(slot) => slot.1 = level.matched,
+                    None => out.push((key, level.matched)),
+                }
+            }
+        }
+        out
+    }
+
     /// Evicts least-recently-used leaves until the tree holds at most `max_size` bytes. To keep
     /// eviction rare it goes a sixteenth below the limit once it runs. Returns bytes evicted.
     pub fn evict(&mut self, max_size: usize) -> usize {
@@ -377,6 +393,10 @@ mod tests {
         assert_eq!(t.best_match("bye"), (0, vec![]));
         assert_eq!(t.size(), "hello ".len() + "world".len() + "there".len());
         assert_eq!(t.tenant_size("a"), 11);
+        let mut by = t.matched_by_key("hello world!");
+        by.sort();
+        assert_eq!(by, vec![("a", 11), ("b", 6)], "each worker's longest prefix");
+        assert!(t.matched_by_key("bye").is_empty());
     }
 
     #[test]

@@ -91,13 +91,31 @@ impl Admission {
 
 /// The request's `x-pdgate-priority`: 0 when absent, an error when not an integer.
 pub fn priority_of(req: &Request) -> Result<i64, GatewayError> {
-    match req.headers().get(PRIORITY_HEADER) {
-        None => Ok(0),
+    header_priority(req.headers()).map(|p| p.unwrap_or(0))
+}
+
+fn header_priority(headers: &axum::http::HeaderMap) -> Result<Option<i64>, GatewayError> {
+    match headers.get(PRIORITY_HEADER) {
+        None => Ok(None),
         Some(v) => v
             .to_str()
             .ok()
             .and_then(|s| s.trim().parse::<i64>().ok())
+            .map(Some)
             .ok_or_else(|| GatewayError::invalid(None, format!("header {PRIORITY_HEADER} must be an integer (higher is served first)"))),
+    }
+}
+
+/// A request's priority for placement and early rejection: the header, else SGLang's body
+/// field `priority` (an integer, higher first as SGLang schedules by default; forwarded
+/// unchanged), else 0. A `priority` that is not an integer is refused (400), as SGLang does.
+pub fn request_priority(headers: &axum::http::HeaderMap, body: &serde_json::Map<String, serde_json::Value>) -> Result<i64, GatewayError> {
+    if let Some(p) = header_priority(headers)? {
+        return Ok(p);
+    }
+    match body.get("priority") {
+        None | Some(serde_json::Value::Null) => Ok(0),
+        Some(v) => v.as_i64().ok_or_else(|| GatewayError::invalid(Some("priority"), "'priority' must be an integer (higher is served first)")),
     }
 }
 
@@ -106,6 +124,7 @@ pub fn priority_of(req: &Request) -> Result<i64, GatewayError> {
 pub async fn limit(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let Some(admission) = state.admission.as_ref() else { return next.run(req).await };
     let started = Instant::now();
+    let arrival_unix_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
     let priority = match priority_of(&req) {
         Ok(p) => p,
         Err(err) => return error_response(&err),
@@ -136,6 +155,19 @@ pub async fn limit(State(state): State<Arc<AppState>>, req: Request, next: Next)
             let resp = error_response(&err);
             crate::access_log::refused(&route, resp.status().as_u16(), err.code().as_str(), started);
             m.requests.with_label_values(&[crate::access_log::route_label(&route), resp.status().as_str()]).inc();
+            // A refusal is a request that failed its objectives: counted and logged as one.
+            let headers = req.headers();
+            let slo = state.config.slo_targets();
+            let refused = crate::goodput::Refused {
+                route: crate::access_log::route_label(&route),
+                status: resp.status().as_u16(),
+                error: err.code(),
+                slo: slo.with_headers(|name| headers.get(name).map(|v| v.as_bytes())).unwrap_or(slo),
+                started,
+                arrival_unix_s,
+                client_request_id: crate::request_id::client_id(headers, &state.config.request_id_headers),
+            };
+            state.goodput.refused(&m.slo, refused);
             resp
         }
     }

@@ -113,6 +113,10 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
         Ok(t) => t,
         Err(e) => return client_error(&state, route, &GatewayError::invalid(Some(e.header), e.message), started),
     };
+    let priority = match crate::admission::request_priority(&headers, &req.body) {
+        Ok(p) => p,
+        Err(err) => return client_error(&state, route, &err, started),
+    };
     let strip_usage = crate::exec::accounting::ask_for_usage(&mut req);
     // The client's id only after validation; the legs get a minted one (see `request_id`).
     let client_request_id = request_id::client_id(&headers, &state.config.request_id_headers);
@@ -146,7 +150,7 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
     let scope = Arc::new(RequestScope { request_id: request_id.clone(), via, span, client_trace });
     let mut resp = scope::run(
         scope.clone(),
-        execute(Ctx { state, req, raw, request_id, client_request_id, session_key, deadline, started, arrival_unix_s, route, slo, strip_usage, prompt_ids: Default::default() }),
+        execute(Ctx { state, req, raw, request_id, client_request_id, session_key, deadline, started, arrival_unix_s, route, slo, priority, strip_usage, prompt_ids: Default::default() }),
     )
     .await;
     // For the body wrapper in edge/conn.rs: the relay's stream warnings name the request.

@@ -97,6 +97,17 @@ pub struct Finished {
     pub attempts: u32,
 }
 
+/// A request refused before execution, as `Goodput::refused` records it.
+pub struct Refused {
+    pub route: &'static str,
+    pub status: u16,
+    pub error: String,
+    pub slo: SloTargets,
+    pub started: std::time::Instant,
+    pub arrival_unix_s: f64,
+    pub client_request_id: Option<String>,
+}
+
 /// The goodput window, its clock, and the request log.
 pub struct Goodput {
     window: Mutex<GoodputWindow>,
@@ -146,6 +157,38 @@ impl Goodput {
             }
         }
         result
+    }
+
+    /// A request refused before it was parsed or placed (the admission queue: full, shed, timed
+    /// out): `pdgate_slo_requests_total{result="failed"}`, its E2E, and a log line.
+    pub fn refused(&self, m: &SloMetrics, r: Refused) -> SloResult {
+        let f = RequestFigures { e2e: r.started.elapsed(), failed: true, ..RequestFigures::default() };
+        let placement = "rejected";
+        self.record(m, placement, &f, &r.slo, |result| Finished {
+            arrival_unix_s: r.arrival_unix_s,
+            request_id: crate::request_id::mint(r.client_request_id.as_deref()),
+            client_request_id: r.client_request_id,
+            route: r.route,
+            model: None,
+            stream: false,
+            placement,
+            protocol: "none",
+            worker: None,
+            prefill: None,
+            decode: None,
+            prompt_tokens: None,
+            output_tokens: None,
+            cached_tokens: None,
+            ttft_ms: None,
+            tpot_ms: None,
+            e2e_ms: f.e2e.as_secs_f64() * 1000.0,
+            slo_ttft_ms: r.slo.ttft_ms,
+            slo_tpot_ms: r.slo.tpot_ms,
+            slo_result: result.as_str(),
+            status: r.status,
+            error: Some(r.error),
+            attempts: 0,
+        })
     }
 
     /// The gauge at scrape time: seconds with no finished request still age the window.

@@ -142,6 +142,12 @@ async fn poll_one(state: &AppState, entry: Entry) {
     }
     rt.polled_at_ms.store(state.registry.now_ms(), Ordering::Relaxed);
     state.metrics.worker_load.with_label_values(&[&entry.spec.url, entry.spec.role.as_str()]).set(requests.map_or(-1, |l| l as i64));
+    // The engine's KV transfers since its last report: the placement's transfer fit.
+    if let Some(t) = report.as_ref().and_then(|r| r.transfers) {
+        if state.placer.observe_transfer_totals(&entry.spec.url, t) {
+            state.metrics.placement.publish(&state.placer.fitted());
+        }
+    }
     if let Some(r) = report.filter(|r| r.block_size.is_some() || r.cache_dtype.is_some()) {
         let layout = KvLayout { page_size: r.block_size, kv_dtype: r.cache_dtype.clone(), tp_size: None };
         state.registry.learn_pairing(&entry.id, r.runtime, &layout);

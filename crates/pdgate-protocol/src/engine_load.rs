@@ -30,6 +30,32 @@ pub struct EngineLoad {
     /// vLLM `cache_config_info`: tokens per KV block and the KV cache dtype (pairing keys).
     pub block_size: Option<u32>,
     pub cache_dtype: Option<String>,
+    /// Cumulative KV transfers the engine measured (see [`TransferTotals`]).
+    pub transfers: Option<TransferTotals>,
+}
+
+/// Cumulative KV transfers as an engine counts them, from its start: how many, their bytes and
+/// their time. Two reports a poll apart give the mean transfer of that interval. Sources:
+/// vLLM's NIXL histograms `vllm:nixl_xfer_time_seconds` and `vllm:nixl_bytes_transferred`
+/// (`_sum`, `_count`; measured where the KV is pulled, the decode), SGLang's
+/// `sglang:kv_transfer_latency_ms` and `sglang:kv_transfer_total_mb` (MiB; measured where the KV
+/// is sent, the prefill), the reference engine's `/v1/loads` `disaggregation.kv_transfer_totals`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TransferTotals {
+    pub count: u64,
+    pub bytes: u64,
+    pub micros: u64,
+}
+
+impl TransferTotals {
+    /// The mean transfer between `earlier` and `self` as (bytes, ms); `None` when no transfer
+    /// finished in between or the counters went back (an engine restart).
+    pub fn mean_since(&self, earlier: &TransferTotals) -> Option<(f64, f64)> {
+        let n = self.count.checked_sub(earlier.count).filter(|n| *n > 0)?;
+        let bytes = self.bytes.checked_sub(earlier.bytes)?;
+        let micros = self.micros.checked_sub(earlier.micros)?;
+        Some((bytes as f64 / n as f64, micros as f64 / 1000.0 / n as f64))
+    }
 }
 
 impl EngineLoad {
@@ -78,7 +104,19 @@ pub fn from_sglang_loads(v: &Value) -> Option<EngineLoad> {
         used_kv_tokens: used,
         total_kv_tokens: field("max_total_num_tokens"),
         runtime: None,
+        transfers: loads_transfers(ranks),
         ..EngineLoad::default()
+    })
+}
+
+/// The reference engine's `disaggregation.kv_transfer_totals` `{count, bytes, seconds}`, summed
+/// over ranks; `None` when no rank has it (SGLang's own `/v1/loads`).
+fn loads_transfers(ranks: &[Value]) -> Option<TransferTotals> {
+    let totals = ranks.iter().filter_map(|r| r.get("disaggregation")?.get("kv_transfer_totals"));
+    totals.fold(None, |acc: Option<TransferTotals>, t| {
+        let one = TransferTotals { count: count(t.get("count"))?, bytes: count(t.get("bytes"))?, micros: float_count(t.get("seconds")?.as_f64()? * 1e6)? };
+        let acc = acc.unwrap_or_default();
+        Some(TransferTotals { count: acc.count.saturating_add(one.count), bytes: acc.bytes.saturating_add(one.bytes), micros: acc.micros.saturating_add(one.micros) })
     })
 }
 
@@ -99,9 +137,27 @@ pub fn from_sglang_get_load(v: &Value) -> Option<EngineLoad> {
     Some(EngineLoad { running, waiting, runtime: Some("sglang"), ..EngineLoad::default() })
 }
 
-const SGLANG: [&str; 6] =
-    ["sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage", "sglang:cache_config_info", "sglang:max_total_num_tokens", "sglang:num_used_tokens"];
-const VLLM: [&str; 5] = ["vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:cache_config_info"];
+const SGLANG: [&str; 9] = [
+    "sglang:num_queue_reqs",
+    "sglang:num_running_reqs",
+    "sglang:token_usage",
+    "sglang:cache_config_info",
+    "sglang:max_total_num_tokens",
+    "sglang:num_used_tokens",
+    "sglang:kv_transfer_latency_ms_count",
+    "sglang:kv_transfer_latency_ms_sum",
+    "sglang:kv_transfer_total_mb_sum",
+];
+const VLLM: [&str; 8] = [
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_running",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:cache_config_info",
+    "vllm:nixl_xfer_time_seconds_count",
+    "vllm:nixl_xfer_time_seconds_sum",
+    "vllm:nixl_bytes_transferred_sum",
+];
 
 /// A Prometheus `/metrics` page in SGLang's or vLLM's names; `None` when it has neither.
 pub fn from_metrics(text: &str) -> Option<EngineLoad> {
@@ -109,6 +165,11 @@ pub fn from_metrics(text: &str) -> Option<EngineLoad> {
     let found = samples(text, &all);
     let of = |name: &'static str| found.iter().filter(move |s| s.name == name);
     let total = |name: &'static str| sum(of(name).map(|s| float_count(s.value)));
+    let real = |name: &'static str| of(name).map(|s| s.value).filter(|v| v.is_finite() && *v >= 0.0).fold(None, |acc: Option<f64>, v| Some(acc.unwrap_or(0.0) + v));
+    // Histograms' count, and sums scaled to bytes and microseconds.
+    let transfers = |n: &'static str, bytes: (&'static str, f64), time: (&'static str, f64)| {
+        Some(TransferTotals { count: total(n)?, bytes: float_count(real(bytes.0)? * bytes.1)?, micros: float_count(real(time.0)? * time.1)? })
+    };
     if let (Some(running), waiting) = (total("vllm:num_requests_running"), total("vllm:num_requests_waiting")) {
         let info: Vec<&Sample> = of("vllm:cache_config_info").collect();
         let block_size = info.iter().find_map(|s| s.label("block_size")?.parse::<u32>().ok());
@@ -122,6 +183,7 @@ pub fn from_metrics(text: &str) -> Option<EngineLoad> {
             runtime: Some("vllm"),
             block_size,
             cache_dtype: info.iter().find_map(|s| s.label("cache_dtype")).filter(|d| !d.is_empty() && *d != "None").map(str::to_string),
+            transfers: transfers("vllm:nixl_xfer_time_seconds_count", ("vllm:nixl_bytes_transferred_sum", 1.0), ("vllm:nixl_xfer_time_seconds_sum", 1e6)),
             ..EngineLoad::default()
         });
     }
@@ -130,7 +192,8 @@ pub fn from_metrics(text: &str) -> Option<EngineLoad> {
     let pages = sum(of("sglang:cache_config_info").map(|s| Some(s.label("page_size")?.parse::<u64>().ok()?.saturating_mul(s.label("num_pages")?.parse().ok()?))));
     let capacity = pages.or_else(|| total("sglang:max_total_num_tokens"));
     let used = total("sglang:num_used_tokens").or_else(|| used_of(capacity, mean_fraction(of("sglang:token_usage"))));
-    Some(EngineLoad { running, waiting, used_kv_tokens: used, total_kv_tokens: capacity, runtime: Some("sglang"), ..EngineLoad::default() })
+    let moved = transfers("sglang:kv_transfer_latency_ms_count", ("sglang:kv_transfer_total_mb_sum", 1024.0 * 1024.0), ("sglang:kv_transfer_latency_ms_sum", 1e3));
+    Some(EngineLoad { running, waiting, used_kv_tokens: used, total_kv_tokens: capacity, runtime: Some("sglang"), transfers: moved, ..EngineLoad::default() })
 }
 
 /// The mean of usage fractions, clamped to 0..=1; `None` when there is none that is a number.
@@ -231,6 +294,24 @@ sglang:max_total_num_tokens{engine_type="unified",model_name="qwen/qwen2.5-0.5b-
         assert_eq!((l.runtime, l.block_size), (Some("sglang"), None));
         let without_info = SGLANG_PAGE.replace("sglang:cache_config_info", "other");
         assert_eq!(from_metrics(&without_info).unwrap().total_kv_tokens, Some(4999));
+    }
+
+    #[test]
+    fn transfer_histograms_give_cumulative_totals() {
+        let vllm = format!(
+            "{VLLM_PAGE}vllm:nixl_xfer_time_seconds_count{{engine=\"0\"}} 4.0\nvllm:nixl_xfer_time_seconds_sum{{engine=\"0\"}} 0.2\nvllm:nixl_bytes_transferred_sum{{engine=\"0\"}} 4e9\nvllm:nixl_bytes_transferred_count{{engine=\"0\"}} 4.0\n"
+        );
+        let t = from_metrics(&vllm).unwrap().transfers.unwrap();
+        assert_eq!(t, TransferTotals { count: 4, bytes: 4_000_000_000, micros: 200_000 });
+        let sglang = format!("{SGLANG_PAGE}sglang:kv_transfer_latency_ms_count{{tp_rank=\"0\"}} 2\nsglang:kv_transfer_latency_ms_sum{{tp_rank=\"0\"}} 30.5\nsglang:kv_transfer_total_mb_sum{{tp_rank=\"0\"}} 3\n");
+        assert_eq!(from_metrics(&sglang).unwrap().transfers, Some(TransferTotals { count: 2, bytes: 3 * 1024 * 1024, micros: 30_500 }));
+        assert_eq!(from_metrics(VLLM_PAGE).unwrap().transfers, None, "no NIXL histograms, nothing known");
+        let loads = json!({"loads": [{"num_running_reqs": 1, "disaggregation": {"kv_transfer_totals": {"count": 3, "bytes": 3000, "seconds": 0.006}}}]});
+        let t = from_sglang_loads(&loads).unwrap().transfers.unwrap();
+        assert_eq!(t, TransferTotals { count: 3, bytes: 3000, micros: 6000 });
+        assert_eq!(TransferTotals { count: 5, bytes: 5000, micros: 10_000 }.mean_since(&t), Some((1000.0, 2.0)));
+        assert_eq!(t.mean_since(&t), None, "no transfer in between");
+        assert_eq!(TransferTotals::default().mean_since(&t), None, "an engine restart is no observation");
     }
 
     #[test]

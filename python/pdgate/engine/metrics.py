@@ -5,13 +5,16 @@ engine it stands in for (`--api-flavor`), so that a gateway's scrape of real eng
 against it: SGLang's `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`,
 `sglang:max_total_num_tokens`, `sglang:cache_config_info{page_size,num_pages}`, or vLLM's
 `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` (a fraction)
-and `vllm:cache_config_info{block_size,cache_dtype,num_gpu_blocks}` (value 1).
+and `vllm:cache_config_info{block_size,cache_dtype,num_gpu_blocks}` (value 1). KV transfers
+received go out as the engines' transfer histograms (count and sum; one `+Inf` bucket): vLLM's
+NIXL `vllm:nixl_xfer_time_seconds` and `vllm:nixl_bytes_transferred`, SGLang's
+`sglang:kv_transfer_latency_ms` and `sglang:kv_transfer_total_mb` (MiB).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 P = "pdgate_engine_"
 
@@ -58,7 +61,8 @@ def flavor_metrics(e, pool: dict):
     # Cached pages are evictable: free for new requests, as /v1/loads counts them.
     usage = (total - pool["free"] - pool.get("cached", 0)) / total if total else 0.0
     running, waiting = len(e.scheduler.running), e.scheduler.num_waiting
-    if getattr(e.args, "api_flavor", "sglang") == "vllm":
+    flavor = getattr(e.args, "api_flavor", "sglang")
+    if flavor == "vllm":
         labels, values = ["engine", "model_name"], ["0", model]
         names = (("vllm:num_requests_running", "Number of requests in model execution batches.", running),
                  ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting),
@@ -80,6 +84,26 @@ def flavor_metrics(e, pool: dict):
         g.add_metric(values, value)
         yield g
     yield info
+    yield from transfer_histograms(e.ctx.stats, flavor == "vllm", labels, values)
+
+
+def transfer_histograms(st, vllm: bool, labels: list, values: list):
+    """The transfers received as the flavor's histograms: (name, help, sum in its unit)."""
+    n = st.transfers_in
+    if vllm:
+        series = (("vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for NIXL KV Cache transfers.",
+                   st.transfer_seconds_in),
+                  ("vllm:nixl_bytes_transferred", "Histogram of bytes transferred per NIXL KV Cache transfers.",
+                   float(st.transfer_bytes_in)))
+    else:
+        series = (("sglang:kv_transfer_latency_ms", "Histogram of KV transfer latency in ms.",
+                   st.transfer_seconds_in * 1000.0),
+                  ("sglang:kv_transfer_total_mb", "Histogram of KV cache transfer size in MB.",
+                   st.transfer_bytes_in / (1024.0 * 1024.0)))
+    for name, help_, total in series:
+        h = HistogramMetricFamily(name, help_, labels=labels)
+        h.add_metric(values, buckets=[("+Inf", n)], sum_value=total)
+        yield h
 
 
 def render(engine) -> bytes:

@@ -150,6 +150,9 @@ def loads_dict(e: Engine) -> dict:
             "held_for_pull": len(e.pull.holds),
             "pending_registrations": len(e.push.pending),
             "kv_bytes_sent": st.bytes_sent, "kv_bytes_received": st.bytes_received,
+            # pdgate's own field (the gateway's transfer fit reads it): whole transfers received.
+            "kv_transfer_totals": {"count": st.transfers_in, "bytes": st.transfer_bytes_in,
+                                   "seconds": round(st.transfer_seconds_in, 6)},
             "kv_pages_sent": st.pages_sent, "kv_pages_received": st.pages_received,
             "kv_page_bytes": e.pool.page_bytes,
             "kv_bytes_via_backend": st.backend_bytes,

@@ -128,6 +128,21 @@ pub const REASONS: &[&str] = &[
     "predicted_ttft_over_budget",
 ];
 
+/// The early-rejection slack for a request of `priority` (higher is more important, 0 the
+/// default): below 0 a request is shed as soon as it is predicted to miss the TTFT SLO (slack
+/// 1), at 0 it gets `slack`, above 0 twice `slack`; so as load rises the lowest priority is shed
+/// first. A slack of 0 (rejection off) stays 0.
+pub fn priority_slack(slack: f64, priority: i64) -> f64 {
+    if slack <= 0.0 {
+        return 0.0;
+    }
+    match priority.cmp(&0) {
+        std::cmp::Ordering::Less => 1.0,
+        std::cmp::Ordering::Equal => slack,
+        std::cmp::Ordering::Greater => slack * 2.0,
+    }
+}
+
 /// Remote TTFT: prefill queue + prefill + the transfer the prefill does not hide + wait for
 /// decode room + one decode step in the decode's batch.
 pub fn remote_ttft_ms(m: &CostModel, tokens: u64, r: &RemotePath) -> f64 {

@@ -191,3 +191,20 @@ fn priors_are_checked() {
     assert!(CostPriors { forgetting: 1.5, ..CostPriors::default() }.check().is_err());
     assert!(CostPriors { prefill_ms_per_token: f64::NAN, ..CostPriors::default() }.check().is_err());
 }
+
+/// Issue 13: under early rejection the lowest priority is shed first. A remote TTFT of about
+/// 900 ms against a 600 ms SLO with slack 2 (budget 1,200 ms): a low-priority request is shed,
+/// the default one served; at about 1,500 ms only a high-priority one is still served.
+#[test]
+fn lowest_priority_is_shed_first() {
+    let m = worked();
+    let at = |queue_ms: f64, priority: i64| {
+        let r = RemotePath { prefill_queue_ms: queue_ms, ..RemotePath::default() };
+        decide(&m, PlacementMode::Disaggregated, &PlacementInput { slack: priority_slack(2.0, priority), ..input(Some(r), None) }).placement
+    };
+    let over_slo = 900.0 - 370.2;
+    assert_eq!([at(over_slo, -1), at(over_slo, 0), at(over_slo, 1)], [Placement::Reject, Placement::Disaggregated, Placement::Disaggregated]);
+    let over_budget = 1500.0 - 370.2;
+    assert_eq!([at(over_budget, -1), at(over_budget, 0), at(over_budget, 1)], [Placement::Reject, Placement::Reject, Placement::Disaggregated]);
+    assert_eq!(priority_slack(0.0, 5), 0.0, "rejection off stays off");
+}

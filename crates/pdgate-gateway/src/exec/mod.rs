@@ -60,6 +60,9 @@ pub struct Ctx {
     pub route: &'static str,
     /// The objectives this request is judged by (`--slo-*-ms`, or its own headers).
     pub slo: pdgate_core::slo::SloTargets,
+    /// `x-pdgate-priority`, else the body's `priority` (SGLang's field), else 0; higher is
+    /// served first and shed last (the admission queue, early rejection).
+    pub priority: i64,
     /// The gateway asked the engine for the stream's usage: the relay strips it again.
     pub strip_usage: bool,
     /// The prompt's token ids, computed once on first use (KV-event routing); `Default` for a

@@ -57,7 +57,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
     // Place (PD mode): disaggregated, colocated, or rejected early; then wait for decode room.
     let mut placed = match placement::place_request(&ctx, &mut record).await {
         Ok(placed) => placed,
-        Err(refusal) => return finish(&ctx, refusal, &record, None),
+        Err((refusal, err)) => return finish(&ctx, refusal, &record, Some(&err)),
     };
     let mut failed: Vec<String> = Vec::new();
     let mut whole_resumes = 0;

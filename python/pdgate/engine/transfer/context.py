@@ -27,6 +27,16 @@ class TransferStats:
     pages_received: int = 0
     backend_bytes: int = 0  # of the above, bytes moved by the optional backend (Mooncake TE)
     results: dict = field(default_factory=dict)  # (protocol, role, ok|failed) -> count
+    # Whole transfers received (the sink's view, first KV frame to `done`): cumulative totals
+    # the gateway's placement fits transfer = setup + bytes / bandwidth from.
+    transfers_in: int = 0
+    transfer_bytes_in: int = 0
+    transfer_seconds_in: float = 0.0
+
+    def transferred(self, nbytes: int, seconds: float) -> None:
+        self.transfers_in += 1
+        self.transfer_bytes_in += nbytes
+        self.transfer_seconds_in += seconds
 
     def count(self, protocol: str, role: str, ok: bool) -> None:
         key = (protocol, role, "ok" if ok else "failed")

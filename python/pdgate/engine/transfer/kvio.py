@@ -110,6 +110,7 @@ async def recv_kv(ctx: TransferContext, reader: asyncio.StreamReader, dst: list[
                                   "kv_transfer_failed")
             meta = dict(hdr.get("meta") or {})
             meta["_seconds"] = max(0.0, time.time() - t_first)
+            ctx.stats.transferred(nbytes, meta["_seconds"])
             return meta, nbytes
         else:
             raise EngineError(f"unexpected frame {hdr['op']!r}", 500, "kv_transfer_failed")
