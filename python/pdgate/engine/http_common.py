@@ -61,7 +61,11 @@ class SSE:
 
 
 async def watch(seqs: list[Seq]) -> AsyncIterator[int]:
-    """Yield the index of a sequence each time it changed, until all have finished."""
+    """Yield the index of a sequence each time it changed, until each was yielded finished.
+
+    A sequence is dropped only if it had finished before it was yielded: one that finishes
+    while the consumer still awaits its previous update (a slow client's write) is yielded
+    once more, so its last tokens and its finish are sent."""
     pending = set(range(len(seqs)))
     while pending:
         waiters = {asyncio.ensure_future(seqs[i].changed.wait()): i for i in pending}
@@ -74,8 +78,9 @@ async def watch(seqs: list[Seq]) -> AsyncIterator[int]:
             s = seqs[i]
             if s.changed.is_set():
                 s.changed.clear()
+                seen_finished = s.finished
                 yield i
-                if s.finished:
+                if seen_finished:
                     pending.discard(i)
 
 
