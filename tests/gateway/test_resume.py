@@ -217,3 +217,40 @@ def test_a_generate_stream_from_input_ids_is_continued(reference: ReferenceWorke
             assert last["meta_info"]["completion_tokens"] == MAX_TOKENS
             assert last["meta_info"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
             assert len({e["meta_info"]["id"] for e in got if isinstance(e, dict)}) == 1
+
+
+def test_a_decode_that_dies_on_every_stream_leaves_rotation_and_resumed_streams_go_elsewhere(reference: ReferenceWorker) -> None:
+    """Breaker e2e: a decode that drops its connection after its first token on EVERY request
+    (`--fault-drop-after-tokens 1`: the process lives on and stays healthy) is taken out by its
+    breaker after two deaths; every stream still completes whole (the dead ones resumed on the
+    other decode), and once the breaker is open no stream goes to it."""
+    want = text_of(stream(reference.url, "/v1/completions", COMPLETION))
+    prefill = ReferenceWorker(mode="prefill", model="tiny")
+    bad = ReferenceWorker(mode="decode", model="tiny", extra_args=["--fault-drop-after-tokens", "1"])
+    good = ReferenceWorker(mode="decode", model="tiny")
+    start([prefill, bad, good])
+    try:
+        options = dict(pd_disaggregation=True, port=0, request_timeout_secs=60, retry_max_retries=3,
+                       prefill=[[prefill.url, prefill.bootstrap_port]], decode=[bad.url, good.url],
+                       decode_policy="round_robin", health_check_interval_secs=1, health_success_threshold=1,
+                       breaker_failure_threshold=2, breaker_cooldown_secs=600)
+        with pdgate.Gateway(**options) as gw:
+            assert wait_status(gw.url + "/readiness", 200) == 200
+
+            def resumed() -> float:
+                text = httpx.get(gw.url + "/metrics", timeout=10).text
+                row = 'pdgate_resumes_total{reason="decode_died",result="resumed"} '
+                return next(float(r.split()[-1]) for r in text.splitlines() if r.startswith(row))
+
+            for _ in range(8):
+                got = stream(gw.url, "/v1/completions", COMPLETION)
+                assert got[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in got), got
+                assert text_of(got) == want
+            workers = {w["url"]: w for w in httpx.get(gw.url + "/workers", timeout=10).json()["workers"]}
+            assert workers[bad.url]["breaker"] == "open", workers[bad.url]
+            assert workers[bad.url]["healthy"], "taken out by its breaker, not by a health check"
+            assert resumed() == 2.0, "two deaths opened the breaker; no stream went to the bad decode after"
+            assert bad.proc is not None and bad.proc.poll() is None, "the fault decode is alive"
+    finally:
+        for w in (prefill, bad, good):
+            w.stop()

@@ -122,5 +122,5 @@ async def _stream(request, engine, seqs: list[Seq], body: dict, batch: bool):
         if len(s.output_ids) > sent[i] or s.finished:
             sent[i] = len(s.output_ids)
             await sse.send(native_result(engine, s, body, i if batch else None))
-            fault_kill_point(engine, [s])
+            fault_kill_point(engine, [s], request)
     return await sse.finish()

@@ -123,9 +123,9 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
                "token_ids": body.get("return_token_ids") is True}
         if body.get("stream"):
             return await _stream(request, engine, seqs, body, ctx)
-        if getattr(engine.args, "fault_kill_after_tokens", 0):
+        if getattr(engine.args, "fault_kill_after_tokens", 0) or getattr(engine.args, "fault_drop_after_tokens", 0):
             async for _ in watch(seqs):
-                fault_kill_point(engine, seqs)
+                fault_kill_point(engine, seqs, request)
         await wait_all(seqs)
         err = first_error(seqs)
         if err is not None:
@@ -230,7 +230,7 @@ async def _stream(request, engine, seqs: list[Seq], body: dict, ctx: dict):
             if reason and s.kv_transfer_params is not None:
                 extra["kv_transfer_params"] = s.kv_transfer_params
             await sse.send(chunk([c], **extra))
-            fault_kill_point(engine, [s])
+            fault_kill_point(engine, [s], request)
     if include_usage:
         await sse.send(chunk([], usage=usage(seqs, ctx["n"])))
     return await sse.finish()
