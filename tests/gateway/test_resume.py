@@ -237,19 +237,19 @@ def test_a_decode_that_dies_on_every_stream_leaves_rotation_and_resumed_streams_
         with pdgate.Gateway(**options) as gw:
             assert wait_status(gw.url + "/readiness", 200) == 200
 
-            def resumed() -> float:
+            def metric(row: str) -> float:
                 text = httpx.get(gw.url + "/metrics", timeout=10).text
-                row = 'pdgate_resumes_total{reason="decode_died",result="resumed"} '
-                return next(float(r.split()[-1]) for r in text.splitlines() if r.startswith(row))
+                return next(float(r.split()[-1]) for r in text.splitlines() if r.startswith(row + " "))
 
             for _ in range(8):
                 got = stream(gw.url, "/v1/completions", COMPLETION)
                 assert got[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in got), got
                 assert text_of(got) == want
-            workers = {w["url"]: w for w in httpx.get(gw.url + "/workers", timeout=10).json()["workers"]}
-            assert workers[bad.url]["breaker"] == "open", workers[bad.url]
-            assert workers[bad.url]["healthy"], "taken out by its breaker, not by a health check"
-            assert resumed() == 2.0, "two deaths opened the breaker; no stream went to the bad decode after"
+            assert metric(f'pdgate_worker_breaker_state{{worker="{bad.url}"}}') == 1.0, "open"
+            assert metric(f'pdgate_worker_healthy{{role="decode",worker="{bad.url}"}}') == 1.0, \
+                "taken out by its breaker, not by a health check"
+            assert metric('pdgate_resumes_total{reason="decode_died",result="resumed"}') == 2.0, \
+                "two deaths opened the breaker; no stream went to the bad decode after"
             assert bad.proc is not None and bad.proc.poll() is None, "the fault decode is alive"
     finally:
         for w in (prefill, bad, good):

@@ -95,6 +95,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         seqs = [engine.submit(it) for it in items]
         if body.get("stream"):
             return await _stream(request, engine, seqs, body, batch)
+        if getattr(engine.args, "fault_kill_after_tokens", 0) or getattr(engine.args, "fault_drop_after_tokens", 0):
+            async for _ in watch(seqs):
+                fault_kill_point(engine, seqs, request)
         await wait_all(seqs)
         err = first_error(seqs)
         if err is not None:
