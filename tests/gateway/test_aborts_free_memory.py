@@ -105,3 +105,36 @@ def test_streams_cut_by_the_client_leave_every_engine_idle(pd_fleet: tuple[str, 
                        json={"model": "tiny", "prompt": "after the cuts", "max_tokens": 4})
         assert r.status_code == 200, r.text
         wait_idle(workers, IDLE_WITHIN_S)
+
+
+@pytest.mark.parametrize("connector", sorted(CONNECTORS))
+def test_a_prefill_killed_mid_request_leaves_the_other_engines_idle(connector: str) -> None:
+    """A prefill SIGKILLed right after its first token (`--fault-kill-after-tokens 1`), while its
+    decode may be waiting for the KV: the request is retried on the other prefill and answers
+    whole, and every surviving engine's pages are back within 5 s (the gateway gave the dead
+    pair's decode leg up, and the decode freed its reservation)."""
+    kc = CONNECTORS[connector]
+    dying = ReferenceWorker(mode="prefill", model="tiny", kv_connector=kc, extra_args=["--fault-kill-after-tokens", "1"])
+    survivors = [ReferenceWorker(mode=m, model="tiny", kv_connector=kc) for m in ("prefill", "decode", "decode")]
+    workers = [dying, *survivors]
+    with ThreadPoolExecutor(len(workers)) as pool:
+        list(pool.map(lambda w: w.start(timeout=90), workers))
+    try:
+        options = dict(pd_disaggregation=True, kv_connector=connector, port=0, request_timeout_secs=60,
+                       prefill=[[p.url, p.bootstrap_port] for p in (dying, survivors[0])],
+                       decode=[d.url for d in survivors[1:]], prefill_policy="round_robin", retry_max_retries=3,
+                       health_check_interval_secs=1, health_success_threshold=1)
+        with pdgate.Gateway(**options) as gw:
+            assert wait_status(gw.url + "/readiness", 200) == 200
+            body = {"model": "tiny", "prompt": "the prefill dies", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            for i in range(4):
+                r = httpx.post(gw.url + "/v1/completions", json={**body, "stream": i % 2 == 1}, timeout=60)
+                assert r.status_code == 200, r.text
+                assert "[DONE]" in r.text if i % 2 else r.json()["usage"]["completion_tokens"] == 8, r.text
+                if dying.proc is not None and dying.proc.poll() is not None:
+                    break
+            assert dying.proc is not None and dying.proc.poll() is not None, "the fault prefill never served a request"
+            wait_idle(survivors, IDLE_WITHIN_S)
+    finally:
+        for w in workers:
+            w.stop()

@@ -1,6 +1,7 @@
 """Resume after decode death, end to end with reference engines (issue 12 item 2).
 
-One prefill and two decodes (SGLang bootstrap style); one decode runs with the fault hook
+One prefill and two decodes, in each PD mode (SGLang bootstrap, vLLM NIXL, vLLM Mooncake;
+`/generate` is SGLang's and runs in the bootstrap mode only); one decode runs with the fault hook
 `--fault-kill-after-tokens 5`: it SIGKILLs itself right after sending the chunk with a
 sequence's 5th token (a whole answer: after generating it), so the death is mid-answer on every
 run, not a matter of timing. The gateway continues the stream on the other decode from the
@@ -23,6 +24,7 @@ import pytest
 import pdgate
 from pdgate.workers import ReferenceWorker
 from tests.gateway.harness import wait_status
+from tests.gateway.test_aborts_free_memory import IDLE_WITHIN_S, wait_idle
 
 pytestmark = pytest.mark.timeout(240)
 KILL_AFTER = 5
@@ -31,6 +33,11 @@ COMPLETION = {"model": "tiny", "prompt": "resume me, please", "max_tokens": MAX_
               "ignore_eos": True}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "resume this chat"}], "max_tokens": MAX_TOKENS,
         "temperature": 0, "ignore_eos": True}
+
+
+# The gateway's --kv-connector and the engines' vLLM connector, per PD mode.
+CONNECTORS = {"bootstrap": None, "nixl": "NixlConnector", "mooncake": "MooncakeConnector"}
+PATHS = [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)]
 
 
 def start(workers: list[ReferenceWorker]) -> None:
@@ -48,16 +55,19 @@ def reference() -> Iterator[ReferenceWorker]:
 
 
 class Fleet:
-    def __init__(self, max_resumes: int | None):
-        self.prefill = ReferenceWorker(mode="prefill", model="tiny")
-        self.dying = ReferenceWorker(mode="decode", model="tiny", extra_args=["--fault-kill-after-tokens", str(KILL_AFTER)])
-        self.healthy = ReferenceWorker(mode="decode", model="tiny")
+    def __init__(self, max_resumes: int | None, connector: str = "bootstrap"):
+        kc = CONNECTORS[connector]
+        self.prefill = ReferenceWorker(mode="prefill", model="tiny", kv_connector=kc)
+        self.dying = ReferenceWorker(mode="decode", model="tiny", kv_connector=kc,
+                                     extra_args=["--fault-kill-after-tokens", str(KILL_AFTER)])
+        self.healthy = ReferenceWorker(mode="decode", model="tiny", kv_connector=kc)
         self.max_resumes = max_resumes
+        self.connector = connector
 
     def __enter__(self) -> "Fleet":
         start([self.prefill, self.dying, self.healthy])
         options: dict[str, Any] = dict(
-            pd_disaggregation=True, port=0, request_timeout_secs=60, retry_max_retries=3,
+            pd_disaggregation=True, kv_connector=self.connector, port=0, request_timeout_secs=60, retry_max_retries=3,
             prefill=[[self.prefill.url, self.prefill.bootstrap_port]], decode=[self.dying.url, self.healthy.url],
             decode_policy="round_robin", health_check_interval_secs=1, health_success_threshold=1)
         if self.max_resumes is not None:
@@ -71,6 +81,11 @@ class Fleet:
         self.gw.__exit__(None, None, None)
         for w in (self.prefill, self.dying, self.healthy):
             w.stop()
+
+    def survivors_idle(self) -> None:
+        """Every page of the engines that outlived the death (the prefill, the other decode) is
+        back within 5 s: the dead pair's legs and the continuation's left nothing held."""
+        wait_idle([self.prefill, self.healthy], IDLE_WITHIN_S)
 
     def dead(self) -> bool:
         return self.dying.proc is not None and self.dying.proc.poll() is not None
@@ -115,11 +130,13 @@ def until_killed(fleet: Fleet, send) -> list[Any]:
     raise AssertionError("the fault decode never served a request")
 
 
-@pytest.mark.parametrize("path,body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)], ids=["completions", "chat"])
-def test_a_stream_whose_decode_is_killed_completes_as_if_uninterrupted(reference: ReferenceWorker, path: str, body: dict) -> None:
+@pytest.mark.parametrize("connector", sorted(CONNECTORS))
+@pytest.mark.parametrize("path,body", PATHS, ids=["completions", "chat"])
+def test_a_stream_whose_decode_is_killed_completes_as_if_uninterrupted(reference: ReferenceWorker, path: str, body: dict,
+                                                                       connector: str) -> None:
     body = {**body, "stream_options": {"include_usage": True}}
     want = stream(reference.url, path, body)
-    with Fleet(max_resumes=None) as fleet:
+    with Fleet(max_resumes=None, connector=connector) as fleet:
         for got in until_killed(fleet, lambda: stream(fleet.gw.url, path, body)):
             assert got[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in got), got
             assert text_of(got) == text_of(want)
@@ -130,6 +147,7 @@ def test_a_stream_whose_decode_is_killed_completes_as_if_uninterrupted(reference
             assert usage[-1]["prompt_tokens"] == want[-2]["usage"]["prompt_tokens"]
             assert usage[-1]["completion_tokens"] == MAX_TOKENS
         assert fleet.metric('pdgate_resumes_total{reason="decode_died",result="resumed"}') == 1.0
+        fleet.survivors_idle()
 
 
 def test_token_ids_asked_by_the_client_are_the_uninterrupted_ones(reference: ReferenceWorker) -> None:
@@ -141,15 +159,39 @@ def test_token_ids_asked_by_the_client_are_the_uninterrupted_ones(reference: Ref
             assert ids == want and len(ids) == MAX_TOKENS
 
 
-def test_a_non_stream_answer_whose_decode_is_killed_is_whole(reference: ReferenceWorker) -> None:
-    want = httpx.post(reference.url + "/v1/completions", json=COMPLETION, timeout=60).json()
-    with Fleet(max_resumes=None) as fleet:
+def answer_text(answer: dict) -> str:
+    c = answer["choices"][0]
+    return c["message"]["content"] if "message" in c else c["text"]
+
+
+@pytest.mark.parametrize("connector", sorted(CONNECTORS))
+@pytest.mark.parametrize("path,body", PATHS, ids=["completions", "chat"])
+def test_a_non_stream_answer_whose_decode_is_killed_is_whole(reference: ReferenceWorker, path: str, body: dict,
+                                                             connector: str) -> None:
+    want = httpx.post(reference.url + path, json=body, timeout=60).json()
+    with Fleet(max_resumes=None, connector=connector) as fleet:
         for _ in range(2):  # round robin: the fault decode serves one of the two
-            r = httpx.post(fleet.gw.url + "/v1/completions", json=COMPLETION, timeout=60)
+            r = httpx.post(fleet.gw.url + path, json=body, timeout=60)
             assert r.status_code == 200, r.text
             got = r.json()
-            assert got["choices"][0]["text"] == want["choices"][0]["text"]
+            assert answer_text(got) == answer_text(want)
             assert got["usage"]["completion_tokens"] == MAX_TOKENS
+            assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+        assert fleet.dead(), "the fault decode never served a request"
+        fleet.survivors_idle()
+
+
+@pytest.mark.parametrize("prompt", [{"input_ids": [256, *b"whole by ids"]}, {"text": "whole by text"}], ids=["input_ids", "text"])
+def test_a_non_stream_generate_whose_decode_is_killed_is_whole(reference: ReferenceWorker, prompt: dict) -> None:
+    body = {**prompt, "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}}
+    want = httpx.post(reference.url + "/generate", json=body, timeout=60).json()
+    with Fleet(max_resumes=None) as fleet:
+        for _ in range(2):
+            r = httpx.post(fleet.gw.url + "/generate", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            got = r.json()
+            assert (got["text"], got["output_ids"]) == (want["text"], want["output_ids"])
+            assert got["meta_info"]["completion_tokens"] == MAX_TOKENS
         assert fleet.dead(), "the fault decode never served a request"
 
 
@@ -175,3 +217,40 @@ def test_a_generate_stream_from_input_ids_is_continued(reference: ReferenceWorke
             assert last["meta_info"]["completion_tokens"] == MAX_TOKENS
             assert last["meta_info"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
             assert len({e["meta_info"]["id"] for e in got if isinstance(e, dict)}) == 1
+
+
+def test_a_decode_that_dies_on_every_stream_leaves_rotation_and_resumed_streams_go_elsewhere(reference: ReferenceWorker) -> None:
+    """Breaker e2e: a decode that drops its connection after its first token on EVERY request
+    (`--fault-drop-after-tokens 1`: the process lives on and stays healthy) is taken out by its
+    breaker after two deaths; every stream still completes whole (the dead ones resumed on the
+    other decode), and once the breaker is open no stream goes to it."""
+    want = text_of(stream(reference.url, "/v1/completions", COMPLETION))
+    prefill = ReferenceWorker(mode="prefill", model="tiny")
+    bad = ReferenceWorker(mode="decode", model="tiny", extra_args=["--fault-drop-after-tokens", "1"])
+    good = ReferenceWorker(mode="decode", model="tiny")
+    start([prefill, bad, good])
+    try:
+        options = dict(pd_disaggregation=True, port=0, request_timeout_secs=60, retry_max_retries=3,
+                       prefill=[[prefill.url, prefill.bootstrap_port]], decode=[bad.url, good.url],
+                       decode_policy="round_robin", health_check_interval_secs=1, health_success_threshold=1,
+                       breaker_failure_threshold=2, breaker_cooldown_secs=600)
+        with pdgate.Gateway(**options) as gw:
+            assert wait_status(gw.url + "/readiness", 200) == 200
+
+            def metric(row: str) -> float:
+                text = httpx.get(gw.url + "/metrics", timeout=10).text
+                return next(float(r.split()[-1]) for r in text.splitlines() if r.startswith(row + " "))
+
+            for _ in range(8):
+                got = stream(gw.url, "/v1/completions", COMPLETION)
+                assert got[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in got), got
+                assert text_of(got) == want
+            assert metric(f'pdgate_worker_breaker_state{{worker="{bad.url}"}}') == 1.0, "open"
+            assert metric(f'pdgate_worker_healthy{{role="decode",worker="{bad.url}"}}') == 1.0, \
+                "taken out by its breaker, not by a health check"
+            assert metric('pdgate_resumes_total{reason="decode_died",result="resumed"}') == 2.0, \
+                "two deaths opened the breaker; no stream went to the bad decode after"
+            assert bad.proc is not None and bad.proc.poll() is None, "the fault decode is alive"
+    finally:
+        for w in (prefill, bad, good):
+            w.stop()

@@ -106,11 +106,14 @@ pub struct GatewayError {
     pub source: Source,
     pub leg: Option<Leg>,
     pub message: String,
+    /// The request never reached the worker (the connection was refused or could not be
+    /// made): a plain retry, never a worker that died while answering.
+    pub not_sent: bool,
 }
 
 impl GatewayError {
     fn new(kind: ErrorKind, source: Source, message: impl Into<String>) -> Self {
-        GatewayError { kind, source, leg: None, message: message.into() }
+        GatewayError { kind, source, leg: None, message: message.into(), not_sent: false }
     }
 
     pub fn invalid(param: Option<&str>, message: impl Into<String>) -> Self {
@@ -192,6 +195,12 @@ impl GatewayError {
     }
     pub fn queue_timeout(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::QueueTimeout, Source::Gateway, message)
+    }
+
+    /// The worker could not be reached at all: nothing of the request was sent.
+    pub fn not_sent(mut self) -> Self {
+        self.not_sent = true;
+        self
     }
 
     /// Attach the leg the error happened on.

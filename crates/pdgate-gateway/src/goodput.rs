@@ -95,6 +95,9 @@ pub struct Finished {
     pub status: u16,
     pub error: Option<String>,
     pub attempts: u32,
+    /// Times the answer was continued on a new pair after its decode died, and where.
+    pub resumes: u32,
+    pub resumed_on: Vec<crate::exec::accounting::ResumedOn>,
 }
 
 /// A request refused before execution, as `Goodput::refused` records it.

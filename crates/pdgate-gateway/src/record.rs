@@ -18,7 +18,7 @@ const MAX_VALUE: usize = 200;
 const MAX_POLICY: usize = 120;
 /// Upper bound of the whole header value: three values, a policy and the fixed parts.
 #[cfg(test)]
-const MAX_HEADER_LEN: usize = 4 * MAX_VALUE + MAX_POLICY + 220;
+const MAX_HEADER_LEN: usize = 4 * MAX_VALUE + MAX_POLICY + 240;
 
 pub use pdgate_core::plan::Rendezvous;
 
@@ -38,6 +38,9 @@ pub struct Record {
     pub placement: Option<(&'static str, &'static str)>,
     /// A failure before commit and the recovery chosen for it, with its reason.
     pub recovery: Option<(&'static str, &'static str)>,
+    /// A whole answer sent again on a new pair after its decode died (resume). A stream's
+    /// resumes come after its head: the request log and the resume log line say them.
+    pub resumes: u32,
 }
 
 /// Appends `v` cut to `max` bytes (at a char boundary), with anything that is not a visible
@@ -104,6 +107,9 @@ impl Record {
             let _ = write!(s, "; recovery={choice}:{reason}");
         }
         let _ = write!(s, "; attempts={}", self.attempts);
+        if self.resumes > 0 {
+            let _ = write!(s, "; resumes={}", self.resumes);
+        }
         s
     }
 
@@ -142,6 +148,12 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(r.header_value(), "protocol=bootstrap; prefill=http://p:1; decode=http://d:2; room=42; policy=round_robin; attempts=2");
+    }
+
+    #[test]
+    fn a_resumed_whole_answer_says_so() {
+        let r = Record { protocol: "nixl", decode: Some("http://d:2".into()), attempts: 2, resumes: 1, ..Default::default() };
+        assert_eq!(r.header_value(), "protocol=nixl; decode=http://d:2; attempts=2; resumes=1");
     }
 
     #[test]
@@ -187,6 +199,7 @@ mod tests {
             placement: Some(("disaggregated", "slo_missed_remote_lower")),
             recovery: Some(("recompute_colocated", "only_colocated_fits_deadline")),
             placed_as: "disaggregated",
+            resumes: u32::MAX,
         };
         let h = r.header_value();
         assert!(h.len() <= MAX_HEADER_LEN, "{} > {MAX_HEADER_LEN}", h.len());

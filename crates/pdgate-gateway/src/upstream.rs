@@ -125,7 +125,7 @@ fn unreachable(leg: Leg, target: &str, err: &hyper_util::client::legacy::Error) 
     if let Some(tls) = crate::worker_tls::tls_cause(err) {
         // Said plainly: a certificate problem is fixed by configuration, not by waiting.
         tracing::warn!(worker = %target, error = %tls, "TLS handshake with worker failed (see --worker-ca-cert)");
-        return GatewayError::unreachable(leg, format!("{role} worker {target} unreachable: TLS handshake failed: {tls}"));
+        return GatewayError::unreachable(leg, format!("{role} worker {target} unreachable: TLS handshake failed: {tls}")).not_sent();
     }
     // The legacy client's Display is terse ("client error (Connect)"); the sources say why.
     let mut cause = String::new();
@@ -138,5 +138,11 @@ fn unreachable(leg: Leg, target: &str, err: &hyper_util::client::legacy::Error) 
         }
         next = e.source();
     }
-    GatewayError::unreachable(leg, format!("{role} worker {target} unreachable: {err}{cause}"))
+    let e = GatewayError::unreachable(leg, format!("{role} worker {target} unreachable: {err}{cause}"));
+    // A refused or failed connect: the worker never saw the request (not a death mid-answer).
+    if err.is_connect() {
+        e.not_sent()
+    } else {
+        e
+    }
 }

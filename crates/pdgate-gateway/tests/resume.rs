@@ -254,19 +254,27 @@ async fn a_chat_stream_is_continued_inside_the_assistant_message() {
 async fn with_max_resumes_0_the_stream_ends_with_the_error_event() {
     let s = stack(3, json!({"max_resumes": 0})).await;
     let text = post_stream(&s.url, "/v1/completions", json!({"prompt": "hello", "stream": true, "max_tokens": 8})).await;
-    assert!(text.contains("\"error\"") && !text.contains("[DONE]"), "{text}");
+    assert!(text.contains("\"error\"") && !text.contains("[DONE]") && !text.contains("not resumed"), "no resume was tried: {text}");
     assert!(s.decodes.iter().all(|d| d.streams().iter().all(|b| b.get("return_token_ids").is_none())), "no ids asked for");
     assert_eq!(s.decodes.iter().map(|d| d.streams().len()).sum::<usize>(), 1, "no continuation");
 }
 
 #[tokio::test]
 async fn guided_and_n_greater_than_1_streams_are_not_resumed_and_say_why() {
-    for (extra, reason) in [(json!({"response_format": {"type": "json_object"}}), "guided_decoding"), (json!({"n": 2}), "n_greater_than_1")] {
+    let cases = [
+        (json!({"response_format": {"type": "json_object"}}), "guided_decoding"),
+        (json!({"guided_regex": "[a-z]+"}), "guided_decoding"),
+        (json!({"regex": "[a-z]+"}), "guided_decoding"),
+        (json!({"structured_outputs": {"choice": ["a", "b"]}}), "guided_decoding"),
+        (json!({"n": 2}), "n_greater_than_1"),
+    ];
+    for (extra, reason) in cases {
         let s = stack(3, json!({})).await;
         let mut body = json!({"prompt": "hello", "stream": true, "max_tokens": 8});
         body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
         let text = post_stream(&s.url, "/v1/completions", body).await;
         assert!(text.contains("\"error\"") && !text.contains("[DONE]"), "{text}");
+        assert!(text.contains(&format!("not resumed: {reason}")), "the error event says why: {text}");
         assert_eq!(s.decodes.iter().map(|d| d.streams().len()).sum::<usize>(), 1, "no continuation");
         assert_eq!(metric(&s.url, &format!("pdgate_resumes_total{{reason=\"{reason}\",result=\"refused\"}}")).await, Some(1.0), "{reason}");
     }
@@ -318,4 +326,102 @@ async fn a_decode_that_always_dies_is_taken_out_by_its_breaker_and_streams_resum
     assert_eq!(state, Some(1.0), "open after two deaths");
     assert_eq!(bad.streams().len(), 2, "no stream went to it once its breaker opened");
     assert_eq!(metric(&url, "pdgate_resumes_total{reason=\"decode_died\",result=\"resumed\"}").await, Some(2.0));
+}
+
+/// The request log's lines once there are `n` (written off the request path: bounded poll).
+async fn log_lines(path: &std::path::Path, n: usize) -> Vec<Value> {
+    for _ in 0..200 {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        if text.lines().count() >= n {
+            return text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("the request log never had {n} lines: {:?}", std::fs::read_to_string(path));
+}
+
+fn log_path(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("pdgate-resume-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("requests.jsonl");
+    let _ = std::fs::remove_file(&path);
+    path
+}
+
+#[tokio::test]
+async fn the_gateways_accounting_of_a_resumed_stream_counts_the_whole_answer_and_names_the_resume() {
+    // The client asks for no usage: the gateway asks for it, reads it and strips it. The
+    // continuation's engine sees a 9-token prompt (6 + the 3 generated) and makes 5 tokens;
+    // the request made a 6-token prompt and 8 tokens.
+    let path = log_path("whole");
+    let s = stack(3, json!({"request_log": path.to_str().unwrap()})).await;
+    let text = post_stream(&s.url, "/v1/completions", json!({"prompt": "hello", "stream": true, "max_tokens": 8})).await;
+    assert!(text.ends_with("data: [DONE]\n\n") && !text.contains("usage") && !text.contains("\"error\""), "{text}");
+    let (dead, live) = dead_and_live(&s);
+    let line = &log_lines(&path, 1).await[0];
+    assert_eq!((line["prompt_tokens"].as_u64(), line["output_tokens"].as_u64()), (Some(6), Some(8)), "{line}");
+    assert_eq!((line["status"].as_u64(), &line["error"]), (Some(200), &Value::Null), "{line}");
+    assert_eq!(line["decode"].as_str(), Some(dead.url.as_str()), "the request's own pair is the first: {line}");
+    assert_eq!(line["resumes"].as_u64(), Some(1), "{line}");
+    assert_eq!(line["resumed_on"][0]["decode"].as_str(), Some(live.url.as_str()), "{line}");
+    assert!(line["resumed_on"][0]["prefill"].is_string(), "{line}");
+    // TPOT over the 8 tokens: (E2E - TTFT) / 7.
+    let (ttft, tpot, e2e) = (line["ttft_ms"].as_f64().unwrap(), line["tpot_ms"].as_f64().unwrap(), line["e2e_ms"].as_f64().unwrap());
+    assert!((tpot - (e2e - ttft) / 7.0).abs() < 1e-6, "{line}");
+}
+
+#[tokio::test]
+async fn a_resumed_whole_answer_says_so_in_its_route_header_and_log() {
+    let path = log_path("whole-nonstream");
+    let s = stack(3, json!({"request_log": path.to_str().unwrap()})).await;
+    let r = client().post(format!("{}/v1/completions", s.url)).json(&json!({"prompt": "hello", "max_tokens": 8})).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let route = r.headers()["x-pdgate-route"].to_str().unwrap().to_string();
+    assert!(route.ends_with("; attempts=2; resumes=1"), "{route}");
+    let line = &log_lines(&path, 1).await[0];
+    assert_eq!((line["attempts"].as_u64(), line["resumes"].as_u64()), (Some(2), Some(1)), "{line}");
+}
+
+/// A URL on loopback where nothing listens: every connection is refused.
+async fn refusing_url() -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    drop(l);
+    url
+}
+
+#[tokio::test]
+async fn a_decode_that_refuses_the_connection_is_a_plain_retry_not_a_resume() {
+    // Health checks off: the refusing decode stays in rotation, as one that died a moment ago.
+    let never = Arc::new(AtomicBool::new(false));
+    let p = engine(0, never.clone()).await;
+    let live = engine(0, never).await;
+    let refusing = refusing_url().await;
+    let base = json!({"pd_disaggregation": true, "prefill": [p.url], "decode": [refusing, live.url], "decode_policy": "round_robin", "disable_health_check": true});
+    for stream in [false, true] {
+        // Retries allowed: the request goes to the other decode as a retry.
+        let mut cfg = base.clone();
+        cfg.as_object_mut().unwrap().extend([("retry_max_retries".to_string(), json!(3)), ("disable_circuit_breaker".to_string(), json!(true))]);
+        let (_gw, url) = gateway(cfg).await;
+        wait_ready(&url).await;
+        for _ in 0..2 {
+            let r = client().post(format!("{url}/v1/completions")).json(&json!({"prompt": "hello", "max_tokens": 4, "stream": stream})).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            let body = r.text().await.unwrap();
+            assert!(!body.contains("\"error\""), "{body}");
+        }
+        let retries = metric(&url, "pdgate_retries_total{reason=\"unreachable\"}").await.unwrap_or(0.0);
+        assert!(retries >= 1.0, "round robin sent one of the two to the refusing decode: stream={stream}");
+        for reason in ["decode_died", "decode_died_whole"] {
+            assert_eq!(metric(&url, &format!("pdgate_resumes_total{{reason=\"{reason}\",result=\"resumed\"}}")).await.unwrap_or(0.0), 0.0, "stream={stream}");
+        }
+    }
+    // Retries off: the refused request fails as a plain failure would; it is not re-sent as a
+    // resume (it never started).
+    let (_gw, url) = gateway(json!({"pd_disaggregation": true, "prefill": [p.url], "decode": [refusing_url().await], "disable_health_check": true, "retry_max_retries": 1})).await;
+    wait_ready(&url).await;
+    let r = client().post(format!("{url}/v1/completions")).json(&json!({"prompt": "hello", "max_tokens": 4})).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert!(r.text().await.unwrap().contains("decode_unavailable"));
+    assert_eq!(metric(&url, "pdgate_resumes_total{reason=\"decode_died_whole\",result=\"resumed\"}").await.unwrap_or(0.0), 0.0);
 }

@@ -42,6 +42,29 @@ fn exact_continuations_only() {
     assert_eq!(refusal(&gen), Some("generate_text"), "a text prompt's ids are not in SGLang's stream");
     let ids = req(Endpoint::Generate, json!({"input_ids": [1, 2], "stream": true, "sampling_params": {"regex": "a+"}}));
     assert_eq!(refusal(&ids), Some("guided_decoding"));
+    // Every grammar field of vLLM's and SGLang's OpenAI routes and of SGLang's /generate.
+    let guided = [
+        json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
+        json!({"guided_json": {"type": "object"}}),
+        json!({"guided_choice": ["a", "b"]}),
+        json!({"guided_grammar": "root ::= \"a\""}),
+        json!({"structured_outputs": {"regex": "a+"}}),
+        json!({"regex": "a+"}),
+        json!({"json_schema": "{}"}),
+        json!({"ebnf": "root ::= \"a\""}),
+        json!({"grammar": "root ::= \"a\""}),
+    ];
+    for extra in guided {
+        assert_eq!(refusal(&completions(extra.clone())), Some("guided_decoding"), "{extra}");
+    }
+    for sp in [json!({"json_schema": "{}"}), json!({"ebnf": "root ::= \"a\""}), json!({"structural_tag": "{}"})] {
+        let g = req(Endpoint::Generate, json!({"input_ids": [1, 2], "stream": true, "sampling_params": sp}));
+        assert_eq!(refusal(&g), Some("guided_decoding"), "{sp}");
+    }
+    let n2 = req(Endpoint::Generate, json!({"input_ids": [1, 2], "stream": true, "sampling_params": {"n": 2}}));
+    assert_eq!(refusal(&n2), Some("n_greater_than_1"));
+    let chat_n = req(Endpoint::ChatCompletions, json!({"messages": [{"role": "user", "content": "x"}], "stream": true, "n": 3}));
+    assert_eq!(refusal(&chat_n), Some("n_greater_than_1"));
     let chat = req(Endpoint::ChatCompletions, json!({"messages": [{"role": "user", "content": "x"}], "stream": true, "logprobs": true}));
     assert_eq!(refusal(&chat), Some("chat_logprobs"));
 }

@@ -95,6 +95,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         seqs = [engine.submit(it) for it in items]
         if body.get("stream"):
             return await _stream(request, engine, seqs, body, batch)
+        if getattr(engine.args, "fault_kill_after_tokens", 0) or getattr(engine.args, "fault_drop_after_tokens", 0):
+            async for _ in watch(seqs):
+                fault_kill_point(engine, seqs, request)
         await wait_all(seqs)
         err = first_error(seqs)
         if err is not None:
@@ -122,5 +125,5 @@ async def _stream(request, engine, seqs: list[Seq], body: dict, batch: bool):
         if len(s.output_ids) > sent[i] or s.finished:
             sent[i] = len(s.output_ids)
             await sse.send(native_result(engine, s, body, i if batch else None))
-            fault_kill_point(engine, [s])
+            fault_kill_point(engine, [s], request)
     return await sse.finish()

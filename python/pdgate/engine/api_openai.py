@@ -123,9 +123,9 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
                "token_ids": body.get("return_token_ids") is True}
         if body.get("stream"):
             return await _stream(request, engine, seqs, body, ctx)
-        if getattr(engine.args, "fault_kill_after_tokens", 0):
+        if getattr(engine.args, "fault_kill_after_tokens", 0) or getattr(engine.args, "fault_drop_after_tokens", 0):
             async for _ in watch(seqs):
-                fault_kill_point(engine, seqs)
+                fault_kill_point(engine, seqs, request)
         await wait_all(seqs)
         err = first_error(seqs)
         if err is not None:
@@ -197,9 +197,15 @@ async def _stream(request, engine, seqs: list[Seq], body: dict, ctx: dict):
                 return error_response(s.error)
             await sse.send({"error": {"message": str(s.error), "type": "server_error", "code": s.error.code}})
             continue
+        # One snapshot of the sequence before any await: it grows (and may finish) while a
+        # write waits on a slow client, and text, ids and finish must describe the same state
+        # (`watch` yields it again for what came meanwhile).
         text = visible_text(engine.tokenizer, s, False)
         delta, lp = text[len(sent_text[i]):], _logprobs(engine, s, sent_tok[i], chat)
         new_tokens = len(s.output_ids) > sent_tok[i]
+        new_ids = s.output_ids[sent_tok[i]:]
+        reason = finish_reason_openai(s)
+        sent_text[i], sent_tok[i] = text, sent_tok[i] + len(new_ids)
         prompt_ids = list(s.tokens[:s.prompt_len]) if ids_wanted and not role_sent[i] else None
         if chat and not role_sent[i]:  # OpenAI order: the role first, before any content
             role_sent[i] = True
@@ -207,9 +213,6 @@ async def _stream(request, engine, seqs: list[Seq], body: dict, ctx: dict):
             await sse.send(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                    "logprobs": None, "finish_reason": None}], **extra))
             prompt_ids = None
-        new_ids = s.output_ids[sent_tok[i]:]
-        sent_text[i], sent_tok[i] = text, len(s.output_ids)
-        reason = finish_reason_openai(s)
         # With return_token_ids every new token goes out at once, with or without visible text,
         # so a reader always holds the ids of exactly the text it got.
         if delta or reason or (lp and new_tokens) or (ids_wanted and new_tokens):
@@ -227,7 +230,7 @@ async def _stream(request, engine, seqs: list[Seq], body: dict, ctx: dict):
             if reason and s.kv_transfer_params is not None:
                 extra["kv_transfer_params"] = s.kv_transfer_params
             await sse.send(chunk([c], **extra))
-            fault_kill_point(engine, [s])
+            fault_kill_point(engine, [s], request)
     if include_usage:
         await sse.send(chunk([], usage=usage(seqs, ctx["n"])))
     return await sse.finish()

@@ -69,6 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fault injection for tests: the engine SIGKILLs itself once it has sent a "
                         "stream chunk holding a sequence's N-th output token, or (whole answers) "
                         "once a sequence has generated N tokens; 0: off")
+    p.add_argument("--fault-drop-after-tokens", type=int, default=0,
+                   help="fault injection for tests: on EVERY request, the engine closes the "
+                        "connection (the process lives on) once it has sent a stream chunk holding "
+                        "a sequence's N-th output token, or (whole answers) once a sequence has "
+                        "generated N tokens; the sequence is aborted; 0: off")
     p.add_argument("--api-flavor", choices=["sglang", "vllm"], default=None,
                    help="which engine's names /metrics exports its load under (sglang:* or vllm:*); "
                         "default: vllm with --kv-transfer-config, else sglang")

@@ -61,7 +61,11 @@ class SSE:
 
 
 async def watch(seqs: list[Seq]) -> AsyncIterator[int]:
-    """Yield the index of a sequence each time it changed, until all have finished."""
+    """Yield the index of a sequence each time it changed, until each was yielded finished.
+
+    A sequence is dropped only if it had finished before it was yielded: one that finishes
+    while the consumer still awaits its previous update (a slow client's write) is yielded
+    once more, so its last tokens and its finish are sent."""
     pending = set(range(len(seqs)))
     while pending:
         waiters = {asyncio.ensure_future(seqs[i].changed.wait()): i for i in pending}
@@ -74,8 +78,9 @@ async def watch(seqs: list[Seq]) -> AsyncIterator[int]:
             s = seqs[i]
             if s.changed.is_set():
                 s.changed.clear()
+                seen_finished = s.finished
                 yield i
-                if s.finished:
+                if seen_finished:
                     pending.discard(i)
 
 
@@ -87,9 +92,17 @@ def first_error(seqs: list[Seq]) -> EngineError | None:
     return next((s.error for s in seqs if s.error is not None), None)
 
 
-def fault_kill_point(engine, seqs: list[Seq]) -> None:
+def fault_kill_point(engine, seqs: list[Seq], request: web.Request | None = None) -> None:
     """`--fault-kill-after-tokens N`: dies like a SIGKILLed engine (no cleanup, no last bytes)
-    once a sequence has N output tokens out. A deterministic mid-answer death for tests."""
+    once a sequence has N output tokens out. A deterministic mid-answer death for tests.
+    `--fault-drop-after-tokens N`: the same moment, on every request, the connection is closed
+    instead (the engine lives on and aborts the request): a decode that dies mid-answer on
+    every request, for breaker tests."""
     n = getattr(engine.args, "fault_kill_after_tokens", 0)
     if n and any(len(s.output_ids) >= n for s in seqs):
         os.kill(os.getpid(), signal.SIGKILL)
+    d = getattr(engine.args, "fault_drop_after_tokens", 0)
+    if d and request is not None and any(len(s.output_ids) >= d for s in seqs):
+        if request.transport is not None:
+            request.transport.close()
+        raise ConnectionResetError("--fault-drop-after-tokens: the connection was dropped mid-answer")

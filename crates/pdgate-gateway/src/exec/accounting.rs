@@ -167,13 +167,16 @@ pub struct StreamTally {
     usage: Option<Usage>,
     /// `/generate` per-item counts (the last seen per item index).
     items: Vec<(u64, Usage)>,
+    /// Tokens generated before the running continuation began (0 until a resume): its engine
+    /// counts them in its prompt and not in its output (see [`StreamTally::continued`]).
+    resumed_after: u64,
 }
 
 impl StreamTally {
     /// `batch`: the request has several items (a prompt list, `n` > 1).
     pub fn new(endpoint: Endpoint, strip_usage: bool, batch: bool) -> Self {
         let every_event = endpoint == Endpoint::Generate && batch;
-        StreamTally { endpoint, strip_usage, every_event, last: None, held: BytesMut::new(), first_content: None, events: 0, usage: None, items: Vec::new() }
+        StreamTally { endpoint, strip_usage, every_event, last: None, held: BytesMut::new(), first_content: None, events: 0, usage: None, items: Vec::new(), resumed_after: 0 }
     }
 
     /// One chunk from the worker, `now` being when it is relayed; returns what the client gets.
@@ -274,6 +277,14 @@ impl StreamTally {
         Verdict::Replace(Bytes::from(frame(&v.to_string())))
     }
 
+    /// The stream goes on as a continuation (resume after decode death) that starts after
+    /// `generated` tokens of the answer: its engine reports the original prompt plus those as
+    /// its prompt, and only its own tokens as output. The client's usage counts the whole
+    /// answer (`pdgate_protocol::resume`); so does the gateway's accounting.
+    pub fn continued(&mut self, generated: u64) {
+        self.resumed_after = generated;
+    }
+
     /// Whether the start of an event is held back: the client then has whole events only.
     pub fn holds_back(&self) -> bool {
         !self.held.is_empty()
@@ -297,6 +308,15 @@ impl StreamTally {
             self.items.iter().map(|(_, u)| *u).reduce(|a, b| Usage { prompt: add(a.prompt, b.prompt), output: add(a.output, b.output), cached: add(a.cached, b.cached) })
         };
         let mut u = reported.unwrap_or_default();
+        if let (Some(_), k @ 1..) = (reported, self.resumed_after) {
+            u.prompt = u.prompt.map(|p| p.saturating_sub(k));
+            u.output = u.output.map(|o| o + k);
+            // What the continuation found cached covered the generated tokens too.
+            u.cached = match (u.cached, u.prompt) {
+                (Some(c), Some(p)) => Some(c.min(p)),
+                (c, _) => c,
+            };
+        }
         if u.output.is_none() && self.first_content.is_some() {
             u.output = Some(self.events.max(1));
         }
@@ -315,6 +335,8 @@ pub struct Account {
     pub streamed: bool,
     /// Who served it, kept only when there is a request log.
     pub who: Option<Box<Who>>,
+    /// Continuations after decode deaths (resume).
+    pub resumes: u32,
 }
 
 /// The identity of a request, for its log line.
@@ -327,6 +349,19 @@ pub struct Who {
     pub prefill: Option<String>,
     pub decode: Option<String>,
     pub attempts: u32,
+    /// The pairs (or workers) that continued the answer after its decode died, in order.
+    pub resumed_on: Vec<ResumedOn>,
+}
+
+/// Where a resumed answer went on: the continuation's prefill and decode (PD) or worker.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct ResumedOn {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decode: Option<String>,
 }
 
 /// How the response ended.
@@ -347,7 +382,16 @@ impl Account {
             w.model.clone_from(&ctx.req.model);
             Box::new(w)
         });
-        Account { arrival: ctx.started, arrival_unix_s: ctx.arrival_unix_s, slo: ctx.slo, placement, protocol, route: ctx.route, streamed: ctx.req.stream, who }
+        Account { arrival: ctx.started, arrival_unix_s: ctx.arrival_unix_s, slo: ctx.slo, placement, protocol, route: ctx.route, streamed: ctx.req.stream, who, resumes: 0 }
+    }
+
+    /// The answer went on after a resume on the workers `cont` was placed on: the request log
+    /// names them (the first attempt's workers stay the request's own).
+    pub fn resumed(&mut self, cont: Option<Account>) {
+        self.resumes += 1;
+        if let (Some(mine), Some(theirs)) = (self.who.as_mut(), cont.and_then(|c| c.who)) {
+            mine.resumed_on.push(ResumedOn { worker: theirs.worker, prefill: theirs.prefill, decode: theirs.decode });
+        }
     }
 
     /// Records the finished request (metrics, goodput, log) at `now`.
@@ -358,7 +402,7 @@ impl Account {
         let ttft = if self.streamed { end.first_content.map(|t| t.saturating_duration_since(self.arrival)) } else { (!failed).then_some(e2e) };
         let f = RequestFigures { e2e, ttft, streamed: self.streamed, prompt_tokens: end.usage.prompt, output_tokens: end.usage.output, cached_tokens: end.usage.cached, failed };
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
-        let Account { arrival_unix_s, slo, placement, protocol, route, streamed, who, .. } = self;
+        let Account { arrival_unix_s, slo, placement, protocol, route, streamed, who, resumes, .. } = self;
         // The placement cost model's decode step: a disaggregated stream's measured TPOT.
         if placement == "disaggregated" && !f.failed && f.output_tokens.is_some_and(|n| n >= 2) {
             if let Some(tpot) = f.tpot() {
@@ -391,6 +435,8 @@ impl Account {
                 status: end.status,
                 error: end.error,
                 attempts: who.attempts,
+                resumes,
+                resumed_on: who.resumed_on,
             }
         })
     }

@@ -134,3 +134,41 @@ fn usage_is_asked_for_only_where_the_client_did_not() {
     let mut generate = parse(Endpoint::Generate, json!({"text": "a", "stream": true}));
     assert!(!ask_for_usage(&mut generate));
 }
+
+#[test]
+fn a_resumed_stream_counts_the_whole_answer_not_the_continuation() {
+    // The first decode sent 3 tokens and died; the continuation's engine saw a prompt of
+    // 4 + 3 tokens (7) and generated 4: the answer is a 4-token prompt and 7 tokens out.
+    let t0 = Instant::now();
+    let mut t = StreamTally::new(Endpoint::ChatCompletions, true, false);
+    for (i, c) in [chat("a"), chat("b"), chat("c")].iter().enumerate() {
+        t.process(Bytes::from(c.clone()), t0 + Duration::from_millis(i as u64));
+    }
+    t.continued(3);
+    let out = t.process(Bytes::from(format!("{}{}", chat("d"), usage_chunk())), t0 + Duration::from_millis(5));
+    assert!(!String::from_utf8_lossy(&out).contains("usage"), "the usage the gateway asked for is still stripped");
+    assert_eq!(t.first_content, Some(t0), "the first token came on the first decode");
+    assert_eq!(t.usage(), Usage { prompt: Some(4), output: Some(7), cached: Some(4) });
+}
+
+#[test]
+fn a_resumed_generate_stream_counts_the_whole_answer() {
+    let t0 = Instant::now();
+    let mut t = StreamTally::new(Endpoint::Generate, false, false);
+    let meta = |text: &str, prompt: u64, done: u64| ev(json!({"text": text, "output_ids": [1], "meta_info": {"prompt_tokens": prompt, "completion_tokens": done}}));
+    t.process(Bytes::from(meta("a", 5, 1) + &meta("ab", 5, 2)), t0);
+    t.continued(2);
+    t.process(Bytes::from(meta("c", 7, 1) + &meta("cd", 7, 2)), t0 + Duration::from_millis(3));
+    assert_eq!(t.usage(), Usage { prompt: Some(5), output: Some(4), cached: None });
+}
+
+#[test]
+fn without_reported_usage_a_resumed_stream_counts_its_events_over_both_decodes() {
+    let t0 = Instant::now();
+    let mut t = StreamTally::new(Endpoint::Completions, false, false);
+    let text = |s: &str| ev(json!({"choices": [{"index": 0, "text": s}]}));
+    t.process(Bytes::from(text("a") + &text("b")), t0);
+    t.continued(2);
+    t.process(Bytes::from(text("c") + "data: [DONE]\n\n"), t0);
+    assert_eq!(t.usage().output, Some(3));
+}

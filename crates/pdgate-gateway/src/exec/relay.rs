@@ -242,7 +242,14 @@ impl StreamRelay {
         self.events = std::mem::replace(&mut next.events, Box::pin(futures_util::stream::empty()));
         self.prefill = next.prefill.take();
         self.rewriter = next.rewriter.take();
-        self.held.extend(next.finish.take());
+        if let Some(mut held) = next.finish.take() {
+            // One answer, one account: the continuation's workers are named in the first's.
+            let cont = held.account.take();
+            if let Some(account) = self.finish.as_mut().and_then(|f| f.account.as_mut()) {
+                account.resumed(cont);
+            }
+            self.held.push(held);
+        }
         // `next` leaves with the dead leg (its abort guard already disarmed).
         std::mem::swap(&mut self.relayed, &mut next.relayed);
         // The accounting is the client's view of one answer: its first content token came on the
@@ -259,7 +266,9 @@ impl StreamRelay {
         }
         match resumer.resume(&self.relayed.worker.clone(), err).await {
             Some(next) => {
+                let generated = resumer.generated();
                 self.adopt(next);
+                self.relayed.tally.continued(generated);
                 true
             }
             None => false,
@@ -377,10 +386,14 @@ impl StreamRelay {
 
     /// The relayed leg died with `err`: its worker hears it, then the stream is resumed on a
     /// new pair or ends with the error event.
-    async fn died(&mut self, err: GatewayError) -> Option<Option<Bytes>> {
+    async fn died(&mut self, mut err: GatewayError) -> Option<Option<Bytes>> {
         self.judge(&err);
         if self.resumed(&err).await {
             return None;
+        }
+        // The client learns why its stream was not continued (e.g. `guided_decoding`).
+        if let Some(why) = self.resumer.as_ref().and_then(|r| r.why_not()) {
+            err.message = format!("{}; not resumed: {why}", err.message);
         }
         Some(self.error_event(&err))
     }

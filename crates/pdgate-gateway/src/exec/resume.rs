@@ -39,6 +39,8 @@ pub struct Resumer {
     failed: Vec<String>,
     /// The decision the stream started with, for the log.
     first_route: Record,
+    /// Why the last death was not resumed, for the stream's error event.
+    why_not: Option<String>,
 }
 
 impl Resumer {
@@ -58,7 +60,7 @@ impl Resumer {
             ctx.req.body.insert("return_token_ids".into(), Value::Bool(true));
             ctx.req.rewritten = true;
         }
-        Some(Resumer { ctx: None, refused, tracker, left, failed: Vec::new(), first_route: Record::default() })
+        Some(Resumer { ctx: None, refused, tracker, left, failed: Vec::new(), first_route: Record::default(), why_not: None })
     }
 
     /// The stream committed: keep what a continuation will need.
@@ -74,6 +76,11 @@ impl Resumer {
         self.tracker.is_some()
     }
 
+    /// Tokens of the answer generated so far (before the running continuation, once one began).
+    pub fn generated(&self) -> u64 {
+        self.tracker.as_ref().map_or(0, |t| t.progress.generated() as u64)
+    }
+
     /// One relayed chunk as the client is to see it.
     pub fn process(&mut self, chunk: Bytes) -> Bytes {
         match self.tracker.as_mut() {
@@ -82,13 +89,20 @@ impl Resumer {
         }
     }
 
-    /// Whether `err` is a relayed leg that died (not the deadline, not a refused answer).
+    /// Whether `err` is a relayed leg that died (not the deadline, not a refused answer, not
+    /// a worker that was never reached: that one never started, a plain retry).
     pub fn is_death(err: &GatewayError) -> bool {
         use pdgate_core::{ErrorKind, Leg};
-        matches!(err.leg, Some(Leg::Decode | Leg::Regular)) && matches!(err.kind, ErrorKind::WorkerUnreachable | ErrorKind::StreamTruncated)
+        matches!(err.leg, Some(Leg::Decode | Leg::Regular)) && matches!(err.kind, ErrorKind::WorkerUnreachable | ErrorKind::StreamTruncated) && !err.not_sent
     }
 
-    fn refuse(&self, reason: &'static str, err: &GatewayError) -> Option<StreamRelay> {
+    /// Why the stream was not continued after its relayed leg died (for its error event).
+    pub fn why_not(&self) -> Option<&str> {
+        self.why_not.as_deref()
+    }
+
+    fn refuse(&mut self, reason: &'static str, err: &GatewayError) -> Option<StreamRelay> {
+        self.why_not = Some(reason.to_string());
         if let Some(ctx) = &self.ctx {
             ctx.state.metrics.resumes.with_label_values(&["refused", reason]).inc();
             tracing::warn!(request_id = %ctx.request_id, reason, error = %err, route = %self.first_route.full(), "stream not resumed after its decode died");
@@ -150,6 +164,7 @@ impl Resumer {
             }
             Ok(Committed::Whole(_)) => {
                 metrics.resumes.with_label_values(&["failed", "not_a_stream"]).inc();
+                self.why_not = Some("the continuation was not a stream".into());
                 None
             }
             Err(f) => {
@@ -159,6 +174,7 @@ impl Resumer {
                     self.failed.push(url.clone());
                 }
                 metrics.resumes.with_label_values(&["failed", f.error.reason()]).inc();
+                self.why_not = Some(format!("the continuation failed ({})", f.error.code()));
                 tracing::warn!(request_id = %ctx.request_id, dead, error = %err, continuation_error = %f.error, "resuming the stream failed");
                 None
             }
@@ -171,10 +187,9 @@ impl Resumer {
 /// (retries off or over budget): at most `--max-resumes` times, within the deadline. `used`
 /// counts this request's resumes.
 pub fn resume_whole(ctx: &Ctx, err: &GatewayError, used: &mut u32) -> bool {
-    // Only a PD decode: a regular worker that fails a whole answer (refused connection, TLS
-    // handshake) is a plain retry, which the operator may have turned off. The error does not
-    // yet say whether the decode had accepted the request, so a decode refusing its connection
-    // is re-sent here too (see docs/architecture.md, "Resume after decode death").
+    // Only a PD decode that had the request: a regular worker that fails a whole answer, or a
+    // decode that refused the connection (or failed the TLS handshake), never started: that is
+    // a plain retry, which the operator may have turned off (`is_death`).
     if ctx.req.stream || err.leg != Some(pdgate_core::Leg::Decode) || !Resumer::is_death(err) || *used >= ctx.state.config.max_resumes || Instant::now() >= ctx.deadline {
         return false;
     }

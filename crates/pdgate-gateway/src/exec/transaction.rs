@@ -110,7 +110,9 @@ pub async fn execute(mut ctx: Ctx) -> Response {
             let response = error_response(err);
             return finish(&ctx, response, &record, Some(err));
         }
-        if !resume {
+        if resume {
+            record.resumes += 1;
+        } else {
             metrics.retries.with_label_values(&[err.reason()]).inc();
         }
         if let Some(w) = failure.worker {
@@ -159,7 +161,7 @@ pub(super) async fn attempt(ctx: &Ctx, failed: &[String], placed: Option<Placeme
     record.rendezvous = plan.rendezvous.clone();
     let relayed_url = plan.relayed.url.clone();
     let mode = plan.mode;
-    run(ctx, chosen, record.attempts).await.map_err(|error| {
+    run(ctx, chosen, record.attempts, record.resumes).await.map_err(|error| {
         if mode == Mode::Pd(KvConnector::Mooncake) {
             if let Some(p) = &prefill_url {
                 ctx.state.forget_engine_id(p);
@@ -308,12 +310,12 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
 }
 
 /// Runs a chosen plan: prepare, send the legs in the plan's order, commit and relay.
-async fn run(ctx: &Ctx, chosen: Chosen, attempts: u32) -> Result<Committed, GatewayError> {
+async fn run(ctx: &Ctx, chosen: Chosen, attempts: u32, resumes: u32) -> Result<Committed, GatewayError> {
     let client = ctx.state.client.clone();
     let Chosen { plan, prefill_runtime, relayed_runtime, .. } = chosen;
     let protocol = plan.mode.as_str();
     let relayed_body = prepare_relayed(ctx, &client, &plan).await?;
-    let (mut finish, prefill_queued) = accounting(ctx, &plan, prefill_runtime, relayed_runtime, attempts);
+    let (mut finish, prefill_queued) = accounting(ctx, &plan, prefill_runtime, relayed_runtime, attempts, resumes);
     let mut watched = Watched { leg: None, answer: None, blame_silent_prefill: plan.order == Order::Concurrent, release: None };
     let body = match (plan.order, &plan.prefill, relayed_body) {
         (Order::PrefillFirst, Some(p), _) => {
@@ -363,7 +365,7 @@ fn nixl_decode_body(ctx: &Ctx, prefill: &str, answer: &Bytes, finish: &mut Finis
 /// decode pulls the KV from it afterwards, with Mooncake it pushes after answering. Queued
 /// (routing): the prefill's prompt tokens until its leg ends (returned here, for the leg to
 /// hold); the relayed worker's KV tokens (and, regular, the prompt) until the response ends.
-fn accounting(ctx: &Ctx, plan: &PdPlan, prefill: Option<Arc<Runtime>>, relayed: Arc<Runtime>, attempts: u32) -> (Finish, Option<TokenGuard>) {
+fn accounting(ctx: &Ctx, plan: &PdPlan, prefill: Option<Arc<Runtime>>, relayed: Arc<Runtime>, attempts: u32, resumes: u32) -> (Finish, Option<TokenGuard>) {
     let m = &ctx.state.metrics;
     let role = if plan.mode == Mode::Regular { WorkerRole::Regular } else { WorkerRole::Decode };
     let mut guards = vec![InflightGuard::new(m, &relayed, &plan.relayed.url, role.as_str())];
@@ -374,13 +376,15 @@ fn accounting(ctx: &Ctx, plan: &PdPlan, prefill: Option<Arc<Runtime>>, relayed: 
         guards.push(InflightGuard::new(m, &rt, &p.url, WorkerRole::Prefill.as_str()));
         prefill_queued = Some(TokenGuard::new(&rt, ctx.req.prompt_tokens, 0));
     }
-    let account = Account::new(ctx, placement_of(plan.mode), plan.mode.as_str(), || {
+    let mut account = Account::new(ctx, placement_of(plan.mode), plan.mode.as_str(), || {
         let (relayed, prefill) = (Some(plan.relayed.url.clone()), plan.prefill.as_ref().map(|p| p.url.clone()));
         match plan.mode {
             Mode::Regular => Who { worker: relayed, attempts, ..Who::default() },
             Mode::Pd(_) => Who { prefill, decode: relayed, attempts, ..Who::default() },
         }
     });
+    // A whole answer sent again after its decode died (`record.resumes`).
+    account.resumes = resumes;
     let finish = Finish {
         state: ctx.state.clone(),
         route: ctx.route,
@@ -404,13 +408,14 @@ fn account_failure(ctx: &Ctx, record: &Record, status: u16, err: &GatewayError) 
         p => p,
     };
     let protocol = if record.protocol.is_empty() { "none" } else { record.protocol };
-    let account = Account::new(ctx, placement, protocol, || Who {
+    let mut account = Account::new(ctx, placement, protocol, || Who {
         worker: record.worker.clone(),
         prefill: record.prefill.clone(),
         decode: record.decode.clone(),
         attempts: record.attempts,
         ..Who::default()
     });
+    account.resumes = record.resumes;
     let end = Ending { status, error: Some(err.code()), first_content: None, usage: Usage::default() };
     account.finish(&ctx.state, end, std::time::Instant::now());
 }
