@@ -7,7 +7,7 @@
 //! | mode      | order         | prefill leg                               | decode leg (relayed)                        |
 //! |-----------|---------------|-------------------------------------------|---------------------------------------------|
 //! | regular   | one leg       | -                                         | the client's body as received               |
-//! | bootstrap | concurrent    | the decode's body (same bytes)            | body + `bootstrap_host/port/room`           |
+//! | bootstrap | concurrent    | the decode's body (streams: `stream` false) | body + `bootstrap_host/port/room`         |
 //! | nixl      | prefill first | max_tokens 1, no stream, remote decode    | body + the prefill's `kv_transfer_params`   |
 //! | mooncake  | concurrent    | max_tokens 1, no stream, `transfer_id`    | body + transfer id, P's engine id and addr  |
 
@@ -205,7 +205,12 @@ pub fn pd(snap: &PoolSnapshot, prefill: &Selection, decode: &Selection, req: &Pa
             // client `rid`, so this is always the gateway's.
             body.insert("rid".into(), Value::from(request_id));
             let abort = AbortStyle::AbortRequest { rid: request_id.to_string() };
-            let p_leg = leg_plan(snap, p, Leg::Prefill, LegBody::SameAsRelayed, false, abort.clone());
+            // A streamed request's prefill is asked for a whole answer: the gateway only drains
+            // it (or reads its input logprobs), and streaming it costs the engine SSE framing
+            // for nothing. SMG 1.13.0 does not stream its prefill either (measured:
+            // docs/performance.md, "Streaming"). Otherwise the same bytes as the decode's.
+            let p_body = if stream { LegBody::Json(bootstrap::whole_prefill_body(&body)) } else { LegBody::SameAsRelayed };
+            let p_leg = leg_plan(snap, p, Leg::Prefill, p_body, false, abort.clone());
             let d_leg = leg_plan(snap, d, Leg::Decode, LegBody::Json(body), stream, abort);
             (Order::Concurrent, p_leg, d_leg, Rendezvous::Rooms(rooms))
         }

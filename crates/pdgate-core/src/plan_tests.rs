@@ -59,9 +59,15 @@ fn bootstrap_sends_one_body_with_a_room_to_both_legs_at_once() {
     let p = plan(KvConnector::Bootstrap, &r, 1);
     assert_eq!((p.mode, p.order), (Mode::Pd(KvConnector::Bootstrap), Order::Concurrent));
     let pre = p.prefill.as_ref().unwrap();
-    assert_eq!((pre.leg, pre.url.as_str(), pre.stream, &pre.body), (Leg::Prefill, "http://10.0.0.1:30000", false, &LegBody::SameAsRelayed));
+    assert_eq!((pre.leg, pre.url.as_str(), pre.stream), (Leg::Prefill, "http://10.0.0.1:30000", false));
     assert_eq!((p.relayed.leg, p.relayed.url.as_str(), p.relayed.stream), (Leg::Decode, "http://10.0.0.2:30001", true));
     let body = json_body(&p.relayed.body);
+    // A streamed request's prefill is asked for a whole answer, otherwise the decode's body.
+    let mut pre_body = json_body(&pre.body).clone();
+    assert_eq!(pre_body.insert("stream".into(), json!(true)), Some(json!(false)));
+    assert_eq!(&pre_body, body);
+    let whole = req(Endpoint::Generate, json!({"text": "hi", "sampling_params": {"max_new_tokens": 4}}));
+    assert_eq!(plan(KvConnector::Bootstrap, &whole, 1).prefill.unwrap().body, LegBody::SameAsRelayed, "not streamed: the same bytes");
     let Some(Rendezvous::Rooms(Rooms::Single(room))) = p.rendezvous else { panic!("{:?}", p.rendezvous) };
     assert_eq!((body["bootstrap_host"].clone(), body["bootstrap_port"].clone(), body["bootstrap_room"].clone()), (json!("10.0.0.1"), json!(8998), json!(room)));
     assert!(room <= MAX_ROOM);

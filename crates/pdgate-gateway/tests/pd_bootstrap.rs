@@ -63,7 +63,7 @@ async fn input_logprobs_are_merged_from_a_json_prefill() {
 }
 
 #[tokio::test]
-async fn input_logprobs_are_merged_into_every_chunk_from_a_streaming_prefill() {
+async fn input_logprobs_are_merged_into_every_chunk_and_the_prefill_is_not_asked_to_stream() {
     let (p, d) = pair().await;
     let (_gw, url) = gateway(json!({"pd_disaggregation": true, "prefill": [p.url], "decode": [d.url]})).await;
     wait_ready(&url).await;
@@ -76,6 +76,13 @@ async fn input_logprobs_are_merged_into_every_chunk_from_a_streaming_prefill() {
         assert_eq!(c["meta_info"]["input_token_logprobs"], json!([[-1.0, 11, null], [-2.0, 12, null]]), "{c}");
     }
     assert!(text.ends_with("data: [DONE]\n\n"));
+    // The gateway only reads the prefill's whole answer: it asks for one (as SMG does), and
+    // otherwise sends the decode's body, rendezvous fields and all.
+    let (mut pb, mut db) = (p.log().bodies()[0].clone(), d.log().bodies()[0].clone());
+    assert_eq!((pb["stream"].clone(), db["stream"].clone()), (json!(false), json!(true)));
+    pb.as_object_mut().unwrap().remove("stream");
+    db.as_object_mut().unwrap().remove("stream");
+    assert_eq!(pb, db);
 }
 
 #[tokio::test]

@@ -1,6 +1,8 @@
-//! What tracking a stream for resume costs per relayed chunk (a measurement, not a test): the
-//! `ResumeTracker` parses each event, takes the token ids out and re-frames it; a stream that
-//! cannot be resumed skips all of it. Run on a quiet machine:
+//! What tracking a stream for resume costs per relayed chunk (a measurement, not a test), both
+//! ways in the same run: `process` parses each event, takes the token ids out and re-frames it
+//! (the slow path, still used for the first event and for a continuation's); `process_raw`
+//! (what the relay uses) scans each event's bytes and cuts the ids out. A stream that cannot be
+//! resumed skips all of it. Run on a quiet machine:
 //!
 //!     cargo run --release -p pdgate-protocol --example resume_cost
 #![allow(clippy::unwrap_used, clippy::print_stdout)]
@@ -19,12 +21,22 @@ fn main() {
         format!("data: {c}\n\n").into_bytes()
     };
     let chunks: Vec<Vec<u8>> = (0..std::env::args().nth(1).map_or(100_000, |n| n.parse().unwrap())).map(chunk).collect();
-    let mut tracker = ResumeTracker::new(&req);
-    let t = Instant::now();
-    let mut out = 0usize;
-    for c in &chunks {
-        out += tracker.process(c).len();
-    }
-    let per = t.elapsed().as_nanos() as f64 / chunks.len() as f64;
-    println!("{} chunks of {} bytes: {per:.0} ns per chunk tracked ({out} bytes out), {} ids kept", chunks.len(), chunks[0].len(), tracker.progress.generated());
+    let run = |raw: bool| {
+        let mut tracker = ResumeTracker::new(&req);
+        let t = Instant::now();
+        let mut out = 0usize;
+        for c in &chunks {
+            out += if raw { tracker.process_raw(c).map_or(c.len(), |v| v.len()) } else { tracker.process(c).len() };
+        }
+        let per = t.elapsed().as_nanos() as f64 / chunks.len() as f64;
+        println!(
+            "{}: {} chunks of {} bytes: {per:.0} ns per chunk tracked ({out} bytes out), {} ids kept",
+            if raw { "process_raw (scan)" } else { "process (parse)" },
+            chunks.len(),
+            chunks[0].len(),
+            tracker.progress.generated()
+        );
+    };
+    run(false);
+    run(true);
 }

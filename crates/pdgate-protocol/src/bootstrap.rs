@@ -1,7 +1,8 @@
 //! SGLang bootstrap rendezvous fields (docs/protocols.md §1).
 //!
 //! Both legs get the same body with `bootstrap_host`, `bootstrap_port` and `bootstrap_room`; for
-//! a batch (or n>1) each field is a list with one entry and a distinct room per item.
+//! a batch (or n>1) each field is a list with one entry and a distinct room per item. A streamed
+//! request's prefill is asked for a whole answer ([`whole_prefill_body`]).
 
 use serde_json::{Map, Value};
 
@@ -72,4 +73,13 @@ mod tests {
             })
         );
     }
+}
+
+/// The prefill's body for a streamed request: the decode's body (rendezvous fields and all)
+/// asking for a whole answer, without `stream_options` (engines refuse it without `stream`).
+pub fn whole_prefill_body(decode: &Map<String, Value>) -> Map<String, Value> {
+    let mut body = decode.clone();
+    body.insert("stream".into(), Value::Bool(false));
+    body.remove("stream_options");
+    body
 }

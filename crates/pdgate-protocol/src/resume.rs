@@ -15,7 +15,7 @@
 use serde_json::{json, Map, Value};
 
 use crate::request::{Endpoint, ParsedRequest};
-use crate::sse::{frame, SseDecoder};
+use crate::sse::{find_boundary, frame, parse_event, SseDecoder};
 
 /// OpenAI's default `max_tokens` for `/v1/completions` (vLLM's too).
 pub const COMPLETIONS_DEFAULT_MAX_TOKENS: u64 = 16;
@@ -384,27 +384,89 @@ impl Progress {
 
 /// The SSE side of [`Progress`]: whole events in, whole events out (a partial event is held
 /// until its end arrives, so a dead stream never leaves the client mid-event).
+///
+/// The first stream is read in place ([`ResumeTracker::process_raw`]): an event of the usual
+/// shape is scanned, not parsed, and goes out as the engine wrote it less the ids the client
+/// did not ask for (`resume_scan.rs`); the first event and anything unusual take the slow
+/// path (`serde_json::Value`). A continuation's events are rewritten, so they are parsed.
 #[derive(Debug)]
 pub struct ResumeTracker {
     decoder: SseDecoder,
     pub progress: Progress,
     continuing: bool,
+    /// The first stream's bytes of an event not yet complete.
+    held: Vec<u8>,
 }
 
 impl ResumeTracker {
     pub fn new(req: &ParsedRequest) -> Self {
-        ResumeTracker { decoder: SseDecoder::new(), progress: Progress::new(req), continuing: false }
+        ResumeTracker { decoder: SseDecoder::new(), progress: Progress::new(req), continuing: false, held: Vec::new() }
     }
 
     /// The relayed stream broke: what it left half-sent is dropped, the next bytes are a
     /// continuation's.
     pub fn begin_continuation(&mut self) {
         self.decoder = SseDecoder::new();
+        self.held.clear();
         self.progress.begin_continuation();
         self.continuing = true;
     }
 
-    /// One chunk of the relayed stream, as the client is to see it.
+    /// One chunk of the relayed stream, as the client is to see it: `None` when that is the
+    /// chunk itself (the usual case when the client asked for the ids, or an event is dropped
+    /// or cut nowhere).
+    pub fn process_raw(&mut self, chunk: &[u8]) -> Option<Vec<u8>> {
+        if self.continuing {
+            return Some(self.process(chunk).into_bytes());
+        }
+        let held = !self.held.is_empty();
+        let joined = held.then(|| {
+            let mut j = std::mem::take(&mut self.held);
+            j.extend_from_slice(chunk);
+            j
+        });
+        let data: &[u8] = joined.as_deref().unwrap_or(chunk);
+        let (mut out, mut changed, mut pos) = (Vec::with_capacity(data.len()), held, 0);
+        while let Some((end, sep)) = find_boundary(&data[pos..], 0) {
+            let (raw, whole) = (&data[pos..pos + end], &data[pos..pos + end + sep]);
+            match self.progress.observe_raw(raw) {
+                Some(scan::Fast::Same) => out.extend_from_slice(whole),
+                Some(scan::Fast::Cut(b)) => {
+                    out.extend_from_slice(&b);
+                    out.extend_from_slice(&whole[end..]);
+                    changed = true;
+                }
+                Some(scan::Fast::Drop) => changed = true,
+                None => {
+                    let slow = self.first_stream_event(raw);
+                    changed |= slow.as_bytes() != whole;
+                    out.extend_from_slice(slow.as_bytes());
+                }
+            }
+            pos += end + sep;
+        }
+        if pos < data.len() {
+            self.held.extend_from_slice(&data[pos..]);
+            changed = true;
+        }
+        changed.then_some(out)
+    }
+
+    /// The slow path for one raw event of the first stream: parsed, learned, re-framed.
+    fn first_stream_event(&mut self, raw: &[u8]) -> String {
+        let Some(ev) = parse_event(raw) else { return String::new() };
+        if ev.is_done() {
+            return frame(&ev.data);
+        }
+        let Ok(mut v) = serde_json::from_str::<Value>(&ev.data) else { return frame(&ev.data) };
+        if self.progress.observe(&mut v) {
+            frame(&v.to_string())
+        } else {
+            String::new()
+        }
+    }
+
+    /// One chunk of the relayed stream, as the client is to see it (every event parsed).
     pub fn process(&mut self, chunk: &[u8]) -> String {
         let mut out = String::new();
         for ev in self.decoder.feed(chunk) {
@@ -430,6 +492,9 @@ impl ResumeTracker {
         out
     }
 }
+
+#[path = "resume_scan.rs"]
+mod scan;
 
 #[cfg(test)]
 #[path = "resume_tests.rs"]

@@ -182,3 +182,84 @@ fn generate_continues_from_input_ids_and_reads_as_one_cumulative_stream() {
     assert_eq!(out["meta_info"]["id"], "g-1", "the first stream's id");
     assert_eq!(p.refusal(), Some("already_finished"));
 }
+
+/// Every event of `text` as JSON (or its raw data), for comparing two relays of one stream.
+fn decoded(text: &[u8]) -> Vec<Value> {
+    SseDecoder::new().feed(text).into_iter().map(|e| serde_json::from_str(&e.data).unwrap_or(Value::String(e.data))).collect()
+}
+
+/// The first stream read in place (`process_raw`, cut into `step`-byte chunks) and read by
+/// parsing every event (`process`): the client sees the same events, the tracker learns the
+/// same ids.
+fn fast_equals_slow(r: &ParsedRequest, events: &[Value], step: usize) {
+    let mut text: String = events.iter().map(|e| frame(&e.to_string())).collect();
+    text.push_str("data: [DONE]\n\n");
+    let (mut fast, mut slow) = (ResumeTracker::new(r), ResumeTracker::new(r));
+    let mut out = Vec::new();
+    for c in text.as_bytes().chunks(step) {
+        out.extend(fast.process_raw(c).unwrap_or_else(|| c.to_vec()));
+    }
+    let expected = slow.process(text.as_bytes());
+    assert_eq!(decoded(&out), decoded(expected.as_bytes()), "step {step}");
+    let (f, s) = (&fast.progress, &slow.progress);
+    assert_eq!((&f.generated, &f.prompt_ids, f.finished, f.ids_unknown, &f.head), (&s.generated, &s.prompt_ids, s.finished, s.ids_unknown, &s.head), "step {step}");
+}
+
+#[test]
+fn reading_in_place_learns_and_hides_what_parsing_does() {
+    let mut first = chunk("ab", &[97, 98], None);
+    first["choices"][0]["prompt_token_ids"] = json!([256, 104, 105]);
+    let mut ids_first = json!({"id": "cmpl-a", "choices": [{"token_ids": [7, 8], "index": 0, "text": "x", "finish_reason": null}]});
+    ids_first["created"] = json!(7);
+    let tricky = json!({"id": "cmpl-a", "choices": [{"index": 0, "text": "q\"token_ids\":[1]} \\", "logprobs": null, "finish_reason": null, "token_ids": [5]}]});
+    let events = [
+        first,
+        chunk("c", &[99], None),
+        chunk("", &[0xe2], None), // only ids: dropped for a client that did not ask
+        ids_first,
+        tricky,
+        json!({"id": "cmpl-a", "choices": [{"index": 0, "text": "no ids", "finish_reason": null}]}),
+        json!({"id": "cmpl-a", "choices": [{"index": 0, "text": "", "token_ids": [9], "logprobs": {"tokens": ["x"]}, "finish_reason": null}]}),
+        chunk("d", &[100], Some("length")),
+        json!({"id": "cmpl-a", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}),
+        json!({"error": {"message": "boom"}}),
+    ];
+    for extra in [json!({}), json!({"return_token_ids": true})] {
+        let r = completions(extra);
+        for step in [1, 7, 64, 4096] {
+            fast_equals_slow(&r, &events, step);
+        }
+    }
+    let chat = req(Endpoint::ChatCompletions, json!({"messages": [{"role": "user", "content": "x"}], "stream": true}));
+    let head = |choice: Value| json!({"id": "chatcmpl-a", "object": "chat.completion.chunk", "created": 3, "model": "m", "choices": [choice]});
+    let mut role = head(json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}));
+    role["prompt_token_ids"] = json!([256, 1, 2]);
+    let events = [
+        role,
+        head(json!({"index": 0, "delta": {"content": "h"}, "token_ids": [104], "finish_reason": null})),
+        head(json!({"index": 0, "delta": {}, "token_ids": [0xe2], "finish_reason": null})),
+        head(json!({"index": 0, "delta": {"content": "i"}, "finish_reason": null})),
+        head(json!({"index": 0, "delta": {}, "token_ids": [], "finish_reason": "stop"})),
+    ];
+    for step in [1, 5, 4096] {
+        fast_equals_slow(&chat, &events, step);
+    }
+}
+
+#[test]
+fn an_event_of_the_usual_shape_goes_out_as_the_engine_wrote_it() {
+    let wants = completions(json!({"return_token_ids": true}));
+    let mut t = ResumeTracker::new(&wants);
+    let mut first = chunk("a", &[97], None);
+    first["choices"][0]["prompt_token_ids"] = json!([1]);
+    t.process_raw(frame(&first.to_string()).as_bytes());
+    let raw = br#"data: {"id":"cmpl-a","object":"text_completion","created":7,"model":"m","choices":[{"index":0,"text":"b","logprobs":null,"finish_reason":null,"token_ids":[98]}]}
+
+"#;
+    assert_eq!(t.process_raw(raw), None, "asked for ids: nothing to change, nothing copied");
+    let mut t = ResumeTracker::new(&completions(json!({})));
+    t.process_raw(frame(&first.to_string()).as_bytes());
+    let out = String::from_utf8(t.process_raw(raw).unwrap()).unwrap();
+    assert_eq!(out, "data: {\"id\":\"cmpl-a\",\"object\":\"text_completion\",\"created\":7,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"b\",\"logprobs\":null,\"finish_reason\":null}]}\n\n");
+    assert_eq!(t.progress.generated(), 2);
+}

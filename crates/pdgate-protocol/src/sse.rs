@@ -162,7 +162,7 @@ pub fn looks_like_sse(first: &[u8]) -> bool {
 }
 
 /// Position of the first blank line (`\n\n` or `\r\n\r\n`) at or after `from`, and its length.
-fn find_boundary(buf: &[u8], from: usize) -> Option<(usize, usize)> {
+pub(crate) fn find_boundary(buf: &[u8], from: usize) -> Option<(usize, usize)> {
     let mut i = from;
     while i + 1 < buf.len() {
         if buf[i] == b'\n' && buf[i + 1] == b'\n' {
@@ -176,7 +176,7 @@ fn find_boundary(buf: &[u8], from: usize) -> Option<(usize, usize)> {
     None
 }
 
-fn parse_event(raw: &[u8]) -> Option<SseEvent> {
+pub(crate) fn parse_event(raw: &[u8]) -> Option<SseEvent> {
     let text = String::from_utf8_lossy(raw);
     let mut data: Vec<&str> = Vec::new();
     for line in text.lines() {

@@ -109,17 +109,14 @@ impl Rewriter {
         }
     }
 
-    /// One chunk of an SSE stream.
+    /// One chunk of an SSE stream. Without logprobs to merge it passes unread: a stream's cache
+    /// report comes from the usage its accounting already reads ([`StreamTally`], see
+    /// [`StreamRelay::cache_report`]), so no event is parsed here.
     pub fn process_sse(&mut self, chunk: Bytes) -> Bytes {
-        let events = self.decoder.feed(&chunk);
         if self.logprobs.is_none() {
-            for ev in events.iter().filter(|e| !e.is_done()) {
-                if let Ok(v) = serde_json::from_str::<Value>(&ev.data) {
-                    self.observe(&v);
-                }
-            }
             return chunk;
         }
+        let events = self.decoder.feed(&chunk);
         let mut out = String::new();
         for ev in events {
             if ev.is_done() {
@@ -209,6 +206,8 @@ pub struct StreamRelay {
     first: Option<Bytes>,
     events: LegEvents,
     deadline: Instant,
+    /// The deadline as one timer for the whole stream: a timer per chunk cost ~1 µs a chunk.
+    expiry: std::pin::Pin<Box<tokio::time::Sleep>>,
     prefill: Option<PrefillLeg>,
     rewriter: Option<Rewriter>,
     finish: Option<Finish>,
@@ -224,7 +223,8 @@ pub struct StreamRelay {
 
 impl StreamRelay {
     pub fn new(first: Bytes, events: LegEvents, deadline: Instant, prefill: Option<PrefillLeg>, rewriter: Option<Rewriter>, finish: Finish, relayed: Relayed) -> Self {
-        StreamRelay { first: Some(first), events, deadline, prefill, rewriter, finish: Some(finish), relayed, done: false, resumer: None, held: Vec::new(), error: None }
+        let expiry = Box::pin(tokio::time::sleep_until(deadline));
+        StreamRelay { first: Some(first), events, deadline, expiry, prefill, rewriter, finish: Some(finish), relayed, done: false, resumer: None, held: Vec::new(), error: None }
     }
 
     pub fn with_resumer(mut self, resumer: Option<Resumer>) -> Self {
@@ -306,12 +306,20 @@ impl StreamRelay {
         let tail = self.rewriter.as_mut().and_then(Rewriter::flush);
         if let Some(f) = self.finish.take() {
             let first = self.relayed.tally.first_content;
-            f.done(self.rewriter.as_ref().and_then(|r| r.cache), self.error.take(), first, self.relayed.tally.usage());
+            let usage = self.relayed.tally.usage();
+            f.done(self.cache_report(usage), self.error.take(), first, usage);
         }
         match (held, tail) {
             (Some(h), Some(t)) => Some([h, t].concat().into()),
             (h, t) => h.or(t),
         }
+    }
+
+    /// The decode's cache report: what a rewriting relay read, else the usage the accounting
+    /// read (it also sees a usage chunk it strips, which the rewriter never does).
+    fn cache_report(&self, usage: Usage) -> Option<CacheReport> {
+        let read = self.rewriter.as_ref().filter(|r| r.scan_usage).and_then(|r| r.cache);
+        read.or_else(|| Some(CacheReport { prompt_tokens: usage.prompt?, cached_tokens: usage.cached.unwrap_or(0) }))
     }
 
     /// Held bytes at the end pass the rewriter like any others.
@@ -430,7 +438,8 @@ impl StreamRelay {
             }
             let event = tokio::select! {
                 p = wait_prefill(&mut self.prefill) => Err(p),
-                e = timeout_at(self.deadline, self.events.next()) => Ok(e),
+                e = self.events.next() => Ok(Ok(e)),
+                () = &mut self.expiry => Ok(Err(())),
             };
             let event = match event {
                 Ok(e) => e,

@@ -5,7 +5,8 @@
 //! continued exactly (`pdgate_protocol::resume::refusal`); if so the decode is asked for token
 //! ids (`return_token_ids`) and the relay feeds every chunk through a
 //! [`ResumeTracker`], which learns the prompt's and the generated ids and hides the ids from a
-//! client that did not ask for them. When the relayed leg breaks (connection lost, or the end
+//! client that did not ask for them (scanning each event's bytes, not parsing them: the relay
+//! stays a byte relay). When the relayed leg breaks (connection lost, or the end
 //! without `[DONE]`), the relay calls [`Resumer::resume`]: the prompt ids plus every generated
 //! id go as a `/v1/completions` request with `max_tokens` reduced by what was generated, through
 //! a normal attempt (`transaction::attempt`: select, plan, new room or transfer id, both legs)
@@ -84,7 +85,8 @@ impl Resumer {
     /// One relayed chunk as the client is to see it.
     pub fn process(&mut self, chunk: Bytes) -> Bytes {
         match self.tracker.as_mut() {
-            Some(t) => Bytes::from(t.process(&chunk)),
+            // Mostly the chunk itself: the tracker reads events in place and re-frames none.
+            Some(t) => t.process_raw(&chunk).map_or(chunk, Bytes::from),
             None => chunk,
         }
     }

@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# Streaming benchmark (not a test): pdgate against peer gateways, same run, same mock engines.
+#
+# Three fast mock engines (examples/stream_mock.rs, one thread each: a regular worker, a prefill,
+# a decode) answer OpenAI completions; a streamed answer is 8 content events, each its own write,
+# plus the usage event when asked for it. wrk (-t2 -c32) drives each gateway in each scenario,
+# one after the other, and the script reads utime+stime from /proc of the gateway and of the
+# mocks around the measured run: req/s, the router's CPU per request, the workers' CPU per
+# request (all mocks together).
+#
+#   cargo build --release -p pdgate-gateway --bin pdgate-gateway --example stream_mock
+#   bench/gateway/stream_bench.sh                         # all gateways, all scenarios
+#   BASE=/tmp/base/pdgate-gateway bench/gateway/stream_bench.sh   # also "pdgate-base": a previous build
+#   GATEWAYS="pdgate smg" SCENARIOS="bootstrap:stream" bench/gateway/stream_bench.sh
+#   MEMORY=1 GATEWAYS="pdgate smg" bench/gateway/stream_bench.sh  # RSS idle and with 1,000 slow streams
+#
+# Scenarios (MODE:KIND): MODE is regular (one worker), bootstrap (SGLang PD: both legs at once,
+# the same body to each) or nixl (vLLM PD: the prefill first, max_tokens 1, then the decode);
+# KIND is stream (8 chunks) or whole (non-streamed). A gateway is run only in the modes it
+# speaks: pdgate all three, vllm-router regular and nixl (its --vllm-pd-disaggregation), smg
+# regular and bootstrap. Every gateway routes round robin.
+#
+# Peers: `pip install vllm-router smg==1.13.0` (VLLM_ROUTER and SMG name their commands).
+# MEMORY=1: the decode (and regular) mock waits SLOW_MS (default 1000) between 30 chunks, wrk
+# holds STREAMS (default 1000) streams open through the gateway, and the gateway's VmRSS is
+# read idle (after a warm-up) and after 15 s of that load.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+T=${CARGO_TARGET_DIR:-target}
+BIN=${BIN:-$T/release/pdgate-gateway}
+MOCK=${MOCK:-$T/release/examples/stream_mock}
+BASE=${BASE:-}
+VLLM_ROUTER=${VLLM_ROUTER:-vllm-router}
+SMG=${SMG:-smg}
+DURATION=${DURATION:-5s}
+SCENARIOS=${SCENARIOS:-regular:stream regular:whole bootstrap:stream bootstrap:whole nixl:stream nixl:whole}
+GATEWAYS=${GATEWAYS:-pdgate${BASE:+ pdgate-base} vllm-router smg}
+ulimit -n 65536 2>/dev/null || true
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+rss_kb() { awk '/VmRSS/ {print $2}' "/proc/$1/status"; }
+D=$(mktemp -d /tmp/pdgate-stream.XXXXXX)
+PIDS=()
+GW=
+cleanup() { kill $GW "${PIDS[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
+trap cleanup EXIT
+
+cat > "$D/stream.lua" <<'EOF'
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = '{"model":"mock-model","prompt":"The capital of France is","max_tokens":8,"stream":true}'
+EOF
+cat > "$D/whole.lua" <<'EOF'
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = '{"model":"mock-model","prompt":"The capital of France is","max_tokens":8}'
+EOF
+
+RP=$(free_port); PP=$(free_port); DP=$(free_port)
+DELAY=0; [ -n "${MEMORY:-}" ] && DELAY=${SLOW_MS:-1000}
+[ -n "${MEMORY:-}" ] && export STREAM_CHUNKS=30
+"$MOCK" "$RP" decode "$DELAY" & PIDS+=($!); MR=$!
+"$MOCK" "$PP" prefill 0 & PIDS+=($!); MP=$!
+"$MOCK" "$DP" decode "$DELAY" & PIDS+=($!); MD=$!
+R="http://127.0.0.1:$RP"; P="http://127.0.0.1:$PP"; DE="http://127.0.0.1:$DP"
+sleep 0.5
+
+speaks() {  # speaks GATEWAY MODE
+    case "$1:$2" in
+        vllm-router:bootstrap|smg:nixl) return 1 ;;
+        *) return 0 ;;
+    esac
+}
+
+start() {  # start GATEWAY MODE PORT; sets GW
+    local bin=$BIN args
+    case $1 in
+        pdgate|pdgate-base)
+            [ "$1" = pdgate-base ] && bin=$BASE
+            case $2 in
+                regular) args=(--worker-urls "$R") ;;
+                bootstrap) args=(--pd-disaggregation --prefill "$P" 8998 --decode "$DE") ;;
+                nixl) args=(--vllm-pd-disaggregation --prefill "$P" --decode "$DE") ;;
+            esac
+            "$bin" --port "$3" --log-level warn --policy round_robin "${args[@]}" > "$D/$1-$2.log" 2>&1 & GW=$! ;;
+        vllm-router)
+            case $2 in
+                regular) args=(--worker-urls "$R") ;;
+                nixl) args=(--vllm-pd-disaggregation --prefill "$P" --decode "$DE") ;;
+            esac
+            $VLLM_ROUTER --host 127.0.0.1 --port "$3" --log-level warning --policy round_robin "${args[@]}" > "$D/$1-$2.log" 2>&1 & GW=$! ;;
+        smg)
+            case $2 in
+                regular) args=(--worker-urls "$R") ;;
+                bootstrap) args=(--pd-disaggregation --prefill "$P" 8998 --decode "$DE") ;;
+            esac
+            $SMG launch --host 127.0.0.1 --port "$3" --log-level warn --policy round_robin "${args[@]}" > "$D/$1-$2.log" 2>&1 & GW=$! ;;
+    esac
+}
+
+# Waits until the gateway routes a request (at most ~60 s).
+wait_routing() {
+    for _ in $(seq 200); do
+        [ "$(curl -s -o /dev/null -w '%{http_code}' -H 'content-type: application/json' -d '{"model":"mock-model","prompt":"x","max_tokens":1}' "$1")" = 200 ] && return 0
+        sleep 0.3
+    done
+    echo "gateway at $1 never routed a request; log: $D" >&2
+    return 1
+}
+
+# The gateway's process: a Python launcher may exec or fork the Rust server.
+gw_pid() {
+    local child
+    child=$(pgrep -P "$GW" | head -1 || true)
+    echo "${child:-$GW}"
+}
+
+stop() { kill "$GW" 2>/dev/null || true; wait "$GW" 2>/dev/null || true; GW=; }
+
+if [ -n "${MEMORY:-}" ]; then
+    printf '%-12s %-10s %10s %12s %12s %14s\n' gateway mode idle_MiB loaded_MiB streams KiB/stream
+    for name in $GATEWAYS; do
+        for mode in ${MEMORY_MODES:-regular bootstrap}; do
+            speaks "$name" "$mode" || continue
+            port=$(free_port); start "$name" "$mode" "$port"
+            URL="http://127.0.0.1:$port/v1/completions"
+            wait_routing "$URL" || { stop; continue; }
+            pid=$(gw_pid)
+            wrk -t2 -c32 -d2s -s "$D/whole.lua" "$URL" > /dev/null
+            sleep 1
+            idle=$(rss_kb "$pid")
+            wrk -t2 -c"${STREAMS:-1000}" -d25s --timeout 60s -s "$D/stream.lua" "$URL" > "$D/$name-$mode-mem.wrk" &
+            WRK=$!
+            sleep 15
+            loaded=$(rss_kb "$pid")
+            open=$(ls /proc/"$pid"/fd | wc -l)
+            wait $WRK || true
+            printf '%-12s %-10s %10.1f %12.1f %12s %14.1f\n' "$name" "$mode" "$(echo "$idle/1024" | bc -l)" "$(echo "$loaded/1024" | bc -l)" \
+                "${STREAMS:-1000}" "$(echo "($loaded-$idle)/${STREAMS:-1000}" | bc -l)"
+            echo "  (open fds under load: $open)"
+            stop
+        done
+    done
+    exit 0
+fi
+
+printf '%-12s %-18s %9s %14s %14s %8s  %s\n' gateway scenario req/s 'router us/req' 'workers us/req' errors 'prefill posts/streamed'
+for scenario in $SCENARIOS; do
+    mode=${scenario%%:*}; kind=${scenario##*:}
+    for name in $GATEWAYS; do
+        speaks "$name" "$mode" || continue
+        port=$(free_port); start "$name" "$mode" "$port"
+        URL="http://127.0.0.1:$port/v1/completions"
+        wait_routing "$URL" || { stop; continue; }
+        pid=$(gw_pid)
+        wrk -t2 -c32 -d2s -s "$D/$kind.lua" "$URL" > /dev/null
+        s0=$(curl -s "$P/stats")
+        g0=$(ticks "$pid"); w0=$(( $(ticks $MR) + $(ticks $MP) + $(ticks $MD) ))
+        wrk -t2 -c32 -d"$DURATION" -s "$D/$kind.lua" "$URL" > "$D/$name-$scenario.wrk"
+        g1=$(ticks "$pid"); w1=$(( $(ticks $MR) + $(ticks $MP) + $(ticks $MD) ))
+        s1=$(curl -s "$P/stats")
+        n=$(awk '/requests in/ {print $1}' "$D/$name-$scenario.wrk")
+        rps=$(awk '/Requests\/sec/ {printf "%d", $2}' "$D/$name-$scenario.wrk")
+        errors=$(grep -E 'Non-2xx|Socket errors' "$D/$name-$scenario.wrk" | tr -s ' ' | tr '\n' ';' || true)
+        tick=$(( 1000000 / $(getconf CLK_TCK) ))
+        printf '%-12s %-18s %9s %14s %14s %8s  %s -> %s\n' "$name" "$scenario" "$rps" \
+            "$(awk -v t=$((g1 - g0)) -v us=$tick -v n="$n" 'BEGIN {printf "%.1f", t * us / n}')" \
+            "$(awk -v t=$((w1 - w0)) -v us=$tick -v n="$n" 'BEGIN {printf "%.1f", t * us / n}')" \
+            "${errors:-none}" "$s0" "$s1"
+        stop
+    done
+done
+echo "raw wrk output and gateway logs in $D"
