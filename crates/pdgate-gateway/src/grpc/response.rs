@@ -125,15 +125,22 @@ impl<'t> Writer<'t> {
 
     /// One stream event: the SSE bytes to send now (possibly none).
     pub fn on_event(&mut self, event: Gen) -> Result<Option<Bytes>, GatewayError> {
-        let (index, ids, counts, done) = match event {
+        let (index, mut ids, counts, done) = match event {
             Gen::Chunk { index, ids, counts } => (index, ids, counts, None),
             Gen::Complete { index, ids, finish_reason, matched, counts } => (index, ids, counts, Some((finish_reason, matched))),
         };
         let route = self.shape.route;
         let (id, created, model, want_ids) = (self.shape.id.clone(), self.created, self.model.clone(), self.shape.return_token_ids);
+        let stream = self.shape.stream;
         let choice = self.choice(index)?;
         if choice.done.is_some() {
             return Ok(None);
+        }
+        if done.is_some() && stream {
+            // A streamed Complete may repeat the ids its last chunk carried (the SGLang and
+            // vLLM servicers do): only those the chunks did not bring, by the engine's count.
+            let missing = (counts.completion as usize).saturating_sub(choice.ids.len()).min(ids.len());
+            ids.drain(..ids.len() - missing);
         }
         choice.counts = counts;
         let delta = Self::decode(choice, &ids, done.is_some())?;
@@ -256,5 +263,137 @@ impl<'t> Writer<'t> {
             }
         };
         Bytes::from(serde_json::to_vec(&v).unwrap_or_default())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::grpc::request::{Sampling, Shape};
+
+    fn tok() -> ModelTokenizer {
+        let dir = format!("{}/../pdgate-tokenizer/tests/fixtures/bpe", env!("CARGO_MANIFEST_DIR"));
+        ModelTokenizer::from_path(std::path::Path::new(&dir)).unwrap()
+    }
+
+    fn shape(route: Route, stream: bool, stop: &[&str], n: u32) -> Shape {
+        Shape {
+            route,
+            stream,
+            include_usage: true,
+            return_token_ids: false,
+            id: "cmpl-1".into(),
+            model: Some("m".into()),
+            prompt_ids: vec![],
+            sampling: Sampling { stop: stop.iter().map(|s| s.to_string()).collect(), skip_special_tokens: true, n, max_new_tokens: 64, ..Sampling::default() },
+        }
+    }
+
+    fn data(b: &Bytes) -> Vec<Value> {
+        String::from_utf8(b.to_vec()).unwrap().split("\n\n").filter_map(|e| e.strip_prefix("data: ")).filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).unwrap()).collect()
+    }
+
+    fn counts(c: u32) -> Counts {
+        Counts { prompt: 3, completion: c, cached: 2 }
+    }
+
+    /// Streams `ids` one token a chunk; returns every SSE event and the writer.
+    fn stream_one_by_one<'t>(tok: &'t ModelTokenizer, sh: Shape, ids: &[u32], reason: &str, matched: Option<Matched>) -> (Vec<Value>, Writer<'t>) {
+        let mut w = Writer::new(sh, tok, "served");
+        let mut out = vec![];
+        let (last, body) = ids.split_last().unwrap();
+        for (k, id) in body.iter().enumerate() {
+            if let Some(b) = w.on_event(Gen::Chunk { index: 0, ids: vec![*id], counts: counts(k as u32 + 1) }).unwrap() {
+                out.extend(data(&b));
+            }
+        }
+        let done = Gen::Complete { index: 0, ids: vec![*last], finish_reason: reason.into(), matched, counts: counts(ids.len() as u32) };
+        if let Some(b) = w.on_event(done).unwrap() {
+            out.extend(data(&b));
+        }
+        assert!(w.all_done());
+        out.extend(data(&w.end_stream()));
+        (out, w)
+    }
+
+    fn text(events: &[Value]) -> String {
+        events.iter().flat_map(|e| e["choices"].as_array().cloned().unwrap_or_default()).map(|c| c["text"].as_str().or(c["delta"]["content"].as_str()).unwrap_or("").to_string()).collect()
+    }
+
+    #[test]
+    fn multibyte_text_streams_whole_characters_and_equals_one_decode() {
+        let tok = tok();
+        let want = "naïve café — 東京 ok";
+        let ids = tok.encode(want, false).unwrap();
+        let (events, _) = stream_one_by_one(&tok, shape(Route::Completions, true, &[], 1), &ids, "length", None);
+        for e in &events {
+            for c in e["choices"].as_array().unwrap() {
+                assert!(!c["text"].as_str().unwrap().contains('\u{FFFD}'), "a broken character was sent: {e}");
+            }
+        }
+        assert_eq!(text(&events), tok.decode(&ids, true).unwrap());
+        let last = events.iter().rev().find(|e| !e["choices"].as_array().unwrap().is_empty()).unwrap();
+        assert_eq!(last["choices"][0]["finish_reason"], "length");
+        let usage = &events.last().unwrap()["usage"];
+        assert_eq!((usage["prompt_tokens"].as_u64(), usage["completion_tokens"].as_u64()), (Some(3), Some(ids.len() as u64)));
+        assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 2);
+    }
+
+    #[test]
+    fn a_streamed_complete_that_repeats_the_last_chunk_adds_nothing_twice() {
+        let tok = tok();
+        let ids = tok.encode("once only", false).unwrap();
+        let mut w = Writer::new(shape(Route::Completions, true, &[], 1), &tok, "served");
+        let mut out = vec![];
+        out.extend(data(&w.on_event(Gen::Chunk { index: 0, ids: ids.clone(), counts: counts(ids.len() as u32) }).unwrap().unwrap_or_default()));
+        let done = Gen::Complete { index: 0, ids: ids.clone(), finish_reason: "length".into(), matched: None, counts: counts(ids.len() as u32) };
+        out.extend(data(&w.on_event(done).unwrap().unwrap_or_default()));
+        assert_eq!(text(&out), "once only");
+    }
+
+    #[test]
+    fn a_stop_string_spanning_chunks_is_cut_and_never_sent() {
+        let tok = tok();
+        let ids = tok.encode("hello world, stop here please", false).unwrap();
+        let (events, _) = stream_one_by_one(&tok, shape(Route::Chat, true, &["stop here"], 1), &ids, "stop", Some(Matched::Text("stop here".into())));
+        assert_eq!(events[0]["choices"][0]["delta"], json!({"role": "assistant", "content": ""}));
+        assert_eq!(text(&events), "hello world, ");
+        assert!(events.iter().all(|e| !e.to_string().contains("stop h")));
+    }
+
+    #[test]
+    fn whole_answers_have_every_choice_and_usage_counts_the_prompt_once() {
+        let tok = tok();
+        let ids = tok.encode("two answers", false).unwrap();
+        let mut w = Writer::new(shape(Route::Completions, false, &[], 2), &tok, "served");
+        for index in [1, 0] {
+            let done = Gen::Complete { index, ids: ids.clone(), finish_reason: "length".into(), matched: None, counts: counts(ids.len() as u32) };
+            assert!(w.on_event(done).unwrap().is_none());
+        }
+        let v: Value = serde_json::from_slice(&w.whole()).unwrap();
+        assert_eq!(v["object"], "text_completion");
+        assert_eq!(v["model"], "m");
+        assert_eq!(v["choices"][0]["text"], "two answers");
+        assert_eq!(v["choices"][1]["text"], "two answers");
+        assert_eq!(v["usage"]["prompt_tokens"], 3);
+        assert_eq!(v["usage"]["completion_tokens"], 2 * ids.len() as u64);
+        let bad = Gen::Chunk { index: 5, ids: vec![1], counts: counts(1) };
+        assert!(w.on_event(bad).is_err());
+    }
+
+    #[test]
+    fn generate_reports_cumulative_text_ids_and_the_matched_stop() {
+        let tok = tok();
+        let ids = tok.encode("abc def", false).unwrap();
+        let mut sh = shape(Route::Generate, false, &[], 1);
+        sh.id = "g1".into();
+        let mut w = Writer::new(sh, &tok, "served");
+        let stop_id = *ids.last().unwrap();
+        w.on_event(Gen::Complete { index: 0, ids: ids.clone(), finish_reason: "stop".into(), matched: Some(Matched::TokenId(stop_id)), counts: counts(ids.len() as u32) }).unwrap();
+        let v: Value = serde_json::from_slice(&w.whole()).unwrap();
+        assert_eq!(v["output_ids"], json!(ids));
+        assert_eq!(v["text"], "abc def");
+        assert_eq!(v["meta_info"]["finish_reason"], json!({"type": "stop", "matched": stop_id}));
+        assert_eq!(v["meta_info"]["id"], "g1");
     }
 }
