@@ -202,7 +202,7 @@ mod tests {
 
     #[test]
     fn bad_urls_are_refused() {
-        for bad in ["localhost:3000", "ftp://x:1", "grpc://x:1", "https://x:1/v1", "http://x:1/v1", "not a url"] {
+        for bad in ["localhost:3000", "ftp://x:1", "grpc://x", "grpc://x:1/v1", "https://x:1/v1", "http://x:1/v1", "not a url"] {
             assert!(WorkerSpec::new(bad, WorkerRole::Regular).is_err(), "{bad}");
         }
     }

@@ -80,7 +80,10 @@ impl GrpcClient {
     fn tokenizer(&self, leg: Leg) -> Result<Arc<ModelTokenizer>, GatewayError> {
         // Fetching the tokenizer from the worker's GetTokenizer is not built yet: say what to do.
         self.tokenizer.get().cloned().ok_or_else(|| {
-            GatewayError::bad_worker_response(leg, "gRPC workers take token ids: start the gateway with --model-path or --tokenizer-path (fetching the tokenizer over GetTokenizer is not supported yet)")
+            GatewayError::bad_worker_response(
+                leg,
+                "gRPC workers take token ids: start the gateway with --model-path or --tokenizer-path (fetching the tokenizer over GetTokenizer is not supported yet)",
+            )
         })
     }
 

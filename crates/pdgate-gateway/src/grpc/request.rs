@@ -109,7 +109,9 @@ fn stops(body: &Map<String, Value>) -> Result<Vec<String>, GatewayError> {
 fn stop_ids(body: &Map<String, Value>) -> Result<Vec<u32>, GatewayError> {
     match body.get("stop_token_ids") {
         None | Some(Value::Null) => Ok(vec![]),
-        Some(Value::Array(a)) => a.iter().map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| bad("stop_token_ids", "'stop_token_ids' must be token ids"))).collect(),
+        Some(Value::Array(a)) => {
+            a.iter().map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| bad("stop_token_ids", "'stop_token_ids' must be token ids"))).collect()
+        }
         Some(_) => Err(bad("stop_token_ids", "'stop_token_ids' must be a list of token ids")),
     }
 }
@@ -165,7 +167,8 @@ pub fn parse(tok: &ModelTokenizer, route: Route, raw: &[u8], request_id: &str) -
     if route == Route::Generate && body.contains_key("text") && body.contains_key("input_ids") {
         return Err(bad("text", "give either 'text' or 'input_ids', not both"));
     }
-    let prompt_ids = prompt_token_ids(tok, kind, &value).map_err(|e| bad(field, format!("cannot tokenize the prompt: {e}")))?.filter(|ids| !ids.is_empty()).ok_or_else(|| bad(field, what))?;
+    let prompt_ids =
+        prompt_token_ids(tok, kind, &value).map_err(|e| bad(field, format!("cannot tokenize the prompt: {e}")))?.filter(|ids| !ids.is_empty()).ok_or_else(|| bad(field, what))?;
     let rid = body.get("rid").and_then(Value::as_str).filter(|r| !r.is_empty()).map(str::to_string);
     let flag = |k: &str| body.get(k).and_then(Value::as_bool).unwrap_or(false);
     let (sampling, id) = match route {

@@ -79,7 +79,11 @@ impl<'t> Writer<'t> {
         }
         let choices = (0..n)
             .map(|_| Choice {
-                decoder: StreamDecoder::new(IncrementalDecoder::with_prompt(tok.tokenizer(), s.skip_special_tokens, &shape.prompt_ids), StopMatcher::new(s.stop.clone()), stop_ids.clone()),
+                decoder: StreamDecoder::new(
+                    IncrementalDecoder::with_prompt(tok.tokenizer(), s.skip_special_tokens, &shape.prompt_ids),
+                    StopMatcher::new(s.stop.clone()),
+                    stop_ids.clone(),
+                ),
                 text: String::new(),
                 ids: Vec::new(),
                 role_sent: false,
@@ -146,6 +150,10 @@ impl<'t> Writer<'t> {
         let delta = Self::decode(choice, &ids, done.is_some())?;
         let reason = done.as_ref().map(|(r, _)| r.clone());
         choice.done = done;
+        if !stream {
+            // A whole answer is written once, at the end (`whole`).
+            return Ok(None);
+        }
         let mut out = Vec::new();
         match route {
             Route::Generate => {
@@ -317,7 +325,11 @@ mod tests {
     }
 
     fn text(events: &[Value]) -> String {
-        events.iter().flat_map(|e| e["choices"].as_array().cloned().unwrap_or_default()).map(|c| c["text"].as_str().or(c["delta"]["content"].as_str()).unwrap_or("").to_string()).collect()
+        events
+            .iter()
+            .flat_map(|e| e["choices"].as_array().cloned().unwrap_or_default())
+            .map(|c| c["text"].as_str().or(c["delta"]["content"].as_str()).unwrap_or("").to_string())
+            .collect()
     }
 
     #[test]

@@ -201,7 +201,11 @@ impl Wire {
                     request_id: p.request_id.clone(),
                     tokenized: Some(sglang_pb::TokenizedInput { original_text: String::new(), input_ids: shape.prompt_ids.clone() }),
                     sampling_params: Some(sglang_sampling(&shape.sampling)),
-                    disaggregated_params: p.bootstrap.as_ref().map(|(host, port, room)| sglang_pb::DisaggregatedParams { bootstrap_host: host.clone(), bootstrap_port: *port, bootstrap_room: *room }),
+                    disaggregated_params: p.bootstrap.as_ref().map(|(host, port, room)| sglang_pb::DisaggregatedParams {
+                        bootstrap_host: host.clone(),
+                        bootstrap_port: *port,
+                        bootstrap_room: *room,
+                    }),
                     stream: shape.stream,
                     ..Default::default()
                 };
