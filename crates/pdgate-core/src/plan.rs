@@ -141,9 +141,17 @@ pub fn check_compatible(mode: Mode, endpoint: Endpoint) -> Result<(), GatewayErr
 /// Rooms for one request: uniform in [0, 2^63 - 1], one per item of a batch (or n>1).
 /// `batch_items` is bounded by `--max-batch-size` in the parser.
 pub fn mint_rooms(rng: &mut dyn RngCore, batch_items: Option<usize>) -> Rooms {
+    mint_rooms_upto(rng, batch_items, MAX_ROOM)
+}
+
+/// The most a room may be when a leg is a gRPC worker's: the contract's `bootstrap_room` is int32.
+pub const MAX_GRPC_ROOM: u64 = i32::MAX as u64;
+
+/// Rooms uniform in [0, max].
+pub fn mint_rooms_upto(rng: &mut dyn RngCore, batch_items: Option<usize>, max: u64) -> Rooms {
     match batch_items {
-        None => Rooms::Single(rng.random_range(0..=MAX_ROOM)),
-        Some(n) => Rooms::Batch((0..n).map(|_| rng.random_range(0..=MAX_ROOM)).collect()),
+        None => Rooms::Single(rng.random_range(0..=max)),
+        Some(n) => Rooms::Batch((0..n).map(|_| rng.random_range(0..=max)).collect()),
     }
 }
 
@@ -196,7 +204,8 @@ pub fn pd(snap: &PoolSnapshot, prefill: &Selection, decode: &Selection, req: &Pa
     let close = AbortStyle::CloseConnection;
     let (order, p_leg, d_leg, rendezvous) = match connector {
         KvConnector::Bootstrap => {
-            let rooms = mint_rooms(rng, req.batch_items);
+            let grpc = snap.worker(p).spec.is_grpc() || snap.worker(d).spec.is_grpc();
+            let rooms = mint_rooms_upto(rng, req.batch_items, if grpc { MAX_GRPC_ROOM } else { MAX_ROOM });
             let spec = &snap.worker(p).spec;
             let mut body = req.body.clone();
             bootstrap::inject(&mut body, &spec.host, spec.bootstrap_port, &rooms);

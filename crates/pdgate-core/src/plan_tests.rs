@@ -180,3 +180,17 @@ fn bootstrap_base_brackets_ipv6_and_defaults_the_port() {
     s.bootstrap_port = Some(9000);
     assert_eq!(bootstrap_base(&s), "http://[::1]:9000");
 }
+
+#[test]
+fn a_grpc_leg_gets_rooms_in_the_contracts_int32_range() {
+    let p = WorkerSpec::new("http://10.0.0.1:30000", WorkerRole::Prefill).unwrap();
+    let d = WorkerSpec::new("grpc://10.0.0.2:30001", WorkerRole::Decode).unwrap();
+    let snap = PoolSnapshot::build(vec![WorkerView::new(Arc::new(p), true), WorkerView::new(Arc::new(d), true)], KvConnector::Bootstrap);
+    let r = req(Endpoint::Completions, json!({"prompt": "a", "n": 3}));
+    let mut rng = StdRng::seed_from_u64(7);
+    for _ in 0..200 {
+        let plan = pd(&snap, &Selection::new(0, "t"), &Selection::new(1, "t"), &r, "rid-1", &mut rng).unwrap();
+        let Some(Rendezvous::Rooms(Rooms::Batch(rooms))) = plan.rendezvous else { panic!("{:?}", plan.rendezvous) };
+        assert!(rooms.iter().all(|r| *r <= MAX_GRPC_ROOM), "{rooms:?}");
+    }
+}

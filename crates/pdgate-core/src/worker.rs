@@ -103,11 +103,20 @@ pub struct WorkerSpec {
 }
 
 impl WorkerSpec {
-    /// Validates the URL (http or https, host required) and normalises it.
+    /// Validates the URL (http, https or grpc, host required) and normalises it.
     pub fn new(url: &str, role: WorkerRole) -> Result<Self, String> {
-        let parsed = url::Url::parse(url).map_err(|e| format!("invalid worker URL {url:?}: {e}"))?;
-        if !matches!(parsed.scheme(), "http" | "https") {
-            return Err(format!("worker URL {url:?} must use http:// or https://"));
+        let mut parsed = url::Url::parse(url).map_err(|e| format!("invalid worker URL {url:?}: {e}"))?;
+        if !matches!(parsed.scheme(), "http" | "https" | "grpc") {
+            return Err(format!("worker URL {url:?} must use http://, https:// or grpc://"));
+        }
+        if parsed.scheme() == "grpc" {
+            // `grpc` is not a special scheme to the URL standard: its host is kept as written
+            // (lower-cased here, so one worker has one URL) and it has no default port.
+            if parsed.port().is_none() {
+                return Err(format!("worker URL {url:?} needs a port (grpc://HOST:PORT)"));
+            }
+            let host = parsed.host_str().unwrap_or_default().to_ascii_lowercase();
+            parsed.set_host(Some(&host)).map_err(|e| format!("invalid worker URL {url:?}: {e}"))?;
         }
         let host = match parsed.host() {
             Some(url::Host::Ipv6(addr)) => addr.to_string(),
@@ -139,15 +148,36 @@ impl WorkerSpec {
         self.url.starts_with("https://")
     }
 
+    /// Whether the worker speaks the SMG gRPC contract (a `grpc://` URL).
+    pub fn is_grpc(&self) -> bool {
+        is_grpc_url(&self.url)
+    }
+
     /// The connector this worker speaks, given the gateway-wide default.
     pub fn connector(&self, default: KvConnector) -> KvConnector {
         self.kv_connector.unwrap_or(default)
     }
 }
 
+/// Whether a worker URL is a gRPC worker's (`grpc://HOST:PORT`).
+pub fn is_grpc_url(url: &str) -> bool {
+    url.starts_with("grpc://")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grpc_urls_are_accepted_with_a_port() {
+        let w = WorkerSpec::new("grpc://Node-A:30000/", WorkerRole::Decode).unwrap();
+        assert_eq!(w.url, "grpc://node-a:30000");
+        assert_eq!(w.host, "node-a");
+        assert!(w.is_grpc() && !w.is_tls());
+        assert_eq!(WorkerSpec::new("grpc://127.0.0.1:5", WorkerRole::Prefill).unwrap().host, "127.0.0.1");
+        assert!(WorkerSpec::new("grpc://w", WorkerRole::Decode).unwrap_err().contains("needs a port"));
+        assert!(WorkerSpec::new("ftp://w:1", WorkerRole::Decode).unwrap_err().contains("grpc://"));
+    }
 
     #[test]
     fn url_is_normalised_and_host_extracted() {
@@ -172,7 +202,7 @@ mod tests {
 
     #[test]
     fn bad_urls_are_refused() {
-        for bad in ["localhost:3000", "ftp://x:1", "grpc://x:1", "https://x:1/v1", "http://x:1/v1", "not a url"] {
+        for bad in ["localhost:3000", "ftp://x:1", "grpc://x", "grpc://x:1/v1", "https://x:1/v1", "http://x:1/v1", "not a url"] {
             assert!(WorkerSpec::new(bad, WorkerRole::Regular).is_err(), "{bad}");
         }
     }

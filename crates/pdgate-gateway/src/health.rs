@@ -69,6 +69,10 @@ pub async fn probe(state: &AppState, base: &str) -> bool {
 /// One health check of the worker at `base`, with the reason when it fails: unreachable,
 /// a non-2xx status, a broken body or no answer within the timeout.
 pub async fn check_reason(state: &AppState, base: &str) -> Result<(), String> {
+    if pdgate_core::worker::is_grpc_url(base) {
+        // gRPC workers: the service's HealthCheck (the endpoint flag is HTTP's).
+        return state.grpc.health(base, Duration::from_secs(state.config.health_check_timeout_secs.max(1))).await;
+    }
     let url = format!("{base}{}", state.config.health_check_endpoint);
     let secs = state.config.health_check_timeout_secs.max(1);
     let result = timeout(Duration::from_secs(secs), async {
@@ -105,6 +109,9 @@ pub async fn get_json(state: &AppState, url: &str) -> Option<Value> {
 /// the context length from the model cards' `max_model_len` (vLLM, SGLang, reference engine),
 /// else `/server_info`'s `context_length` (SGLang).
 pub async fn engine_info(state: &AppState, base: &str) -> EngineInfo {
+    if pdgate_core::worker::is_grpc_url(base) {
+        return state.grpc.engine_info(base, Duration::from_secs(state.config.health_check_timeout_secs.max(1))).await;
+    }
     let cards = get_json(state, &format!("{base}/v1/models")).await;
     let (models, card_context) = cards.as_ref().map(model_cards).unwrap_or_default();
     let server = get_json(state, &format!("{base}/server_info")).await;

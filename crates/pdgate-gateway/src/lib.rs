@@ -11,6 +11,7 @@ mod edge;
 mod exec;
 mod front;
 mod goodput;
+pub mod grpc;
 mod health;
 pub mod kv_sub;
 mod load;

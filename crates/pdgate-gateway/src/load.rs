@@ -127,6 +127,12 @@ async fn poll_one(state: &AppState, entry: Entry) {
     let last = rt.load_source.load(Ordering::Relaxed);
     let order = SOURCES.iter().filter(|s| **s as u8 == last).chain(SOURCES.iter().filter(|s| **s as u8 != last));
     let mut report = None;
+    if pdgate_core::worker::is_grpc_url(&entry.spec.url) {
+        // gRPC workers report over GetLoads only; the HTTP sources below are not theirs.
+        let limit = Duration::from_secs(state.config.health_check_timeout_secs.max(1));
+        report = state.grpc.loads(&entry.spec.url, limit).await;
+    }
+    let order = order.filter(|_| !pdgate_core::worker::is_grpc_url(&entry.spec.url));
     for source in order {
         if let Some(r) = fetch(state, &entry.spec.url, *source).await {
             rt.load_source.store(*source as u8, Ordering::Relaxed);

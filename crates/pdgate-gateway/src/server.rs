@@ -127,6 +127,9 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     let mut state = AppState::new(config, registry, upstream);
     state.open_request_log().map_err(|source| StartError::RequestLog { path: log_path, source })?;
     state.edge.own = own;
+    if let Some(t) = &tokenizer {
+        state.grpc.set_tokenizer(t.clone());
+    }
     state.tokenizer = tokenizer;
     let state = Arc::new(state);
     // The static flags are the first source of membership changes (membership.rs).

@@ -16,6 +16,7 @@ use pdgate_protocol::Limits;
 
 use crate::exec::client::WorkerClient;
 use crate::exec::http_client::HttpClient;
+use crate::exec::scheme_client::SchemeClient;
 use crate::load::{stale_after_ms, GatewayLoads};
 use crate::metrics::Metrics;
 use crate::registry::{Registry, Runtime};
@@ -25,8 +26,10 @@ pub struct AppState {
     pub config: GatewayConfig,
     pub registry: Registry,
     pub upstream: Upstream,
-    /// The worker client the transaction runs its legs over (HTTP, over `upstream`).
+    /// The worker client the transaction runs its legs over (HTTP over `upstream`, or gRPC).
     pub client: Arc<dyn WorkerClient>,
+    /// The gRPC workers' client (`grpc://`), also asked by health and load polling.
+    pub grpc: Arc<crate::grpc::GrpcClient>,
     pub metrics: Metrics,
     pub regular_policy: Box<dyn Policy>,
     pub prefill_policy: Box<dyn Policy>,
@@ -64,9 +67,11 @@ impl AppState {
     /// `--request-log` is opened by the caller ([`AppState::open_request_log`]), since opening
     /// a file can fail.
     pub fn new(config: GatewayConfig, registry: Registry, upstream: Upstream) -> Self {
+        let grpc = Arc::new(crate::grpc::GrpcClient::new());
         AppState {
             goodput: crate::goodput::Goodput::new(&config, None),
-            client: Arc::new(HttpClient::new(upstream.clone())),
+            client: Arc::new(SchemeClient::new(HttpClient::new(upstream.clone()), grpc.clone())),
+            grpc,
             upstream,
             placer: crate::exec::placement::Placer::from_config(&config),
             metrics: {

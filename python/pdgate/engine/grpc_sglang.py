@@ -135,12 +135,17 @@ class SglangScheduler(pb_grpc.SglangSchedulerServicer):
             items = generate_items(request)
             seqs = [self.e.submit(it) for it in items]
             rid = request.request_id
+            completed: set[int] = set()
             async for i, ids, start in deltas(seqs):
                 s = seqs[i]
-                if request.stream:
-                    if ids or not s.finished:
+                if request.stream and i not in completed:
+                    # Complete only once every id went out: the sequence may have finished (in
+                    # the engine) after these ids were read, with more still to come.
+                    last = s.finished and start + len(ids) == len(s.output_ids)
+                    if ids or not last:
                         yield chunk(rid, s, i, ids, start)
-                    if s.finished:
+                    if last:
+                        completed.add(i)
                         yield complete(rid, s, i, ids, start)
             if not request.stream:
                 for i, s in enumerate(seqs):

@@ -161,11 +161,15 @@ class VllmEngine(pb_grpc.VllmEngineServicer):
                     yield r
                 seqs = []  # detached: the push goes on after the answer, bounded by the engine's timeouts
                 return
+            completed: set[int] = set()
             async for i, ids, start in deltas(seqs):
                 s = seqs[i]
-                if request.stream:
+                if request.stream and i not in completed:
+                    # Complete only once every id went out (see grpc_sglang.Generate).
+                    last = s.finished and start + len(ids) == len(s.output_ids)
                     yield self._chunk(s, i, ids, start, ks)
-                    if s.finished:
+                    if last:
+                        completed.add(i)
                         yield self._complete(s, i, ids, start, ks)
             if not request.stream:
                 for i, s in enumerate(seqs):

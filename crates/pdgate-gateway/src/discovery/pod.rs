@@ -8,8 +8,8 @@ use pdgate_core::{WorkerRegistration, WorkerRole, WorkerSpec};
 
 /// Worker HTTP port; wins over `--service-discovery-port`.
 pub const PORT_ANNOTATION: &str = "pdgate.ai/port";
-/// `http` (default) or `https`: how the gateway reaches this worker. The worker's certificate
-/// must then name the pod IP (discovery addresses pods by IP), signed by a CA the gateway
+/// `http` (default), `https` or `grpc`: how the gateway reaches this worker. An https worker's
+/// certificate must name the pod IP (discovery addresses pods by IP), signed by a CA the gateway
 /// trusts (`--worker-ca-cert`).
 pub const SCHEME_ANNOTATION: &str = "pdgate.ai/scheme";
 /// Prefill bootstrap port (SGLang), as SMG reads it.
@@ -146,7 +146,8 @@ fn candidate(pod: &Pod, role: WorkerRole, ip: &str, default_port: u16) -> Result
     let scheme = match annotation(pod, SCHEME_ANNOTATION) {
         None | Some("http") => "http",
         Some("https") => "https",
-        Some(other) => return Err(format!("annotation {SCHEME_ANNOTATION}={other:?}: expected http or https")),
+        Some("grpc") => "grpc",
+        Some(other) => return Err(format!("annotation {SCHEME_ANNOTATION}={other:?}: expected http, https or grpc")),
     };
     // The annotations are one more spelling of a worker registration (pdgate-core).
     let mut reg = WorkerRegistration::new(format!("{scheme}://{host}:{port}"), role);
@@ -238,6 +239,9 @@ mod tests {
         let plain = pod(json!({"app": "p"}), json!({"pdgate.ai/scheme": "http"}), ready("10.0.0.7"));
         let Verdict::Worker(c) = verdict(&plain, &prefill(), 8000) else { panic!("not a worker") };
         assert_eq!(c.spec.url, "http://10.0.0.7:8000");
+        let grpc = pod(json!({"app": "p"}), json!({"pdgate.ai/scheme": "grpc", "pdgate.ai/port": "30000"}), ready("10.0.0.7"));
+        let Verdict::Worker(c) = verdict(&grpc, &prefill(), 8000) else { panic!("not a worker") };
+        assert_eq!(c.spec.url, "grpc://10.0.0.7:30000");
     }
 
     #[test]
@@ -264,7 +268,7 @@ mod tests {
     fn both_selectors_or_bad_annotations_refuse_the_pod() {
         let both = pod(json!({"app": "p", "tier": "d"}), json!({}), ready("10.0.0.1"));
         assert!(matches!(verdict(&both, &prefill(), 8000), Verdict::Refused(_)));
-        for (k, v) in [("pdgate.ai/port", "http"), ("sglang.ai/bootstrap-port", "0"), ("smg.ai/kv-connector", "lmcache"), ("pdgate.ai/scheme", "grpc")] {
+        for (k, v) in [("pdgate.ai/port", "http"), ("sglang.ai/bootstrap-port", "0"), ("smg.ai/kv-connector", "lmcache"), ("pdgate.ai/scheme", "h2c")] {
             let p = pod(json!({"app": "p"}), json!({k: v}), ready("10.0.0.1"));
             assert!(matches!(verdict(&p, &prefill(), 8000), Verdict::Refused(_)), "{k}={v}");
         }

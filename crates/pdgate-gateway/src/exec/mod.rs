@@ -6,6 +6,7 @@
 //! - `commit`:      the relayed leg from send to its first byte, and the non-stream answer;
 //! - `relay`:       the stream after commit, the prefill drain, the accounting at the end;
 //! - `client`:      the worker-client trait, its events and the abort guard;
+//! - `scheme_client`: each leg over its worker's wire (HTTP, or gRPC: `crate::grpc`);
 //! - `resume`:      continuing a stream on a new pair after its decode died;
 //! - `leg`:         HTTP leg helpers and the deadline errors;
 //! - `spans`:       the phase spans for `--enable-trace`.
@@ -19,6 +20,7 @@ pub mod leg;
 pub mod placement;
 pub mod relay;
 mod resume;
+pub mod scheme_client;
 pub mod spans;
 mod transaction;
 
