@@ -191,6 +191,8 @@ impl Goodput {
             status: r.status,
             error: Some(r.error),
             attempts: 0,
+            resumes: 0,
+            resumed_on: Vec::new(),
         })
     }
 
