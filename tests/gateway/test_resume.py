@@ -98,15 +98,24 @@ class Fleet:
         return None
 
 
-def stream(url: str, path: str, body: dict) -> list[Any]:
-    """The stream's events (`[DONE]` as the string)."""
+def stream(url: str, path: str, body: dict, strict: bool = True) -> list[Any]:
+    """The stream's events (`[DONE]` as the string). Not `strict`: an event the dying engine
+    sent only part of (the gateway closes it before its error event) is kept as its text."""
     out: list[Any] = []
     with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: "):
                 data = line[len("data: "):]
-                out.append(data if data == "[DONE]" else json.loads(data))
+                if data == "[DONE]":
+                    out.append(data)
+                    continue
+                try:
+                    out.append(json.loads(data))
+                except ValueError:
+                    if strict:
+                        raise
+                    out.append(data)
     return out
 
 
@@ -197,7 +206,7 @@ def test_a_non_stream_generate_whose_decode_is_killed_is_whole(reference: Refere
 
 def test_with_max_resumes_0_the_stream_ends_with_the_error_event(reference: ReferenceWorker) -> None:
     with Fleet(max_resumes=0) as fleet:
-        answers = until_killed(fleet, lambda: stream(fleet.gw.url, "/v1/completions", COMPLETION))
+        answers = until_killed(fleet, lambda: stream(fleet.gw.url, "/v1/completions", COMPLETION, strict=False))
         killed = answers[-1]
         assert "[DONE]" not in killed and "error" in killed[-1], killed
         assert fleet.metric('pdgate_resumes_total{reason="decode_died",result="resumed"}') == 0.0

@@ -1,7 +1,8 @@
 //! The access log: one line per client request on the inference routes, at info level under
 //! the target `pdgate::access` (turn it off with `--log-level info,pdgate::access=off`).
 //! Each line has the request id (the last attempt's, as the response's `x-request-id`), the
-//! client's own id, the route, the workers that served it, the attempts, the status and the
+//! client's own id, the route, the workers that served it, the attempts, the resumes of a
+//! whole answer (a stream's come after this line: see the request log), the status and the
 //! latency until the response head (a stream goes on after it).
 
 use std::time::Instant;
@@ -34,6 +35,7 @@ pub fn served(request_id: &str, client_request_id: Option<&str>, route: &str, re
         prefill = %dash(&record.prefill),
         decode = %dash(&record.decode),
         attempts = record.attempts,
+        resumes = record.resumes,
         status,
         latency_ms = started.elapsed().as_secs_f64() * 1000.0,
         "request"
