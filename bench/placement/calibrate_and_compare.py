@@ -71,7 +71,8 @@ def auto_slos(model: dict[str, Any], mix: Mix) -> list[str]:
     offered rate) everywhere, which validates nothing."""
     tokens = mix.long[1]
     kv = tokens * model["kv_bytes_per_token"] / (model["link_gib_per_s"] * 1024 ** 3) * 1000.0
-    ttft = model["prefill_a_ms"] + model["prefill_b_ms"] * tokens + model["link_setup_ms"] + kv + model["decode_step_ms"]
+    prefill = model["prefill_a_ms"] + model["prefill_b_ms"] * tokens + model.get("prefill_c_ms", 0.0) * tokens ** 2
+    ttft = prefill + model["link_setup_ms"] + kv + model["decode_step_ms"]
     tpot = model["decode_step_ms"] + 4 * model["decode_step_per_seq_ms"]
     return [f"ttft:{2 * ttft:.0f}", f"tpot:{2 * tpot:.0f}"]
 

@@ -141,3 +141,25 @@ def test_decode_gaps_count_only_while_the_whole_batch_runs() -> None:
     b = RequestOutput(True, 10, 6, 0.1, [0.02] * 5, 0.2, 0.053, 200)
     gaps = _full_batch_gaps([a, b])
     assert sorted(round(g, 6) for g in gaps) == [10.0] * 5 + [20.0] * 2
+
+
+def test_prefill_fit_takes_the_quadratic_share_of_a_superlinear_engine() -> None:
+    from pdgate.bench.calibrate_fit import fit_prefill
+
+    # Recorded at load 17 (idle TTFT medians, ms): the line is 32 % under the longest prompt.
+    recorded = [(17, 151.9), (129, 385.0), (257, 742.6), (513, 1632.1), (1025, 4405.4)]
+    line, curve = fit_line(recorded), fit_prefill(recorded)
+    assert line.max_rel_error > 0.3
+    assert curve.curvature > 0 and curve.intercept >= 0 and curve.slope >= 0
+    assert curve.max_rel_error < 0.2
+    assert curve.at(1025) == pytest.approx(4405.4, rel=0.2)
+    # A straight line stays a line (no curvature invented), and two sizes are too few for one.
+    assert fit_prefill(PREFILL).curvature == pytest.approx(0.0, abs=1e-6)
+    assert fit_prefill([(16, 20.0), (1024, 60.0)]).curvature == 0.0
+
+
+def test_chunked_prefill_adds_up_to_the_whole_prompt() -> None:
+    model = ServiceModel(prefill_a_ms=10.0, prefill_b_ms=0.5, prefill_c_ms=0.001)
+    chunks = [model.prefill_chunk_ms(start, 256) for start in range(0, 1024, 256)]
+    assert sum(chunks) == pytest.approx(model.prefill_ms(1024))
+    assert chunks == sorted(chunks)   # later chunks attend to more tokens

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import httpx
 import numpy as np
 
-from .calibrate_fit import LinearFit, fit_line, fit_transfer, kv_bytes_per_token, service_model_fields
+from .calibrate_fit import LinearFit, fit_line, fit_prefill, fit_transfer, kv_bytes_per_token, service_model_fields
 from .client import RequestOutput, RequestSpec, send_request
 from .dataset import SampleRequest, random_text
 
@@ -178,13 +178,13 @@ async def _run(plan: CalibrationPlan) -> dict[str, Any]:
         kv_bpt = kv_bytes_per_token(sent, pd_tokens)
         if local:
             local_samples = tables[1]
-            prefill = fit_line(local_samples)
+            prefill = fit_prefill(local_samples)
             setup, gib, transfer = fit_transfer(pd_samples, local_samples, decode.at(1), kv_bpt)
             transfer_source = ("TTFT(PD) - TTFT(colocated) - one decode step, idle, the two paths taking turns "
                                "at each prompt length")
         else:
             local_samples, transfer = [], None
-            prefill = fit_line(pd_samples)
+            prefill = fit_prefill(pd_samples)
             setup, gib = 0.0, 1000.0
             transfer_source = "not measured (no --colocated-base-url): the prefill fit includes the hand-off"
             plan.notes.append(transfer_source)

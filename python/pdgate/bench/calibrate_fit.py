@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 from pdgate.simulate.model import GIB
 
-__all__ = ["MAX_LINK_GIB_PER_S", "LinearFit", "fit_line", "fit_transfer", "kv_bytes_per_token",
+__all__ = ["MAX_LINK_GIB_PER_S", "LinearFit", "fit_line", "fit_prefill", "fit_transfer", "kv_bytes_per_token",
            "service_model_fields"]
 
 # A transfer too fast to resolve against the noise (its slope fits to 0) gets this bandwidth.
@@ -28,15 +28,17 @@ MAX_LINK_GIB_PER_S = 1000.0
 
 @dataclass(frozen=True)
 class LinearFit:
-    """y = intercept + slope·x over the per-x medians; `points` is (x, median y, samples)."""
+    """y = intercept + slope·x (+ curvature·x², see fit_prefill) over the per-x medians;
+    `points` is (x, median y, samples)."""
 
     intercept: float
     slope: float
     points: tuple[tuple[float, float, int], ...]
     max_rel_error: float  # largest |fit − median| / median over the points
+    curvature: float = 0.0
 
     def at(self, x: float) -> float:
-        return self.intercept + self.slope * x
+        return self.intercept + self.slope * x + self.curvature * x * x
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,6 +87,38 @@ def fit_line(samples: Sequence[tuple[float, float]], *, min_intercept: float | N
     return LinearFit(intercept, slope, tuple(points), max(errors) if errors else 0.0)
 
 
+def fit_prefill(samples: Sequence[tuple[float, float]]) -> LinearFit:
+    """a + b·x + c·x², all three ≥ 0, by relative error over the per-x medians: the reference
+    engine's prefill is superlinear (attention), and a line misses the long prompts that make
+    the p99 TTFT. The best of the non-negative fits over {a, b, c} ⊇ {c}; the line of `fit_line`
+    when no fit with a positive c is better."""
+    import numpy as np
+
+    line = fit_line(samples)
+    points = _medians(samples)
+    if len(points) < 3:
+        return line
+    xs = np.array([p[0] for p in points])
+    ys = np.array([p[1] for p in points])
+    w = 1.0 / ys if min(ys) > 0 else np.ones_like(ys)  # rows scaled by 1/y: relative error
+    columns = {"a": np.ones_like(xs), "b": xs, "c": xs * xs}
+    best = line
+    best_err = float(np.sum(((np.array([line.at(x) for x in xs]) - ys) * w) ** 2))
+    for terms in (("a", "b", "c"), ("b", "c"), ("a", "c"), ("c",)):
+        design = np.column_stack([columns[t] * w for t in terms])
+        coef, *_ = np.linalg.lstsq(design, ys * w, rcond=None)
+        if min(coef) < 0:
+            continue
+        got = dict(zip(terms, (float(v) for v in coef)))
+        fit = np.array([got.get("a", 0.0) + got.get("b", 0.0) * x + got.get("c", 0.0) * x * x for x in xs])
+        err = float(np.sum(((fit - ys) * w) ** 2))
+        if err < best_err and got["c"] > 0:
+            rel = [abs(f - y) / y for f, y in zip(fit, ys) if y > 0]
+            best, best_err = LinearFit(got.get("a", 0.0), got.get("b", 0.0), tuple(points),
+                                       max(rel) if rel else 0.0, got["c"]), err
+    return best
+
+
 def kv_bytes_per_token(bytes_sent: float, prompt_tokens: float) -> float:
     """KV bytes the prefill workers reported sending, per prompt token sent through them."""
     if prompt_tokens <= 0 or bytes_sent <= 0:
@@ -118,6 +152,7 @@ def service_model_fields(prefill: LinearFit, decode: LinearFit, *, kv_bpt: float
     return {
         "prefill_a_ms": round(prefill.intercept, 4),
         "prefill_b_ms": round(prefill.slope, 6),
+        "prefill_c_ms": round(prefill.curvature, 9),
         "decode_step_ms": round(max(0.1, decode.intercept), 4),
         "decode_step_per_seq_ms": round(decode.slope, 6),
         "kv_bytes_per_token": round(kv_bpt, 3),

@@ -29,6 +29,7 @@ __all__ = ["build_parser", "main"]
 
 _MODEL_HELP = {
     "prefill_a_ms": "prefill fixed cost (ms)", "prefill_b_ms": "prefill cost per prompt token (ms)",
+    "prefill_c_ms": "prefill cost per prompt token squared (ms; attention)",
     "decode_step_ms": "decode step (ms)", "decode_step_per_seq_ms": "extra decode step per running sequence (ms)",
     "kv_bytes_per_token": "KV bytes per token", "link_setup_ms": "setup per KV send (ms)",
     "link_gib_per_s": "KV link bandwidth (GiB/s)", "send_chunk_tokens": "tokens per KV send (0: one send)",

@@ -1,6 +1,7 @@
 """The service-time model: how long each stage takes, as plain functions of its size.
 
-prefill_ms(tokens) = a + b·tokens; a decode step takes base + per_seq·batch (0 with no batch);
+prefill_ms(tokens) = a + b·tokens + c·tokens² (c, attention's quadratic share, is 0 unless a
+calibration measured it; the gateway's decision models a + b·tokens only); a decode step takes base + per_seq·batch (0 with no batch);
 a KV transfer costs setup + bytes / bandwidth, sent in chunks of `send_chunk_tokens` as the
 prefill produces them (each chunk pays the setup), over one link per prefill worker; a colocated
 worker prefills in chunks of `prefill_chunk_tokens`, each chunk fused with one decode step.
@@ -21,6 +22,7 @@ GIB = 1024 ** 3
 class ServiceModel:
     prefill_a_ms: float = 20.0
     prefill_b_ms: float = 0.035            # per prompt token
+    prefill_c_ms: float = 0.0              # per prompt token squared (attention)
     decode_step_ms: float = 45.0           # one decode step, whatever the batch ...
     decode_step_per_seq_ms: float = 0.0    # ... plus this per running sequence
     kv_bytes_per_token: float = 320 * 1024
@@ -38,7 +40,13 @@ class ServiceModel:
             raise ValueError("decode_step_ms and link_gib_per_s must be positive and max_batch at least 1")
 
     def prefill_ms(self, tokens: int) -> float:
-        return self.prefill_a_ms + self.prefill_b_ms * tokens
+        return self.prefill_a_ms + self.prefill_b_ms * tokens + self.prefill_c_ms * tokens * tokens
+
+    def prefill_chunk_ms(self, start: int, size: int) -> float:
+        """Tokens [start, start + size) of one prompt; the fixed cost rides with the first chunk."""
+        end = start + size
+        return (self.prefill_b_ms * size + self.prefill_c_ms * (end * end - start * start)
+                + (self.prefill_a_ms if start == 0 else 0.0))
 
     def decode_step(self, batch: int) -> float:
         return self.decode_step_ms + self.decode_step_per_seq_ms * batch if batch > 0 else 0.0
@@ -63,7 +71,7 @@ class ServiceModel:
         while done < tokens:
             size = min(chunk, tokens - done)
             done += size
-            ready = self.prefill_a_ms + self.prefill_b_ms * done
+            ready = self.prefill_ms(done)
             link = max(ready, link) + self.send_ms(size)
         return link
 

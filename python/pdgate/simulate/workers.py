@@ -173,7 +173,7 @@ class StepWorker:
                 self.sim.stage["prefill_queue"].add(t, -1)
                 self.sim.stage["prefill_running"].add(t, 1)
             size = min(head.left, m.prefill_chunk_tokens or head.left)
-            dt = m.decode_step(batch) + m.prefill_b_ms * size + (m.prefill_a_ms if head.left == head.prompt else 0.0)
+            dt = m.decode_step(batch) + m.prefill_chunk_ms(head.prompt - head.left, size)
             self.chunk = (head, size)
             k = 1
         elif batch:
