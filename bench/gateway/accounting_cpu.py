@@ -136,6 +136,13 @@ def measure(binary: str, extra: list[str], worker: str, args: argparse.Namespace
         before = cpu_seconds(proc.pid)
         ok = asyncio.run(drive(url, args.requests, args.concurrency, not args.no_stream))
         used = cpu_seconds(proc.pid) - before
+        import httpx
+
+        # Which placements the decisions made (PD mode), so a run shows it took the path meant.
+        placed = [line for line in httpx.get(url + "/metrics", timeout=5).text.splitlines()
+                  if line.startswith("pdgate_placement_total{") and not line.endswith(" 0")]
+        if placed:
+            print("   ", "; ".join(placed), flush=True)
         return used / max(ok, 1) * 1e6, ok
     finally:
         proc.terminate()

@@ -421,8 +421,8 @@ mod tests {
         let placer = Placer::from_config(&GatewayConfig::default());
         let mut rng = StdRng::seed_from_u64(7);
         let mut totals = [TransferTotals::default(); 2];
-        for w in 0..2 {
-            assert!(!placer.observe_transfer_totals(&format!("http://d{w}:1"), totals[w]), "no transfer yet");
+        for (w, t) in totals.iter().enumerate() {
+            assert!(!placer.observe_transfer_totals(&format!("http://d{w}:1"), *t), "no transfer yet");
         }
         for poll in 0..400 {
             let w = poll % 2;
