@@ -169,6 +169,15 @@ pub fn parse(tok: &ModelTokenizer, route: Route, raw: &[u8], request_id: &str) -
     }
     let prompt_ids =
         prompt_token_ids(tok, kind, &value).map_err(|e| bad(field, format!("cannot tokenize the prompt: {e}")))?.filter(|ids| !ids.is_empty()).ok_or_else(|| bad(field, what))?;
+    // Logprobs over gRPC are not written back yet: say so rather than answer null.
+    let logprobs = match route {
+        Route::Completions => body.get("logprobs").is_some_and(|v| !v.is_null()).then_some("logprobs"),
+        Route::Chat => body.get("logprobs").and_then(Value::as_bool).unwrap_or(false).then_some("logprobs"),
+        Route::Generate => body.get("return_logprob").and_then(Value::as_bool).unwrap_or(false).then_some("return_logprob"),
+    };
+    if let Some(param) = logprobs {
+        return Err(bad(param, format!("'{param}' is not supported for gRPC workers yet")));
+    }
     let rid = body.get("rid").and_then(Value::as_str).filter(|r| !r.is_empty()).map(str::to_string);
     let flag = |k: &str| body.get(k).and_then(Value::as_bool).unwrap_or(false);
     let (sampling, id) = match route {
@@ -256,6 +265,9 @@ mod tests {
             (Route::Chat, br#"{"messages":[]}"#, "messages"),
             (Route::Generate, br#"{"text":"a","input_ids":[1]}"#, "text"),
             (Route::Completions, br#"{"prompt":[1],"stop":5}"#, "stop"),
+            (Route::Completions, br#"{"prompt":[1],"logprobs":2}"#, "logprobs"),
+            (Route::Chat, br#"{"messages":[{"role":"user","content":"a"}],"logprobs":true}"#, "logprobs"),
+            (Route::Generate, br#"{"input_ids":[1],"return_logprob":true}"#, "return_logprob"),
             (Route::Generate, br#"{"input_ids":[1],"bootstrap_host":"h","bootstrap_room":4294967296}"#, "bootstrap_room"),
         ] {
             let err = parse(&tok(), route, body, "r").unwrap_err();
