@@ -99,16 +99,28 @@ pub struct TokenGuard {
     runtime: Arc<Runtime>,
     prompt: u64,
     kv: u64,
+    /// The worker had no other prompt to prefill when this one was sent: none of this
+    /// gateway's, and none waiting in the engine's last report.
+    sent_to_idle: bool,
 }
 
 impl TokenGuard {
     pub fn new(runtime: &Arc<Runtime>, prompt: u64, kv: u64) -> Self {
         let t = &runtime.tokens;
         t.queued_requests.fetch_add(1, Ordering::Relaxed);
-        t.prompt_tokens.fetch_add(prompt, Ordering::Relaxed);
+        let ahead = t.prompt_tokens.fetch_add(prompt, Ordering::Relaxed);
         t.kv_tokens.fetch_add(kv, Ordering::Relaxed);
         t.kv_placed_total.fetch_add(kv, Ordering::Relaxed);
-        TokenGuard { runtime: runtime.clone(), prompt, kv }
+        let sent_to_idle = ahead == 0 && t.reported_waiting_tokens().unwrap_or(0) == 0;
+        TokenGuard { runtime: runtime.clone(), prompt, kv, sent_to_idle }
+    }
+
+    /// The prompt was this worker's only one (as this gateway sees it) from send until now:
+    /// its leg time is the engine's service time, not a queue wait. The online prefill fit
+    /// learns only from such legs; under load a leg's time is mostly queueing, which the
+    /// placement decision already counts apart (it had learned a 130 ms prefill as 10-29 s).
+    pub fn alone_since_sent(&self) -> bool {
+        self.sent_to_idle && self.runtime.tokens.prompt_tokens.load(Ordering::Relaxed) == self.prompt
     }
 
     /// The worker has prefilled the prompt (its answer began): the prompt no longer queues
@@ -141,6 +153,21 @@ mod tests {
         assert_eq!(rt.tokens.kv_tokens.load(Ordering::Relaxed), 600);
         drop(g);
         assert_eq!((rt.tokens.prompt_tokens.load(Ordering::Relaxed), rt.tokens.kv_tokens.load(Ordering::Relaxed)), (0, 0));
+    }
+
+    #[test]
+    fn a_prompt_is_alone_only_when_nothing_else_prefilled_beside_it() {
+        let rt = Arc::new(Runtime::default());
+        let a = TokenGuard::new(&rt, 100, 0);
+        assert!(a.alone_since_sent());
+        let b = TokenGuard::new(&rt, 30, 0);
+        assert!(!b.alone_since_sent(), "sent behind another prompt");
+        assert!(!a.alone_since_sent(), "another prompt joined it");
+        drop(a);
+        assert!(!b.alone_since_sent(), "queued behind a prompt that has ended since");
+        drop(b);
+        rt.tokens.store_report(&EngineLoad { waiting_prompt_tokens: Some(500), ..EngineLoad::default() });
+        assert!(!TokenGuard::new(&rt, 10, 0).alone_since_sent(), "the engine reported a queue");
     }
 
     #[test]

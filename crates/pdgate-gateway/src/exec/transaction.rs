@@ -293,9 +293,11 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
             // The leg ended at the worker, either way: nothing left to abort, and the KV was
             // handed off (or never will be): the prompt no longer loads the prefill for routing.
             abort.disarm();
+            // Only a leg that had its worker to itself measures the prefill's service time.
+            let alone = queued.as_ref().is_none_or(TokenGuard::alone_since_sent);
             drop(queued);
             state.metrics.leg_duration.with_label_values(&["prefill", protocol]).observe(t.elapsed().as_secs_f64());
-            if out.is_ok() {
+            if out.is_ok() && alone {
                 state.placer.observe_prefill(tokens, t.elapsed().as_secs_f64() * 1000.0);
                 state.metrics.placement.publish(&state.placer.fitted());
             }
