@@ -95,12 +95,15 @@ impl Ctx {
 
     /// What the workers' KV event views hold of this prompt, by snapshot index; `None` unless
     /// a cache_aware pool routes on events, some worker publishes them, and the prompt has ids.
-    fn kv_held(&self, routing: &Routing) -> Option<(usize, Vec<(usize, usize)>)> {
+    fn kv_held(&self, routing: &Routing) -> Option<(usize, Vec<(usize, usize)>, u64)> {
         if !self.state.routes_on_events || !self.state.kv_view.any_watched() {
             return None;
         }
         let ids = self.routing_ids().filter(|ids| !ids.is_empty())?;
-        Some((ids.len(), self.state.kv_view.held_in(&routing.snapshot, ids)))
+        // Fixed keys: every replica computes the same key for the same prompt.
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        std::hash::Hash::hash(ids, &mut h);
+        Some((ids.len(), self.state.kv_view.held_in(&routing.snapshot, ids), std::hash::Hasher::finish(&h)))
     }
 
     /// Runs one policy decision with everything a policy may read: the load view, the affinity
@@ -110,7 +113,7 @@ impl Ctx {
         let loads = self.state.loads(&routing.runtime);
         let held = self.kv_held(routing);
         let input = RouteInput {
-            kv: held.as_ref().map(|(prompt_tokens, held)| KvMatch { prompt_tokens: *prompt_tokens, held }),
+            kv: held.as_ref().map(|(prompt_tokens, held, key)| KvMatch { prompt_tokens: *prompt_tokens, held, key: *key }),
             text,
             key: self.session_key.as_deref(),
             sequence: self.state.next_sequence(),
