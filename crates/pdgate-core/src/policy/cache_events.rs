@@ -24,6 +24,9 @@ pub fn uses_events(source: CacheSource, snap: &PoolSnapshot, w: usize) -> bool {
     }
 }
 
+/// How a holder ranks, greater is better: matched tokens, then less load, then weight.
+type Rank = (usize, std::cmp::Reverse<u64>, u64);
+
 /// Rendezvous weight of worker `url` for the prompt `key`: the same in every replica.
 fn weight(key: u64, url: &str) -> u64 {
     let mut h = DefaultHasher::new();
@@ -50,8 +53,7 @@ pub(super) fn best_held(
         return None;
     }
     let start = if n > SCAN_LIMIT { rng.random_range(0..n) } else { 0 };
-    // Ranked by (matched, -load, weight): greater is better.
-    let mut best: Option<((usize, std::cmp::Reverse<u64>, u64), usize)> = None;
+    let mut best: Option<(Rank, usize)> = None;
     for i in 0..n.min(SCAN_LIMIT) {
         let (w, matched) = held[(start + i) % n];
         if matched == 0 || !is_candidate(candidates, w) || !uses_events(source, snap, w) {
