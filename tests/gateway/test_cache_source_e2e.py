@@ -60,28 +60,36 @@ def large_engines() -> Iterator[Engines]:
         e.stop()
 
 
-def hit_rates(processes, engines: Engines, tokenizer_dir: Path, configs, workload: dict) -> dict:
+def hit_rates(processes, engines: Engines, tokenizer_dir: Path, configs, workload: dict, seeds=(16,)) -> dict:
+    """Each configuration's hit rate over the workloads of `seeds` (tokens summed), each run
+    from empty engine caches."""
     rates = {}
     for policy, source, replicas in configs:
-        engines.reset_caches()
-        gws = [launch_replica(processes, engines, policy, source, tokenizer_dir) for _ in range(replicas)]
-        try:
-            for gw in gws:
-                wait_subscribed(gw, WORKERS)
-            rates[(policy, source, replicas)] = run(gws, conversations(seed=16, **workload)).hit_rate
-        finally:
-            for gw in gws:
-                gw.stop()
+        prompt = cached = 0
+        for seed in seeds:
+            engines.reset_caches()
+            gws = [launch_replica(processes, engines, policy, source, tokenizer_dir) for _ in range(replicas)]
+            try:
+                for gw in gws:
+                    wait_subscribed(gw, WORKERS)
+                r = run(gws, conversations(seed=seed, **workload))
+                prompt, cached = prompt + r.prompt_tokens, cached + r.cached_tokens
+            finally:
+                for gw in gws:
+                    gw.stop()
+        rates[(policy, source, replicas)] = cached / prompt
     print("hit rates:", ", ".join(f"{p}/{s}/{n}: {r:.3f}" for (p, s, n), r in rates.items()))
     return rates
 
 
 def test_with_evicting_caches_events_beat_the_text_tree_and_round_robin(processes, small_engines, tokenizer_dir):
     configs = [("round_robin", "text", 1), ("cache_aware", "text", 1), ("cache_aware", "events", 1)]
-    rate = hit_rates(processes, small_engines, tokenizer_dir, configs, {})
+    rate = hit_rates(processes, small_engines, tokenizer_dir, configs, {}, seeds=(16, 17))
     events, text, rr = (rate[c] for c in [("cache_aware", "events", 1), ("cache_aware", "text", 1), ("round_robin", "text", 1)])
-    # Measured: events 0.72, text 0.43, round robin 0.24.
-    assert events > text + 0.1 and events > rr + 0.2, rate
+    # Measured: events 0.67-0.72; round robin 0.24-0.25; text 0.43-0.63 by run: the text tree is
+    # as good as its first, random placement of the groups (two groups on one worker thrash its
+    # cache, and the tree keeps them there); the events move a group once it was evicted.
+    assert events > text and events > rr + 0.2, rate
 
 
 def test_replicas_keep_the_hit_rate_with_events_and_lose_it_with_text(processes, large_engines, tokenizer_dir):

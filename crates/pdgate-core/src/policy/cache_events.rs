@@ -6,6 +6,9 @@
 //! replicas sent. With `--cache-source auto` a worker that publishes no events is matched on the
 //! text tree instead, and the deeper of the two matches (as a share of the prompt) wins.
 
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+
 use rand::{Rng, RngCore};
 
 use super::{is_candidate, RouteInput, SCAN_LIMIT};
@@ -21,9 +24,20 @@ pub fn uses_events(source: CacheSource, snap: &PoolSnapshot, w: usize) -> bool {
     }
 }
 
+/// How a holder ranks, greater is better: matched tokens, then less load, then weight.
+type Rank = (usize, std::cmp::Reverse<u64>, u64);
+
+/// Rendezvous weight of worker `url` for the prompt `key`: the same in every replica.
+fn weight(key: u64, url: &str) -> u64 {
+    let mut h = DefaultHasher::new();
+    (key, url).hash(&mut h);
+    h.finish()
+}
+
 /// The best event match among the candidates whose load passes `ok`: the most prompt tokens
-/// held, then the least load. Returns `(worker, matched tokens)`. Looks at most
-/// [`SCAN_LIMIT`] holders, from a random start so that ties spread.
+/// held, then the least load, then the highest rendezvous weight (ties spread by prompt, and
+/// every replica breaks them alike). Returns `(worker, matched tokens)`. Looks at most
+/// [`SCAN_LIMIT`] holders (from a random start when there are more).
 pub(super) fn best_held(
     source: CacheSource,
     snap: &PoolSnapshot,
@@ -32,13 +46,14 @@ pub(super) fn best_held(
     ok: &dyn Fn(u64) -> bool,
     rng: &mut dyn RngCore,
 ) -> Option<(usize, usize)> {
-    let held = input.kv?.held;
+    let kv = input.kv?;
+    let held = kv.held;
     let n = held.len();
     if n == 0 {
         return None;
     }
-    let start = rng.random_range(0..n);
-    let mut best: Option<(usize, u64, usize)> = None;
+    let start = if n > SCAN_LIMIT { rng.random_range(0..n) } else { 0 };
+    let mut best: Option<(Rank, usize)> = None;
     for i in 0..n.min(SCAN_LIMIT) {
         let (w, matched) = held[(start + i) % n];
         if matched == 0 || !is_candidate(candidates, w) || !uses_events(source, snap, w) {
@@ -48,9 +63,10 @@ pub(super) fn best_held(
         if !ok(load) {
             continue;
         }
-        if best.is_none_or(|(m, l, _)| matched > m || (matched == m && load < l)) {
-            best = Some((matched, load, w));
+        let rank = (matched, std::cmp::Reverse(load), weight(kv.key, &snap.worker(w).spec.url));
+        if best.is_none_or(|(b, _)| rank > b) {
+            best = Some((rank, w));
         }
     }
-    best.map(|(m, _, w)| (w, m))
+    best.map(|((m, _, _), w)| (w, m))
 }

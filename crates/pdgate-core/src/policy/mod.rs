@@ -118,6 +118,9 @@ pub struct KvMatch<'a> {
     /// `(worker, leading prompt tokens it holds)` for the workers holding at least one block,
     /// ascending by worker.
     pub held: &'a [(usize, usize)],
+    /// A hash of the prompt's token ids, the same in every replica: ties between holders go
+    /// by it and the worker's URL (rendezvous), so replicas with equal loads agree.
+    pub key: u64,
 }
 
 impl Default for RouteInput<'_> {

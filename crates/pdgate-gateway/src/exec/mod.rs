@@ -100,12 +100,15 @@ impl Ctx {
 
     /// What the workers' KV event views hold of this prompt, by snapshot index; `None` unless
     /// a cache_aware pool routes on events, some worker publishes them, and the prompt has ids.
-    fn kv_held(&self, routing: &Routing) -> Option<(usize, Vec<(usize, usize)>)> {
+    fn kv_held(&self, routing: &Routing) -> Option<Held> {
         if !self.state.routes_on_events || !self.state.kv_view.any_watched() {
             return None;
         }
         let ids = self.routing_ids().filter(|ids| !ids.is_empty())?;
-        Some((ids.len(), self.state.kv_view.held_in(&routing.snapshot, ids)))
+        // Fixed keys: every replica computes the same key for the same prompt.
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        std::hash::Hash::hash(ids, &mut h);
+        Some(Held { prompt_tokens: ids.len(), held: self.state.kv_view.held_in(&routing.snapshot, ids), key: std::hash::Hasher::finish(&h) })
     }
 
     /// Runs one policy decision with everything a policy may read: the load view, the affinity
@@ -115,7 +118,7 @@ impl Ctx {
         let loads = self.state.loads(&routing.runtime);
         let held = self.kv_held(routing);
         let input = RouteInput {
-            kv: held.as_ref().map(|(prompt_tokens, held)| KvMatch { prompt_tokens: *prompt_tokens, held }),
+            kv: held.as_ref().map(|h| KvMatch { prompt_tokens: h.prompt_tokens, held: &h.held, key: h.key }),
             text,
             key: self.session_key.as_deref(),
             sequence: self.state.next_sequence(),
@@ -151,6 +154,13 @@ impl Ctx {
             self.state.remember(&mut tree, text, url);
         }
     }
+}
+
+/// The owned parts of a [`KvMatch`], built before a decision.
+struct Held {
+    prompt_tokens: usize,
+    held: Vec<(usize, usize)>,
+    key: u64,
 }
 
 /// An attempt's failure and the worker to avoid on the next attempt.

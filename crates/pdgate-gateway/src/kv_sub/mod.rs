@@ -6,6 +6,8 @@
 //! without talking to each other.
 
 pub mod subscriber;
+#[cfg(test)]
+mod tests;
 pub mod zmtp;
 
 use std::collections::HashMap;
