@@ -150,7 +150,22 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
     let scope = Arc::new(RequestScope { request_id: request_id.clone(), via, span, client_trace });
     let mut resp = scope::run(
         scope.clone(),
-        execute(Ctx { state, req, raw, request_id, client_request_id, session_key, deadline, started, arrival_unix_s, route, slo, priority, strip_usage, prompt_ids: Default::default() }),
+        execute(Ctx {
+            state,
+            req,
+            raw,
+            request_id,
+            client_request_id,
+            session_key,
+            deadline,
+            started,
+            arrival_unix_s,
+            route,
+            slo,
+            priority,
+            strip_usage,
+            prompt_ids: Default::default(),
+        }),
     )
     .await;
     // For the body wrapper in edge/conn.rs: the relay's stream warnings name the request.
