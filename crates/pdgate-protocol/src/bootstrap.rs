@@ -48,6 +48,15 @@ pub fn inject(body: &mut Map<String, Value>, host: &str, port: Option<u16>, room
     }
 }
 
+/// The prefill's body for a streamed request: the decode's body (rendezvous fields and all)
+/// asking for a whole answer, without `stream_options` (engines refuse it without `stream`).
+pub fn whole_prefill_body(decode: &Map<String, Value>) -> Map<String, Value> {
+    let mut body = decode.clone();
+    body.insert("stream".into(), Value::Bool(false));
+    body.remove("stream_options");
+    body
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -73,13 +82,4 @@ mod tests {
             })
         );
     }
-}
-
-/// The prefill's body for a streamed request: the decode's body (rendezvous fields and all)
-/// asking for a whole answer, without `stream_options` (engines refuse it without `stream`).
-pub fn whole_prefill_body(decode: &Map<String, Value>) -> Map<String, Value> {
-    let mut body = decode.clone();
-    body.insert("stream".into(), Value::Bool(false));
-    body.remove("stream_options");
-    body
 }
