@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,19 +25,50 @@ _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS picks it), never one this process handed out
-    before: the OS may offer a just-released port again, and two workers started together would
-    then both be told to bind it."""
+def _ephemeral_start() -> int:
+    """The lowest port the OS hands out on its own (to bind(0) and to outgoing connections)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
+    """A port that was free a moment ago, never one this process handed out before: the OS may
+    offer a just-released port again, and two workers started together would then both be told
+    to bind it. With span > 1, ports port..port+span-1 are all free (a gRPC worker's HTTP
+    sidecar is port + 1): those come from below the OS's ephemeral range, since a port next to
+    one the OS picked is likely an outgoing connection's (Linux gives connect() the neighbours
+    of the ports it gives bind(0))."""
     with _handed_out_lock:
-        for _ in range(64):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
-            if port not in _handed_out:
-                _handed_out.add(port)
-                return port
-    raise OSError("no fresh free port found in 64 tries")
+        if span == 1:
+            for _ in range(64):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind((host, 0))
+                    port = s.getsockname()[1]
+                if port not in _handed_out:
+                    _handed_out.add(port)
+                    return port
+        else:
+            top = _ephemeral_start() - span
+            rng = random.Random()
+            for _ in range(256):
+                port = rng.randrange(max(1024, top - 12000), top)
+                ports = range(port, port + span)
+                if not _handed_out.intersection(ports) and all(_bindable(host, p) for p in ports):
+                    _handed_out.update(ports)
+                    return port
+    raise OSError(f"no fresh free port span of {span} found")
 
 
 class ReferenceWorker:
@@ -62,7 +94,7 @@ class ReferenceWorker:
             raise ValueError(f"grpc_service must be None, sglang or vllm, not {grpc_service!r}")
         self.mode, self.model, self.host, self.grpc_service = mode, model, host, grpc_service
         self._auto_port, self._auto_bootstrap = port is None, bootstrap_port is None
-        self.port = port or free_port(host)
+        self.port = port or free_port(host, span=2 if grpc_service else 1)
         self.bootstrap_port = (bootstrap_port or free_port(host)) if mode == "prefill" else bootstrap_port
         self.transfer_backend = transfer_backend
         self.kv_connector = kv_connector
@@ -119,7 +151,7 @@ class ReferenceWorker:
             if attempt < 2 and "address already in use" in self.log_tail().lower() and (
                     self._auto_port or (self.mode == "prefill" and self._auto_bootstrap)):
                 self.proc = None
-                self.port = free_port(self.host) if self._auto_port else self.port
+                self.port = free_port(self.host, span=2 if self.grpc_service else 1) if self._auto_port else self.port
                 if self.mode == "prefill" and self._auto_bootstrap:
                     self.bootstrap_port = free_port(self.host)
                 continue
