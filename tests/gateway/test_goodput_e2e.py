@@ -102,7 +102,11 @@ def test_gateway_ttft_is_within_the_clients_and_the_log_has_every_request(stack:
         assert (line["status"], line["error"], line["stream"], line["placement"]) == (200, None, True, placement), line
         assert line["output_tokens"] == MAX_TOKENS, line  # the engine's usage, asked for by the gateway
         assert 0 < line["ttft_ms"] <= client_side["ttft_ms"], (line, client_side)
-        assert line["ttft_ms"] <= line["e2e_ms"] <= client_side["e2e_ms"], (line, client_side)
+        assert line["ttft_ms"] <= line["e2e_ms"], (line, client_side)
+        if kind != "pd":
+            # A PD request ends at the gateway when its last leg does: the prefill's answer is
+            # drained after the decode's last byte, so its E2E may end after the client's.
+            assert line["e2e_ms"] <= client_side["e2e_ms"], (line, client_side)
         assert line["tpot_ms"] == pytest.approx((line["e2e_ms"] - line["ttft_ms"]) / (MAX_TOKENS - 1), abs=1e-5)
         if kind == "pd":
             assert line["cached_tokens"] == line["prompt_tokens"] > 0, "the KV moved"
