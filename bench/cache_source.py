@@ -42,6 +42,8 @@ def main() -> None:
     p.add_argument("--turn-words", type=int, default=5, help="words of each user and assistant message")
     p.add_argument("--live", type=int, default=6, help="conversations in progress at a time")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--gateway-seed", type=int, default=None,
+                   help="the gateways' --seed (routing rng: tie-breaks, random first placements); default random")
     args = p.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     engines = start_engines(args.workers, args.cache_tokens)
@@ -55,7 +57,7 @@ def main() -> None:
                 ttft: list[float] = []
                 for seed in seeds:
                     engines.reset_caches()
-                    gws = [launch_replica(processes, engines, policy, source, tok) for _ in range(n)]
+                    gws = [launch_replica(processes, engines, policy, source, tok, args.gateway_seed) for _ in range(n)]
                     for gw in gws:
                         wait_subscribed(gw, args.workers)
                     r = run(gws, conversations(seed, n_conversations=args.conversations, turns=args.turns, system_words=args.system_words,

@@ -83,7 +83,7 @@ start() {  # start GATEWAY MODE PORT; sets GW
                 bootstrap) args=(--pd-disaggregation --prefill "$P" 8998 --decode "$DE") ;;
                 nixl) args=(--vllm-pd-disaggregation --prefill "$P" --decode "$DE") ;;
             esac
-            "$bin" --port "$3" --log-level warn --policy round_robin "${args[@]}" > "$D/$1-$2.log" 2>&1 & GW=$! ;;
+            "$bin" --port "$3" --log-level warn --policy round_robin "${args[@]}" ${PDGATE_ARGS:-} > "$D/$1-$2.log" 2>&1 & GW=$! ;;
         vllm-router)
             case $2 in
                 regular) args=(--worker-urls "$R") ;;

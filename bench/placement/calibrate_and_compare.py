@@ -6,11 +6,14 @@ service-time file, predict the goodput and p99 TTFT that `pdgate bench` then mea
    --pd-disaggregation`) and, for the prefill table, a colocated gateway over one regular worker.
 2. `pdgate bench --calibrate` through them writes the service-time file.
 3. At each load level: a seeded short/long trace (workload.py); `pdgate simulate --placement
-   disaggregated --prefill-workers 1 --decode-workers 1` replays it with the file;
+   disaggregated --prefill-workers 1 --decode-workers 1` replays it with the file, twice: with
+   `--shared-cores N` (this machine's cores, which the two workers share: the comparison's
+   prediction) and without (each worker its own hardware, as on GPUs; for reference);
    `pdgate bench` replays it against the PD gateway.
-4. Prints the table (simulated / measured) and writes it as JSON.
+4. Prints the table (simulated / measured) and writes it as JSON, with the load average (other
+   people's jobs share the machine) before and after each level.
 
-    python bench/placement/calibrate_and_compare.py --rates 0.5,1,2 --duration 30
+    nice python bench/placement/calibrate_and_compare.py --rates 0.25,0.5,1 --duration 30
 """
 
 from __future__ import annotations
@@ -48,10 +51,11 @@ def calibrate(pd_url: str, col_url: str, out: str, args: argparse.Namespace) -> 
 
 
 def simulate(trace: str, model_file: str, placement: str, prefill: int, decode: int,
-             goodput: list[str]) -> dict[str, Any]:
+             goodput: list[str], shared_cores: float = 0.0) -> dict[str, Any]:
     out = run([*PDGATE, "simulate", "--placement", placement, "--prefill-workers", str(prefill),
                "--decode-workers", str(decode), "--dataset-path", trace, "--arrivals", "replay",
-               "--service-model", model_file, "--goodput", *goodput, "--metric-percentiles", "50,99"], timeout=600)
+               "--service-model", model_file, "--goodput", *goodput, "--metric-percentiles", "50,99",
+               "--shared-cores", str(shared_cores)], timeout=600)
     return json.loads(out)["results"][0]
 
 
@@ -77,6 +81,14 @@ def auto_slos(model: dict[str, Any], mix: Mix) -> list[str]:
     return [f"ttft:{2 * ttft:.0f}", f"tpot:{2 * tpot:.0f}"]
 
 
+def shared_cores(arg: str, model: dict[str, Any]) -> float:
+    """`--shared-cores`: a number, or `measured`: what the calibration measured (0 when it saw no
+    contention or did not measure it: each worker its own hardware)."""
+    if arg != "measured":
+        return float(arg)
+    return float(((model.get("calibration") or {}).get("shared_cores") or {}).get("cores") or 0.0)
+
+
 def ratio(sim: float | None, real: float | None) -> float | None:
     return None if sim is None or not real else sim / real
 
@@ -92,7 +104,10 @@ def main() -> int:
     p.add_argument("--long-fraction", type=float, default=0.2)
     p.add_argument("--calibrate-prompt-lens", default="16,128,256,512,1024")
     p.add_argument("--calibrate-batch-sizes", default="1,2,4,8")
-    p.add_argument("--calibrate-repeats", type=int, default=3)
+    p.add_argument("--calibrate-repeats", type=int, default=5, help="samples per prompt length and batch size")
+    p.add_argument("--shared-cores", default="measured",
+                   help="cores the workers effectively share, for the simulator: a number, or `measured` "
+                        "(default): the calibration's estimate (a decode stream beside a busy prefill)")
     p.add_argument("--decode-prompt-len", type=int, default=64, help="prompt tokens of the decode-step requests")
     p.add_argument("--service-model", default=None, help="skip calibration and use this file")
     p.add_argument("--out-dir", default="placement-results")
@@ -116,6 +131,8 @@ def main() -> int:
         else:
             with open(model_file, encoding="utf-8") as f:
                 model = json.load(f)
+        args.shared_cores = shared_cores(args.shared_cores, model)
+        print(f"shared cores: {args.shared_cores}", flush=True)
         if args.goodput == ["auto"]:
             args.goodput = auto_slos(model, mix)
             print("SLOs (auto):", " ".join(args.goodput), flush=True)
@@ -123,13 +140,17 @@ def main() -> int:
         for i, rate in enumerate(float(r) for r in args.rates.split(",")):
             trace = os.path.join(args.out_dir, f"trace-{rate}.jsonl")
             n = write_trace(trace, rate=rate, duration_s=args.duration, mix=mix, seed=args.seed + i)
-            sim = simulate(trace, model_file, "disaggregated", 1, 1, args.goodput)
+            sim = simulate(trace, model_file, "disaggregated", 1, 1, args.goodput, args.shared_cores)
+            own = simulate(trace, model_file, "disaggregated", 1, 1, args.goodput)
+            load_before = os.getloadavg()[0]
             real = bench(pd.url, trace, os.path.join(args.out_dir, f"bench-disaggregated-{rate}.json"),
                          args.goodput, "disaggregated")
-            row = {"rate": rate, "requests": n,
+            row = {"rate": rate, "requests": n, "shared_cores": args.shared_cores,
                    "sim_goodput": sim["request_goodput"], "real_goodput": real["request_goodput"],
                    "sim_p99_ttft_ms": sim["p99_ttft_ms"], "real_p99_ttft_ms": real["p99_ttft_ms"],
-                   "real_failed": real["failed"], "load_avg": os.getloadavg()[0]}
+                   "own_hw_sim_goodput": own["request_goodput"], "own_hw_sim_p99_ttft_ms": own["p99_ttft_ms"],
+                   "sim_median_tpot_ms": sim["median_tpot_ms"], "real_median_tpot_ms": real["median_tpot_ms"],
+                   "real_failed": real["failed"], "load_avg_before": load_before, "load_avg": os.getloadavg()[0]}
             row["goodput_ratio"] = ratio(row["sim_goodput"], row["real_goodput"])
             row["p99_ttft_ratio"] = ratio(row["sim_p99_ttft_ms"], row["real_p99_ttft_ms"])
             rows.append(row)
@@ -146,7 +167,8 @@ def main() -> int:
               f"{r['goodput_ratio'] or float('nan'):.2f} | {r['sim_p99_ttft_ms']:.0f} | {r['real_p99_ttft_ms']:.0f} | "
               f"{r['p99_ttft_ratio'] or float('nan'):.2f} | {r['load_avg']:.1f} |")
     with open(os.path.join(args.out_dir, "calibrate_and_compare.json"), "w", encoding="utf-8") as f:
-        json.dump({"mix": mix.__dict__, "goodput": args.goodput, "duration_s": args.duration, "rows": rows}, f, indent=2)
+        json.dump({"mix": mix.__dict__, "goodput": args.goodput, "duration_s": args.duration,
+                   "shared_cores": args.shared_cores, "service_model": model, "rows": rows}, f, indent=2)
     return 0
 
 

@@ -28,7 +28,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from calibrate_and_compare import auto_slos, bench, simulate  # noqa: E402
+from calibrate_and_compare import auto_slos, bench, shared_cores, simulate  # noqa: E402
 from fleet import start_fleet, model_priors  # noqa: E402
 from workload import Mix, write_trace  # noqa: E402
 
@@ -77,7 +77,7 @@ def run_cell(name: str, url: str, rate: float, trace: str, args: argparse.Namesp
     if args.service_model:
         # The simulator's conditional runs local prefills on a decode worker (kv_both); the
         # gateway's uses the regular pool: the same worker count, a close model.
-        sim = simulate(trace, args.service_model, placement, 1, args.workers - 1, args.goodput)
+        sim = simulate(trace, args.service_model, placement, 1, args.workers - 1, args.goodput, args.shared_cores)
         cell["sim_goodput"] = sim["request_goodput"]
         cell["sim_p99_ttft_ms"] = sim["p99_ttft_ms"]
         cell["sim_decisions"] = sim.get("decisions")
@@ -96,6 +96,9 @@ def main() -> int:
     p.add_argument("--long-fraction", type=float, default=0.2)
     p.add_argument("--placements", default=",".join(PLACEMENTS))
     p.add_argument("--service-model", default=None, help="calibrated service-time file: gateway priors, predictions")
+    p.add_argument("--shared-cores", default="measured",
+                   help="cores the workers effectively share, for the simulator's predictions: a number, or "
+                        "`measured` (default): the --service-model calibration's estimate")
     p.add_argument("--out-dir", default="placement-results")
     p.add_argument("--seed", type=int, default=100)
     args = p.parse_args()
@@ -107,6 +110,7 @@ def main() -> int:
         with open(args.service_model, encoding="utf-8") as f:
             model = json.load(f)
         priors = model_priors(model)
+        args.shared_cores = shared_cores(args.shared_cores, model)
         if args.goodput == ["auto"]:
             args.goodput = auto_slos(model, mix)
     elif args.goodput == ["auto"]:

@@ -69,6 +69,8 @@ class GatewayOptions(TypedDict, total=False):
     """--max-tree-size: cache_aware: most characters (UTF-8 bytes) of request text kept in the radix tree; least recently used prefixes are evicted beyond it. Default: 67108864. Range: 0 to 18446744073709551615."""
     kv_index_max_blocks: int
     """--kv-index-max-blocks: Most worker-block entries the KV event index keeps (docs/kv-events.md); past it the oldest are evicted, except that a prefix lookups reach gets a second chance. Default: 4194304. Range: 0 to 18446744073709551615."""
+    seed: int | None
+    """--seed: Seed of the routing rng: random and power_of_two picks, and the random tie-breaks and samples of the other policies. With the same seed, workers and requests in the same order, a gateway makes the same choices (for tests and reproducible benchmarks). Unset: a random seed per thread. Bootstrap rooms and request ids stay random either way (two replicas with one seed must not mint the same rooms). Range: 0 to 18446744073709551615."""
     pd_pairing_mode: Literal["off", "lenient", "strict"]
     """--pd-pairing-mode: Which prefill/decode pairs may work together: off (KV transport only), lenient (a known runtime or KV layout mismatch refuses) or strict (an unknown one refuses too). Default: "lenient"."""
     breaker_failure_threshold: int

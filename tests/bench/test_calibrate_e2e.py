@@ -62,6 +62,15 @@ def test_calibrate_writes_a_service_model_simulate_reads(gateways: Any, tmp_path
     assert {p[0] for p in cal["fits"]["decode_step_ms_vs_batch"]["points"]} == {1.0, 2.0}
     assert cal["fits"]["transfer_ms_vs_bytes"] is not None
     assert len(cal["samples"]["pd_ttft_ms"]) == len(cal["samples"]["colocated_ttft_ms"]) == 3
+    # The link from the decode worker's own reports: one transfer per PD request, whole pages
+    # of the prompt (the same bytes the prefill worker counted as sent).
+    transfers = cal["samples"]["engine_transfer_ms"]
+    assert len(transfers) == 3 and cal["handoff"]["unreported_requests"] == 0, cal["handoff"]
+    assert sum(b for b, _ in transfers) == cal["kv_bytes_sent"]
+    assert all(ms >= 0 for _, ms in transfers)
+    assert cal["fits"]["engine_transfer_ms_vs_bytes"] is not None
+    assert cal["handoff"]["overhead_ms"] >= 0 and len(cal["handoff"]["overhead_per_pair_ms"]) == 3
+    assert data["link_setup_ms"] >= cal["handoff"]["overhead_ms"]
     assert cal["prefill_workers"] and cal["decode_workers"] and cal["colocated_workers"]
 
     sim = subprocess.run([sys.executable, "-m", "pdgate.cli", "simulate", "--service-model", str(out),

@@ -1,6 +1,8 @@
 """`pdgate bench --calibrate`'s fitting on recorded samples: known lines come back, outliers of a
 loaded machine do not move the fit, slopes never go negative, the transfer comes out of the
-difference of two TTFT tables, and the written file is one `pdgate simulate` reads."""
+engines' per-transfer reports (and of the difference of two TTFT tables without them), the
+shared cores out of a decode stream's slowdown, and the written file is one `pdgate simulate`
+reads."""
 
 from __future__ import annotations
 
@@ -11,10 +13,13 @@ import pytest
 
 from pdgate.bench.calibrate_fit import (
     MAX_LINK_GIB_PER_S,
+    fit_engine_transfer,
     fit_line,
     fit_transfer,
+    handoff_overhead_ms,
     kv_bytes_per_token,
     service_model_fields,
+    shared_cores_estimate,
 )
 from pdgate.simulate.model import GIB, ServiceModel
 
@@ -163,3 +168,58 @@ def test_chunked_prefill_adds_up_to_the_whole_prompt() -> None:
     chunks = [model.prefill_chunk_ms(start, 256) for start in range(0, 1024, 256)]
     assert sum(chunks) == pytest.approx(model.prefill_ms(1024))
     assert chunks == sorted(chunks)   # later chunks attend to more tokens
+
+
+# Engine-reported transfers as `--calibrate` records them, (bytes, ms) per PD request: the same
+# prompt length moves the same page-rounded bytes; truth 4 ms + bytes at 0.08 GiB/s, one repeat
+# per size hit by a burst.
+_TRUE_GIB = 0.08
+
+
+def _ms(nbytes: float) -> float:
+    return 4.0 + nbytes / (_TRUE_GIB * GIB) * 1000.0
+
+
+ENGINE_TRANSFERS = [(b, _ms(b) * k) for b in (272_272.0, 2_178_176.0, 4_356_352.0, 17_425_408.0)
+                    for k in (1.0, 1.0, 3.0)]
+
+
+def test_engine_reported_transfers_give_setup_and_bandwidth() -> None:
+    setup, gib, fit = fit_engine_transfer(ENGINE_TRANSFERS)
+    assert setup == pytest.approx(4.0, abs=1e-6)
+    assert gib == pytest.approx(_TRUE_GIB, rel=1e-6)
+    assert [p[2] for p in fit.points] == [3, 3, 3, 3]
+    with pytest.raises(ValueError, match="no per-transfer"):
+        fit_engine_transfer([])
+
+
+def test_handoff_overhead_is_the_median_over_paired_samples() -> None:
+    # PD = colocated + one 50 ms step + the transfer + 30 ms of hand-off, one pair hit by a burst
+    # on the PD side and one on the colocated side; the pairs are taken back to back.
+    bpt = 17_017.0
+    local = [(float(n), 100.0 + n) for n in (16, 256, 1024) for _ in range(3)]
+    pd = [(x, y + 50.0 + _ms(x * bpt) + 30.0) for x, y in local]
+    pd[1] = (pd[1][0], pd[1][1] + 900.0)
+    local[5] = (local[5][0], local[5][1] + 700.0)
+    overhead, diffs = handoff_overhead_ms(pd, local, 50.0, lambda tokens: _ms(tokens * bpt))
+    assert overhead == pytest.approx(30.0)
+    assert len(diffs) == 9 and max(diffs) == pytest.approx(930.0) and min(diffs) == pytest.approx(-670.0)
+    # A PD path faster than colocated + step + transfer (noise) is no negative overhead.
+    assert handoff_overhead_ms(local, local, 50.0, lambda tokens: 0.0)[0] == 0.0
+    with pytest.raises(ValueError, match="paired"):
+        handoff_overhead_ms(pd[:1], [(99.0, 1.0)], 50.0, lambda tokens: 0.0)
+
+
+def test_shared_cores_from_a_decode_stream_beside_a_busy_prefill() -> None:
+    # Alone the stream's steps take 70 ms (one slow outlier); beside a computing prefill 140 ms:
+    # two busy workers run at half speed, so they share one core.
+    alone = [70.0, 70.0, 71.0, 69.0, 400.0]
+    beside = [140.0, 139.0, 141.0, 140.0]
+    cores, slowdown = shared_cores_estimate(alone, beside)
+    assert slowdown == pytest.approx(2.0) and cores == pytest.approx(1.0)
+    # 1.6x slower: 2 / 1.6 = 1.25 cores between the two.
+    assert shared_cores_estimate(alone, [112.0])[0] == pytest.approx(1.25)
+    # Not slower (noise): not shared, the simulator's default.
+    assert shared_cores_estimate(alone, [65.0]) == (0.0, pytest.approx(65 / 70))
+    with pytest.raises(ValueError, match="no decode gaps"):
+        shared_cores_estimate(alone, [])

@@ -7,6 +7,7 @@ transfer 3 s, lease 3 s)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 
@@ -276,3 +277,41 @@ def test_nixl_hold_refuses_a_second_request_with_the_same_id(nixl_pair):
     rd = httpx.post(d.url + "/v1/completions", json=late, headers=hdr, timeout=30)
     assert rd.status_code == 200 and rd.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 39, rd.text
     assert_clean(p, d)
+
+
+def sse_events(w: ReferenceWorker, path: str, b: dict) -> list[dict]:
+    """The JSON events of a stream, read until it ends or the connection breaks."""
+    got: list[dict] = []
+    try:
+        with httpx.stream("POST", w.url + path, json=b, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    got.append(json.loads(line[6:]))
+    except (httpx.RemoteProtocolError, httpx.ReadError):
+        pass  # the drop
+    return got
+
+
+@pytest.mark.parametrize("route", ["/generate", "/v1/completions"])
+def test_fault_drop_streams_exactly_n_tokens_and_never_the_end(route):
+    """`--fault-drop-after-tokens N` breaks every stream right after its N-th token and before
+    its finish, even where the engine could run ahead of the stream and finish the answer first:
+    the scheduler holds a sequence at N (a resume test needs the break mid-answer, always)."""
+    w = ReferenceWorker(mode="null", extra_args=["--fault-drop-after-tokens", "3"])
+    start_all(w)
+    try:
+        for k in range(3):  # on every request
+            if route == "/generate":
+                got = sse_events(w, route, {**body(8, 16, seed=k), "stream": True})
+                assert got and got[-1]["output_ids"] and len(got[-1]["output_ids"]) == 3, got
+                assert all(e["meta_info"]["finish_reason"] is None for e in got), got
+            else:
+                got = sse_events(w, route, {"prompt": [256, 1, 2, 3], "max_tokens": 16, "temperature": 0,
+                                            "ignore_eos": True, "stream": True, "return_token_ids": True})
+                ids = [t for e in got for c in e["choices"] for t in c.get("token_ids") or []]
+                assert len(ids) == 3, got
+                assert all(c["finish_reason"] is None for e in got for c in e["choices"]), got
+            assert w.proc is not None and w.proc.poll() is None, "the engine lives on"
+            assert_clean(w)
+    finally:
+        w.stop()

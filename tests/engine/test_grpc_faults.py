@@ -84,3 +84,48 @@ def test_client_deadline_aborts_the_decode(pair):
         collect(sglang_stub(d).Generate(sglang_request("f-4", PROMPT, 4, disaggregated_params=dp(p, 24)), timeout=0.5))
     assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert_clean(p, d)
+
+
+# The HTTP surfaces' fault hooks, honoured over gRPC (the gateway's gRPC fault e2e tests use them).
+
+@pytest.mark.parametrize("service", ["sglang", "vllm"])
+def test_fault_drop_ends_every_call_unavailable_and_the_engine_lives_on(service):
+    from grpc_client import vllm_request, vllm_stub
+
+    w = ReferenceWorker(mode="null", grpc_service=service, extra_args=["--fault-drop-after-tokens", "3"])
+    start_all(w)
+    try:
+        for stream in (True, False):
+            for n in range(2):  # on EVERY call, not once
+                rid = f"drop-{service}-{stream}-{n}"
+                req = (sglang_request(rid, PROMPT, 16, stream=stream) if service == "sglang"
+                       else vllm_request(rid, PROMPT, 16, stream=stream))
+                stub = sglang_stub(w) if service == "sglang" else vllm_stub(w)
+                got: list[int] = []
+                with pytest.raises(grpc.RpcError) as ei:
+                    for r in stub.Generate(req, timeout=TIMEOUT):
+                        assert not r.HasField("complete"), ("the call must break before its answer completes", got, r)
+                        got.extend(r.chunk.token_ids)
+                assert ei.value.code() == grpc.StatusCode.UNAVAILABLE, ei.value
+                # A stream had exactly the tokens before the drop (the scheduler holds a
+                # sequence at N, so the engine cannot run ahead of it); a whole answer none.
+                assert len(got) == (3 if stream else 0), got
+                assert w.proc is not None and w.proc.poll() is None, "the engine lives on"
+                assert_clean(w)
+    finally:
+        w.stop()
+
+
+def test_fault_kill_dies_mid_stream_after_the_nth_token():
+    w = ReferenceWorker(mode="null", grpc_service="sglang", extra_args=["--fault-kill-after-tokens", "3"])
+    start_all(w)
+    try:
+        got: list[int] = []
+        with pytest.raises(grpc.RpcError) as ei:
+            for r in sglang_stub(w).Generate(sglang_request("kill-1", PROMPT, 16, stream=True), timeout=TIMEOUT):
+                got.extend(r.chunk.token_ids)
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE, ei.value  # the connection went away
+        assert w.proc is not None and w.proc.wait(timeout=10) == -9, "SIGKILLed itself"
+        assert len(got) <= 3, got  # never past its moment (what was in flight may be lost)
+    finally:
+        w.stop()

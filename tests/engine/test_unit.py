@@ -250,3 +250,35 @@ def test_output_after_a_prompt_ending_inside_a_character_completes_it():
         rest = output_text(tok, seq(prompt + answer[:k], answer[k:]))
         assert sent + rest == whole, k
     assert output_text(tok, seq(prompt, [104])) == "h", "a clean prompt end: the output alone"
+
+
+@pytest.mark.parametrize("hold_at, want", [(3, 3), (0, 16)])
+def test_a_held_scheduler_decodes_no_sequence_past_the_fault_point(hold_at, want):
+    """`Scheduler.hold_at` (set by `--fault-*-after-tokens N`): with nobody reading the sequence
+    the engine runs as far ahead as it can, and still stops at N output tokens, unfinished, so a
+    fault checked by a slow stream always comes mid-answer. Without a hold it finishes."""
+    from pdgate.engine.scheduler import Scheduler
+    from pdgate.engine.sequence import Seq
+    from pdgate.engine.tokenizer import ByteTokenizer
+
+    async def run() -> Seq:
+        model, pool = make()
+        sched = Scheduler(model, pool, ByteTokenizer(), None, hold_at=hold_at)
+        seq = Seq("held-1", [256, 1, 2, 3, 4], SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
+        seq.pages = pool.reserve(pool.pages_for(seq.prompt_len + 17))
+        loop = asyncio.create_task(sched.run())
+        sched.add(seq)
+        try:
+            for _ in range(500):  # the loop's steps, not a clock: until it has nothing to do
+                await asyncio.sleep(0.01)
+                if seq.finished or (hold_at and len(seq.output_ids) >= hold_at and not sched.wake.is_set()):
+                    break
+            await asyncio.sleep(0.05)  # one more chance to (wrongly) decode past the hold
+            return seq
+        finally:
+            loop.cancel()
+            sched.exec.shutdown(wait=False)
+
+    seq = asyncio.run(run())
+    assert len(seq.output_ids) == want, seq.output_ids
+    assert seq.finished == (hold_at == 0)

@@ -120,10 +120,14 @@ def export_tokenizer(directory: Path) -> Path:
     return directory
 
 
-def launch_replica(processes: Any, engines: Engines, policy: str, cache_source: str, tokenizer_dir: Path) -> GatewayProcess:
+def launch_replica(processes: Any, engines: Engines, policy: str, cache_source: str, tokenizer_dir: Path,
+                   seed: int | None = None) -> GatewayProcess:
     """One gateway replica with the engines registered through `/workers` (with their KV event
-    endpoints: every replica subscribes to the same publishers)."""
+    endpoints: every replica subscribes to the same publishers). `seed`: the gateway's `--seed`
+    (its routing rng), else random."""
     args = ["--policy", policy, "--cache-source", cache_source, "--model-path", str(tokenizer_dir), "--admin-api-key", ADMIN_KEY, *FAST_HEALTH]
+    if seed is not None:
+        args += ["--seed", str(seed)]
     gw = launch(processes, args)
     for body in engines.registrations():
         r = httpx.post(gw.url + "/workers", json=body, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)

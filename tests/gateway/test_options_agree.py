@@ -40,6 +40,7 @@ SAMPLE_VALUES = {
     "placement_forgetting": "0.5",
     "request_id_headers": "x-my-id",
     "control_plane_api_keys": "k1:ops:admin:secret",
+    "seed": "7",
 }
 
 

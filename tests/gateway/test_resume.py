@@ -15,6 +15,9 @@ must go by token ids (the text is compared as the engines render it, U+FFFD incl
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
@@ -55,7 +58,7 @@ def reference() -> Iterator[ReferenceWorker]:
 
 
 class Fleet:
-    def __init__(self, max_resumes: int | None, connector: str = "bootstrap"):
+    def __init__(self, max_resumes: int | None, connector: str = "bootstrap", model_path: str | None = None):
         kc = CONNECTORS[connector]
         self.prefill = ReferenceWorker(mode="prefill", model="tiny", kv_connector=kc)
         self.dying = ReferenceWorker(mode="decode", model="tiny", kv_connector=kc,
@@ -63,6 +66,7 @@ class Fleet:
         self.healthy = ReferenceWorker(mode="decode", model="tiny", kv_connector=kc)
         self.max_resumes = max_resumes
         self.connector = connector
+        self.model_path = model_path
 
     def __enter__(self) -> "Fleet":
         start([self.prefill, self.dying, self.healthy])
@@ -72,6 +76,8 @@ class Fleet:
             decode_policy="round_robin", health_check_interval_secs=1, health_success_threshold=1)
         if self.max_resumes is not None:
             options["max_resumes"] = self.max_resumes
+        if self.model_path is not None:
+            options["model_path"] = self.model_path
         self.gw = pdgate.Gateway(**options)
         self.gw.__enter__()
         assert wait_status(self.gw.url + "/readiness", 200) == 200
@@ -87,8 +93,17 @@ class Fleet:
         back within 5 s: the dead pair's legs and the continuation's left nothing held."""
         wait_idle([self.prefill, self.healthy], IDLE_WITHIN_S)
 
-    def dead(self) -> bool:
-        return self.dying.proc is not None and self.dying.proc.poll() is not None
+    def dead(self, within_s: float = 3.0) -> bool:
+        """Whether the dying decode has exited. It kills itself right after a chunk, and the
+        gateway can see its socket close (and answer the client) before the process is gone,
+        so give it a moment (a loaded machine made an immediate poll miss it)."""
+        end = time.monotonic() + within_s
+        while True:
+            if self.dying.proc is not None and self.dying.proc.poll() is not None:
+                return True
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.05)
 
     def metric(self, line: str) -> float | None:
         text = httpx.get(self.gw.url + "/metrics", timeout=10).text
@@ -226,6 +241,41 @@ def test_a_generate_stream_from_input_ids_is_continued(reference: ReferenceWorke
             assert last["meta_info"]["completion_tokens"] == MAX_TOKENS
             assert last["meta_info"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
             assert len({e["meta_info"]["id"] for e in got if isinstance(e, dict)}) == 1
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """The tiny preset's tokenizer as a model directory, for the gateway's --model-path."""
+    d = tmp_path_factory.mktemp("tiny-model")
+    subprocess.run([sys.executable, "-m", "pdgate.engine", "--model", "tiny", "--export-tokenizer", str(d)],
+                   check=True, timeout=60, capture_output=True)
+    return str(d)
+
+
+GENERATE_TEXT = {"text": "resume by text", "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}}
+
+
+def test_a_generate_stream_from_text_is_continued_from_the_gateways_tokenizer(reference: ReferenceWorker,
+                                                                            model_dir: str) -> None:
+    """SGLang's stream gives no prompt ids for a text prompt; with --model-path the gateway
+    tokenizes it (checked against the engine's prompt_tokens) and continues from the ids."""
+    want = stream(reference.url, "/generate", GENERATE_TEXT)[-2]
+    with Fleet(max_resumes=None, model_path=model_dir) as fleet:
+        for got in until_killed(fleet, lambda: stream(fleet.gw.url, "/generate", GENERATE_TEXT)):
+            assert got[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in got), got
+            last = got[-2]
+            assert last["text"] == want["text"] and last["output_ids"] == want["output_ids"]
+            assert last["meta_info"]["completion_tokens"] == MAX_TOKENS
+            assert last["meta_info"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
+        assert fleet.metric('pdgate_resumes_total{reason="decode_died",result="resumed"}') == 1.0
+
+
+def test_without_a_tokenizer_a_generate_text_stream_ends_with_the_error_event_saying_why(reference: ReferenceWorker) -> None:
+    with Fleet(max_resumes=None) as fleet:
+        killed = until_killed(fleet, lambda: stream(fleet.gw.url, "/generate", GENERATE_TEXT, strict=False))[-1]
+        assert "[DONE]" not in killed and "error" in killed[-1], killed
+        assert "not resumed: generate_text" in killed[-1]["error"]["message"], killed[-1]
+        assert fleet.metric('pdgate_resumes_total{reason="generate_text",result="refused"}') == 1.0
 
 
 def test_a_decode_that_dies_on_every_stream_leaves_rotation_and_resumed_streams_go_elsewhere(reference: ReferenceWorker) -> None:

@@ -49,3 +49,16 @@ def test_the_worked_example_through_core() -> None:
     assert (placement, reason) == (DISAGGREGATED, "local_stall_breaks_tpot") and tpot > 50.0
     # The gateway's early rejection: over 300 ms × 1, nothing fits.
     assert core_decide(replace(v, slo_ttft_ms=300.0), m, slack=1.0)[:2] == ("rejected", "predicted_ttft_over_budget")
+
+
+def test_the_utilisation_tie_break_through_core() -> None:
+    # The core unit test's case (placement/tests.rs): a 2,000-token prompt, 50 output tokens,
+    # SLOs 600 / 100 ms, the pair idle. Eight local decodes put their stall TPOT at 59.4 ms (0.594
+    # of the SLO) against the remote step's 45 ms (0.45): remote, though local's TTFT is lower.
+    m = ServiceModel()
+    v = PlacementView(2000, 50, 0.0, 0.0, 0, 0.0, 8, 600.0, 100.0)
+    placement, reason, remote, local, tpot = core_decide(v, m)
+    assert local < remote and tpot == pytest.approx(59.4)
+    assert (placement, reason) == (DISAGGREGATED, "remote_less_utilised")
+    # Four: 52.2 ms (0.522), within 0.1 of the remote's: the lower TTFT keeps it local.
+    assert core_decide(replace(v, local_batch=4), m)[:2] == (COLOCATED, "local_ttft_lower")

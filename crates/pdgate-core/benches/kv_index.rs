@@ -22,97 +22,11 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::Criterion;
-use pdgate_core::kv_events::KvEvent;
-use pdgate_core::kv_index::KvIndex;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 
-const WORKERS: usize = 1_000;
-const BS: usize = 16;
-const SYSTEMS: usize = 50;
-const CONVERSATIONS: usize = 123;
-const BLOCKS: usize = 8;
-const DOCS: usize = 20;
-const DOC_BLOCKS: usize = 256;
-
-fn tokens(rng: &mut StdRng, n_blocks: usize) -> Vec<u32> {
-    (0..n_blocks * BS).map(|_| rng.random_range(0..32_000)).collect()
-}
-
-/// Store `new` after `prefix` on worker `w`; engine hashes are any function of the prefix.
-fn store(ix: &mut KvIndex, w: u32, prefix: &[u32], new: &[u32]) {
-    let parent = (!prefix.is_empty()).then(|| hash_of(prefix));
-    let mut all = prefix.to_vec();
-    let hashes: Vec<u64> = new
-        .chunks(BS)
-        .map(|c| {
-            all.extend_from_slice(c);
-            hash_of(&all)
-        })
-        .collect();
-    ix.apply_event(w, &KvEvent::BlockStored { block_hashes: hashes, parent_block_hash: parent, token_ids: new.to_vec(), block_size: BS as u32, medium: None });
-}
-
-fn hash_of(prefix: &[u32]) -> u64 {
-    prefix.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, t| (h ^ u64::from(*t)).wrapping_mul(0x100_0000_01b3))
-}
-
-struct Fleet {
-    ix: KvIndex,
-    systems: Vec<Vec<u32>>,
-    conversations: Vec<Vec<Vec<u32>>>,
-    private: Vec<Vec<u32>>,
-    preamble: Vec<u32>,
-    docs: Vec<Vec<u32>>,
-}
-
-fn fleet(rng: &mut StdRng) -> Fleet {
-    let mut ix = KvIndex::new(9, 2_000_000);
-    let systems: Vec<Vec<u32>> = (0..SYSTEMS).map(|_| tokens(rng, BLOCKS)).collect();
-    let (mut conversations, mut private) = (vec![], vec![]);
-    for w in 0..WORKERS {
-        let slot = ix.add_worker();
-        let sys = &systems[w % SYSTEMS];
-        store(&mut ix, slot, &[], sys);
-        let mine: Vec<Vec<u32>> = (0..CONVERSATIONS).map(|_| tokens(rng, BLOCKS)).collect();
-        for conv in &mine {
-            store(&mut ix, slot, sys, conv);
-        }
-        conversations.push(mine);
-        let doc = tokens(rng, BLOCKS);
-        store(&mut ix, slot, &[], &doc);
-        private.push(doc);
-    }
-    let preamble = tokens(rng, 4);
-    for w in 0..WORKERS as u32 {
-        store(&mut ix, w, &[], &preamble);
-    }
-    let docs: Vec<Vec<u32>> = (0..DOCS).map(|_| tokens(rng, DOC_BLOCKS)).collect();
-    for w in 0..WORKERS {
-        if w % (WORKERS / 20) < DOCS {
-            store(&mut ix, w as u32, &[], &docs[w % (WORKERS / 20)]);
-        }
-    }
-    Fleet { ix, systems, conversations, private, preamble, docs }
-}
-
-/// A system prompt, one of a worker's conversations, 4 new blocks.
-fn some(f: &Fleet, rng: &mut StdRng) -> Vec<u32> {
-    let w = rng.random_range(0..WORKERS);
-    [f.systems[w % SYSTEMS].as_slice(), &f.conversations[w][rng.random_range(0..CONVERSATIONS)], &tokens(rng, 4)].concat()
-}
-
-fn cases(f: &Fleet, rng: &mut StdRng) -> Vec<(&'static str, Vec<Vec<u32>>)> {
-    let n = 1_000;
-    vec![
-        ("one holder", (0..n).map(|_| [f.private[rng.random_range(0..WORKERS)].as_slice(), &tokens(rng, 4)].concat()).collect()),
-        ("some holders (20)", (0..n).map(|_| some(f, rng)).collect()),
-        ("all holders (1,000)", (0..n).map(|_| [f.preamble.as_slice(), &some(f, rng)].concat()).collect()),
-        ("miss", (0..n).map(|_| tokens(rng, 20)).collect()),
-        ("long prompt, early miss", (0..n).map(|_| [some(f, rng).as_slice(), &tokens(rng, 512)].concat()).collect()),
-        ("long prompt, cached", (0..n).map(|_| [f.docs[rng.random_range(0..DOCS)].as_slice(), &tokens(rng, 4)].concat()).collect()),
-    ]
-}
+mod kv_fleet;
+use kv_fleet::{cases, fleet, WORKERS};
 
 fn percentiles(name: &str, mut samples: Vec<u64>) {
     samples.sort_unstable();
@@ -128,8 +42,9 @@ fn main() {
     let bytes = f.ix.memory_bytes();
     println!("built {blocks} blocks on {WORKERS} workers in {:?}; index ~{} MiB, {} bytes per block", t.elapsed(), bytes >> 20, bytes / blocks);
     let cases = cases(&f, &mut rng);
+    let mut ix = f.ix;
     for (name, reqs) in &cases {
-        let hits = f.ix.match_tokens(&reqs[0]);
+        let hits = ix.match_tokens(&reqs[0]);
         assert_eq!(hits.is_empty(), *name == "miss", "{name}: {hits:?}");
     }
 
@@ -139,14 +54,14 @@ fn main() {
         c.bench_function(&format!("kv_index match 1000 workers 1M blocks: {name}"), |b| {
             b.iter(|| {
                 i = (i + 1) % reqs.len();
-                black_box(f.ix.match_tokens(&reqs[i]))
+                black_box(ix.match_tokens(&reqs[i]))
             })
         });
     }
     c.final_summary();
-    let time = |q: &[u32]| {
+    let mut time = |q: &[u32]| {
         let t = Instant::now();
-        black_box(f.ix.match_tokens(q));
+        black_box(ix.match_tokens(q));
         t.elapsed().as_nanos() as u64
     };
     for (name, reqs) in &cases {

@@ -129,6 +129,14 @@ pub struct GatewayConfig {
     #[arg(long, default_value_t = 4_194_304)]
     pub kv_index_max_blocks: usize,
 
+    /// Seed of the routing rng: random and power_of_two picks, and the random tie-breaks and
+    /// samples of the other policies. With the same seed, workers and requests in the same
+    /// order, a gateway makes the same choices (for tests and reproducible benchmarks). Unset: a
+    /// random seed per thread. Bootstrap rooms and request ids stay random either way (two
+    /// replicas with one seed must not mint the same rooms).
+    #[arg(long)]
+    pub seed: Option<u64>,
+
     /// Which prefill/decode pairs may work together: off (KV transport only), lenient (a known
     /// runtime or KV layout mismatch refuses) or strict (an unknown one refuses too).
     #[arg(long, value_enum, default_value_t = PairingMode::Lenient)]

@@ -9,11 +9,13 @@
 //! cut into blocks and keyed the same way, find every worker holding them.
 //!
 //! Per worker: engine hash -> its entry, and the next expected event sequence number. Across
-//! workers: key -> the set of workers holding it (`holders.rs`: one slot, a short list, or a
-//! bitset when many hold it). A lookup walks the prompt's blocks once, narrowing the workers
-//! that held every block so far (`walk.rs`), so its cost is the prompt's blocks plus, per block,
-//! the short list or one word per 64 workers: a prefix cached on the whole fleet costs 16 word
-//! operations a block at 1,000 workers, not 1,000 searches (see the `kv_index` bench).
+//! workers: key -> the set of workers holding it (`holders.rs`: one slot inline, or an interned
+//! set, a short list or a bitset, shared by every key with the same holders). A lookup walks the
+//! prompt's blocks once, narrowing the workers that held every block so far (`walk.rs`); a block
+//! whose holders are the previous block's costs one id comparison, a change costs the short list
+//! or one word per 64 workers (a prefix cached on the whole fleet: 16 word operations at 1,000
+//! workers, not 1,000 searches). A long run of blocks with equal holders is passed with no table
+//! probe through a skip pointer (`lookup.rs`; see the `kv_index` bench).
 //!
 //! A stored block whose parent the worker's view does not know (events missed, or the parent
 //! was evicted and re-stored under another prefix) cannot be placed and is counted as an orphan,
@@ -25,18 +27,21 @@
 //! random seed in a gateway, so a client cannot aim prompts at colliding keys).
 
 mod holders;
+mod keys;
+mod lookup;
 mod order;
 mod walk;
 
 use std::collections::hash_map::Entry as MapEntry;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 
 use crate::kv_events::{DecodedBatch, KvEvent};
-use holders::Holders;
+use holders::{Holders, Sets};
+use keys::{content_key, mix, root, K1};
+use lookup::{Skips, NO_SKIP};
 use order::{Entry, Order};
-use walk::Walk;
 
 /// A worker's index in the view; stable while the worker is registered.
 pub type WorkerSlot = u32;
@@ -73,6 +78,8 @@ pub struct IndexStats {
     pub gaps: u64,
     pub resets: u64,
     pub undecodable: u64,
+    /// Blocks that lookups passed through skip pointers without a table probe.
+    pub skipped_blocks: u64,
 }
 
 #[derive(Default)]
@@ -82,22 +89,18 @@ struct WorkerState {
     next_seq: Option<u64>,
 }
 
-/// One content key: who holds it, and the lookup clock when a lookup last reached it.
+/// One content key: who holds it, the lookup clock when a lookup last reached it, and the skip
+/// pointer of the run of equal holders it starts (`lookup.rs`). 16 bytes.
 struct Key {
     holders: Holders,
     last_hit: AtomicU32,
+    skip: u32,
 }
 
 type Map<V> = HashMap<u64, V, BuildHasherDefault<MixHasher>>;
 
 /// An eviction gives at most this many hot entries a second chance before evicting anyway.
 const SECOND_CHANCES: usize = 16;
-/// A lookup computes a batch of block keys, then looks them all up (their cache misses overlap),
-/// then goes on only while every block was found. Batches start small and double up to
-/// `KEY_BATCH`: a prompt that misses early hashes few blocks, and a long cached prefix waits for
-/// memory once per batch, not once per 16 blocks.
-const FIRST_BATCH: usize = 8;
-const KEY_BATCH: usize = 64;
 
 /// The per-worker block views and the key -> holders table.
 pub struct KvIndex {
@@ -111,10 +114,13 @@ pub struct KvIndex {
     /// the key until the last one goes. Rare, so kept apart from the hot table.
     dups: HashMap<(WorkerSlot, u64), u32>,
     block_sizes: HashMap<u32, usize>,
-    /// Heap of the Few/Bits holder sets, kept current so the size gauge costs O(1).
-    set_bytes: usize,
+    /// The interned holder sets the keys point at.
+    sets: Sets,
+    skips: Skips,
     /// The lookup clock: one tick per `match_tokens`, for second chances.
     lookups: AtomicU32,
+    /// `IndexStats::skipped_blocks`, counted by lookups.
+    skipped: AtomicU64,
     stats: IndexStats,
 }
 
@@ -129,8 +135,10 @@ impl KvIndex {
             order: Order::default(),
             dups: HashMap::new(),
             block_sizes: HashMap::new(),
-            set_bytes: 0,
+            sets: Sets::default(),
+            skips: Skips::default(),
             lookups: AtomicU32::new(0),
+            skipped: AtomicU64::new(0),
             stats: IndexStats::default(),
         }
     }
@@ -254,16 +262,14 @@ impl KvIndex {
         match self.holders.entry(key) {
             MapEntry::Occupied(mut o) => {
                 let set = &mut o.get_mut().holders;
-                if set.contains(slot) {
+                if self.sets.contains(set, slot) {
                     *self.dups.entry((slot, key)).or_default() += 1;
                 } else {
-                    let before = set.heap_bytes();
-                    set.insert(slot, n_slots);
-                    self.set_bytes = self.set_bytes - before + set.heap_bytes();
+                    self.sets.insert(set, slot, n_slots);
                 }
             }
             MapEntry::Vacant(v) => {
-                v.insert(Key { holders: Holders::One(slot), last_hit: AtomicU32::new(now) });
+                v.insert(Key { holders: Holders::One(slot), last_hit: AtomicU32::new(now), skip: NO_SKIP });
                 self.stats.keys += 1;
             }
         }
@@ -326,63 +332,12 @@ impl KvIndex {
         }
         let n_slots = self.workers.len();
         let Some(k) = self.holders.get_mut(&e.key) else { return };
-        let before = k.holders.heap_bytes();
-        if k.holders.remove(e.slot, n_slots) {
-            self.holders.remove(&e.key);
-            self.set_bytes -= before;
+        if self.sets.remove(&mut k.holders, e.slot, n_slots) {
+            if let Some(k) = self.holders.remove(&e.key) {
+                self.skips.free(k.skip);
+            }
             self.stats.keys -= 1;
-        } else {
-            self.set_bytes = self.set_bytes - before + k.holders.heap_bytes();
         }
-    }
-
-    /// For each worker holding a prefix of `tokens`: how many leading tokens it holds (whole
-    /// blocks, consecutive from the start). Sorted by slot; workers with nothing are left out.
-    pub fn match_tokens(&self, tokens: &[u32]) -> Vec<(WorkerSlot, usize)> {
-        let now = self.lookups.fetch_add(1, Relaxed).wrapping_add(1);
-        let mut out: Vec<(WorkerSlot, usize)> = Vec::new();
-        for &bs in self.block_sizes.keys() {
-            self.match_block_size(tokens, bs, now, &mut out);
-        }
-        by_slot(&mut out, self.workers.len());
-        out
-    }
-
-    fn match_block_size(&self, tokens: &[u32], bs: u32, now: u32, out: &mut Vec<(WorkerSlot, usize)>) {
-        let mut walk = Walk::new(out);
-        let mut key = root(self.seed);
-        let mut chunks = tokens.chunks_exact(bs as usize);
-        let (mut depth, mut batch) = (0, FIRST_BATCH);
-        let mut keys = [0u64; KEY_BATCH];
-        loop {
-            let mut n = 0;
-            for chunk in chunks.by_ref().take(batch) {
-                key = content_key(self.seed, key, bs, chunk);
-                keys[n] = key;
-                n += 1;
-            }
-            if n == 0 {
-                break;
-            }
-            let found: [Option<&Key>; KEY_BATCH] = std::array::from_fn(|i| if i < n { self.holders.get(&keys[i]) } else { None });
-            // touch the holder lists too, all at once, so the walk below finds them cached
-            // instead of missing once per block in turn
-            let touched = found[..n].iter().flatten().fold(0, |acc, k| if let Holders::Few(v) = &k.holders { acc ^ v[0] } else { acc });
-            std::hint::black_box(touched);
-            batch = (batch * 2).min(KEY_BATCH);
-            for k in &found[..n] {
-                let Some(k) = k else {
-                    walk.finish(depth);
-                    return;
-                };
-                k.last_hit.store(now, Relaxed);
-                if !walk.step(&k.holders, depth) {
-                    return;
-                }
-                depth += bs as usize;
-            }
-        }
-        walk.finish(depth);
     }
 
     /// The sequence number this worker's next batch should have (None: any, the view is fresh).
@@ -406,7 +361,7 @@ impl KvIndex {
     }
 
     pub fn stats(&self) -> IndexStats {
-        self.stats.clone()
+        IndexStats { skipped_blocks: self.skipped.load(Relaxed), ..self.stats.clone() }
     }
 
     /// An estimate of the heap the index uses (tables at capacity, one control byte per
@@ -414,9 +369,9 @@ impl KvIndex {
     pub fn memory_bytes(&self) -> usize {
         let bucket = |entry: usize| entry + 1;
         let per_worker: usize = self.workers.iter().flatten().map(|w| w.blocks.capacity() * bucket(std::mem::size_of::<(u64, u32)>())).sum();
-        let keys = self.holders.capacity() * bucket(std::mem::size_of::<(u64, Key)>()) + self.set_bytes;
+        let keys = self.holders.capacity() * bucket(std::mem::size_of::<(u64, Key)>()) + self.sets.heap_bytes();
         let dups = self.dups.capacity() * bucket(std::mem::size_of::<((WorkerSlot, u64), u32)>());
-        per_worker + keys + dups + self.order.heap_bytes() + self.workers.capacity() * std::mem::size_of::<Option<WorkerState>>()
+        per_worker + keys + dups + self.skips.heap_bytes() + self.order.heap_bytes() + self.workers.capacity() * std::mem::size_of::<Option<WorkerState>>()
     }
 }
 
@@ -440,46 +395,6 @@ fn by_slot(out: &mut Vec<(WorkerSlot, usize)>, n_slots: usize) {
     }
     out.clear();
     out.extend(depth.iter().enumerate().filter(|(_, d)| **d > 0).map(|(s, d)| (s as WorkerSlot, *d)));
-}
-
-const K1: u64 = 0x9e37_79b9_7f4a_7c15;
-const K2: u64 = 0xff51_afd7_ed55_8ccd;
-
-fn mix(mut x: u64) -> u64 {
-    x ^= x >> 33;
-    x = x.wrapping_mul(K2);
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-    x ^ (x >> 33)
-}
-
-fn root(seed: u64) -> u64 {
-    mix(seed ^ K1)
-}
-
-/// The key of a block: its parent's key and a hash of its size and tokens, mixed under the
-/// seed. Only the final mix is chained from block to block; the token hashes of a prompt's
-/// blocks are independent, so the CPU computes them side by side (a long prompt's keys cost
-/// about one multiply per two tokens, not a dependent chain through every token).
-pub(crate) fn content_key(seed: u64, parent: u64, block_size: u32, tokens: &[u32]) -> u64 {
-    mix(parent.rotate_left(17) ^ block_hash(seed, block_size, tokens))
-}
-
-/// Four independent lanes, each taking two tokens a step.
-fn block_hash(seed: u64, block_size: u32, tokens: &[u32]) -> u64 {
-    let base = mix(seed ^ (u64::from(block_size) << 32) ^ tokens.len() as u64);
-    let mut lanes = [base ^ K1, base ^ K2, base.rotate_left(21) ^ K1, base.rotate_left(43) ^ K2];
-    let step = |lane: u64, x: u64| (lane ^ x).wrapping_mul(K1).rotate_left(31);
-    let mut eights = tokens.chunks_exact(8);
-    for c in &mut eights {
-        for (j, lane) in lanes.iter_mut().enumerate() {
-            *lane = step(*lane, u64::from(c[2 * j]) | (u64::from(c[2 * j + 1]) << 32));
-        }
-    }
-    for (j, &t) in eights.remainder().iter().enumerate() {
-        lanes[j % 4] = step(lanes[j % 4], u64::from(t) | (1 << 63)); // the length is in `base`
-    }
-    mix(lanes[0] ^ lanes[1].rotate_left(16) ^ lanes[2].rotate_left(32) ^ lanes[3].rotate_left(48))
 }
 
 /// Hasher for u64 keys that are already well mixed (content keys) or engine hashes: one final

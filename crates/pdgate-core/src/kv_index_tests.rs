@@ -170,7 +170,7 @@ fn a_prefix_on_the_whole_fleet_is_a_bitset_and_matches_the_same() {
             ix.apply_event(s, &removed(&[11])); // eviction in the middle of the chain
         }
     }
-    assert!(matches!(ix.holders.get(&content_key(1, root(1), BS, &[1, 2])).map(|k| &k.holders), Some(Holders::Bits(_))));
+    assert!(ix.sets.is_bits(&ix.holders[&content_key(1, root(1), BS, &[1, 2])].holders));
     let got = ix.match_tokens(&[1, 2, 3, 4, 5, 6, 7, 8]);
     let want: Vec<(u32, usize)> = slots
         .iter()
@@ -193,7 +193,7 @@ fn a_prefix_on_the_whole_fleet_is_a_bitset_and_matches_the_same() {
         ix.remove_worker(s);
     }
     assert_eq!(ix.match_tokens(&[1, 2, 3, 4, 5, 6]), vec![(0, 2), (1, 4), (2, 4), (3, 6), (4, 4)]);
-    assert!(matches!(ix.holders.get(&content_key(1, root(1), BS, &[1, 2])).map(|k| &k.holders), Some(Holders::Few(_))));
+    assert!(!ix.sets.is_bits(&ix.holders[&content_key(1, root(1), BS, &[1, 2])].holders));
     assert_eq!(ix.stats().blocks, ix.order_len());
 }
 
@@ -258,4 +258,105 @@ fn keys_depend_on_the_whole_prefix_and_the_block_size() {
         assert_ne!(k(1, 21, &base), k(1, 21, &other), "position {i}");
     }
     assert_ne!(k(1, 2, &[0, 0]), k(1, 2, &[0]));
+}
+
+/// 40 blocks (80 tokens) stored on `workers`, engine hashes `base..`.
+fn long_chain(ix: &mut KvIndex, workers: &[WorkerSlot], base: u64) -> (Vec<u32>, Vec<u64>) {
+    let tokens: Vec<u32> = (0..80).map(|t| t * 7 % 101).collect();
+    let hashes: Vec<u64> = (base..base + 40).collect();
+    for &w in workers {
+        ix.apply_event(w, &stored(&hashes, None, &tokens));
+    }
+    (tokens, hashes)
+}
+
+#[test]
+fn a_long_run_of_equal_holders_is_passed_through_its_skip_pointer() {
+    let mut ix = KvIndex::new(1, 1 << 20);
+    let (a, b, c) = (ix.add_worker(), ix.add_worker(), ix.add_worker());
+    let (tokens, _) = long_chain(&mut ix, &[a, b], 100);
+    let mut q = tokens.clone();
+    q.extend([500, 501, 502]);
+    assert_eq!(ix.match_tokens(&q), vec![(a, 80), (b, 80)]); // walks, leaves the pointer
+    assert_eq!(ix.stats().skipped_blocks, 0);
+    assert_eq!(ix.match_tokens(&q), vec![(a, 80), (b, 80)]);
+    assert_eq!(ix.stats().skipped_blocks, 39); // the head is probed, the 39 after it are not
+                                               // a prompt that leaves the run before its end cannot use it, and answers the same as a walk
+    let mut early = tokens[..40].to_vec();
+    early.extend([9, 9]);
+    assert_eq!(ix.match_tokens(&early), vec![(a, 40), (b, 40)]);
+    // a prompt that diverges inside the run: its key at the run's end differs, so it walks
+    let mut diverged = tokens.clone();
+    diverged[50] = 1000;
+    assert_eq!(ix.match_tokens(&diverged), vec![(a, 50), (b, 50)]);
+    assert_eq!(ix.stats().skipped_blocks, 39);
+    // another worker joins the whole run: the holders change, the pointer is left unused
+    ix.apply_event(c, &stored(&(0..40).collect::<Vec<u64>>(), None, &tokens));
+    assert_eq!(ix.match_tokens(&q), vec![(a, 80), (b, 80), (c, 80)]);
+    assert_eq!(ix.match_tokens(&q), vec![(a, 80), (b, 80), (c, 80)]);
+    assert_eq!(ix.stats().skipped_blocks, 78);
+}
+
+#[test]
+fn a_change_inside_a_skipped_run_is_seen_by_the_next_lookup() {
+    let mut ix = KvIndex::new(1, 1 << 20);
+    let (a, b) = (ix.add_worker(), ix.add_worker());
+    let (tokens, hashes) = long_chain(&mut ix, &[a, b], 100);
+    ix.match_tokens(&tokens);
+    assert_eq!(ix.match_tokens(&tokens), vec![(a, 80), (b, 80)]);
+    assert!(ix.stats().skipped_blocks > 0);
+    // b evicts block 25: the run's holders lose a key, the pointer's stamp no longer holds
+    ix.apply_event(b, &removed(&[hashes[25]]));
+    assert_eq!(ix.match_tokens(&tokens), vec![(a, 80), (b, 50)]);
+    assert_eq!(ix.match_tokens(&tokens), vec![(a, 80), (b, 50)]);
+    // a re-stores the same content under other engine hashes (a duplicate): no holder change
+    ix.apply_event(a, &stored(&(900..940).collect::<Vec<u64>>(), None, &tokens));
+    assert_eq!(ix.match_tokens(&tokens), vec![(a, 80), (b, 50)]);
+    // a drops its first copy of block 30 but holds the duplicate: still 80
+    ix.apply_event(a, &removed(&[hashes[30]]));
+    assert_eq!(ix.match_tokens(&tokens), vec![(a, 80), (b, 50)]);
+    ix.apply_event(a, &removed(&[930]));
+    assert_eq!(ix.match_tokens(&tokens), vec![(a, 60), (b, 50)]);
+    // a worker removed and its slot reused empty: nothing of it is skipped into
+    ix.remove_worker(a);
+    let a2 = ix.add_worker();
+    assert_eq!(a2, a);
+    assert_eq!(ix.match_tokens(&tokens), vec![(b, 50)]);
+    assert_eq!(ix.stats().blocks, 39);
+}
+
+#[test]
+fn a_skip_pointer_is_refreshed_by_a_full_walk_so_second_chances_see_its_blocks() {
+    let mut ix = KvIndex::new(1, 1 << 20);
+    let a = ix.add_worker();
+    let (tokens, _) = long_chain(&mut ix, &[a], 100);
+    let walked = |ix: &KvIndex| ix.stats().skipped_blocks;
+    ix.match_tokens(&tokens);
+    for _ in 0..lookup::REFRESH_AFTER {
+        ix.match_tokens(&tokens);
+    }
+    let before = walked(&ix);
+    assert_eq!(before, u64::from(lookup::REFRESH_AFTER) * 39);
+    ix.match_tokens(&tokens); // the pointer is spent: this one walks every block
+    assert_eq!(walked(&ix), before);
+    let mid = content_key_at(&tokens, 30);
+    assert_eq!(ix.holders[&mid].last_hit.load(Relaxed), ix.lookups.load(Relaxed));
+    ix.match_tokens(&tokens); // and leaves a fresh pointer
+    assert_eq!(walked(&ix), before + 39);
+}
+
+/// The key of block `i` (0-based) of `tokens`, with seed 1.
+fn content_key_at(tokens: &[u32], i: usize) -> u64 {
+    tokens.chunks(BS as usize).take(i + 1).fold(root(1), |k, c| content_key(1, k, BS, c))
+}
+
+#[test]
+fn holder_sets_are_interned_and_freed_with_their_last_key() {
+    let mut ix = KvIndex::new(1, 1 << 20);
+    let (a, b) = (ix.add_worker(), ix.add_worker());
+    long_chain(&mut ix, &[a, b], 100);
+    assert_eq!(ix.sets.len(), 1); // 40 keys, one set {a, b}
+    ix.remove_worker(b);
+    assert_eq!(ix.sets.len(), 0); // back to one holder each
+    assert_eq!(ix.stats().keys, 40);
 }

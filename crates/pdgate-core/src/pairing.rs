@@ -7,8 +7,11 @@
 //!
 //! - `off`: the transport only.
 //! - `lenient` (default): a *known* difference in runtime or KV layout refuses the pair; an
-//!   unknown part (not yet read from `/server_info`) is given the benefit of the doubt.
-//! - `strict`: an unknown part refuses too.
+//!   unknown part (not yet read from `/server_info`) is given the benefit of the doubt. So does
+//!   an engine that reports the opposite role (a prefill whose engine says it is a KV consumer).
+//! - `strict`: an unknown runtime, page size or KV dtype refuses too. The attention backend
+//!   is compared only when both sides report one: vLLM's HTTP surface never does, and an
+//!   engine that picks it automatically reports none.
 //!
 //! Compatibility is decided per class of equal keys, once per snapshot build, so a fleet of
 //! thousands of workers with a handful of distinct keys costs a handful of comparisons.
@@ -19,7 +22,7 @@ use std::fmt;
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
-use crate::worker::{KvConnector, WorkerSpec};
+use crate::worker::{KvConnector, WorkerRole, WorkerSpec};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, ValueEnum, Default)]
 #[serde(rename_all = "snake_case")]
@@ -42,6 +45,9 @@ pub struct KvLayout {
     /// Tensor-parallel size. Shown, not compared: the engines' transfer backends map between
     /// different TP sizes themselves.
     pub tp_size: Option<u32>,
+    /// The attention backend (vLLM gRPC `GetServerInfo.attention_backend`, SGLang's
+    /// `attention_backend`): part of vLLM's NIXL compatibility hash.
+    pub attention_backend: Option<String>,
 }
 
 /// The part of a worker that decides whom it can pair with; shown in `GET /workers`.
@@ -51,13 +57,16 @@ pub struct PairingKey {
     pub runtime: Option<String>,
     pub transport: KvConnector,
     pub kv_layout: KvLayout,
+    /// The role the engine itself reports (vLLM's `kv_role`, SGLang's `disaggregation_mode`),
+    /// which may contradict the role the worker was registered with.
+    pub reported_role: Option<WorkerRole>,
 }
 
 impl PairingKey {
     pub fn of(spec: &WorkerSpec, default_connector: KvConnector) -> Self {
         let mut kv_layout = spec.kv_layout.clone();
         kv_layout.kv_dtype = kv_layout.kv_dtype.map(|d| d.to_ascii_lowercase());
-        PairingKey { runtime: spec.runtime.as_ref().map(|r| r.to_ascii_lowercase()), transport: spec.connector(default_connector), kv_layout }
+        PairingKey { runtime: spec.runtime.as_ref().map(|r| r.to_ascii_lowercase()), transport: spec.connector(default_connector), kv_layout, reported_role: spec.reported_role }
     }
 
     /// What stops prefill `self` from pairing with decode `decode` under `mode` (empty: none).
@@ -69,7 +78,17 @@ impl PairingKey {
         if mode == PairingMode::Off {
             return out;
         }
+        // An engine that says it is the other side of the handoff cannot take this one's.
+        let (pr, dr) = (self.reported_role, decode.reported_role);
+        if pr == Some(WorkerRole::Decode) || dr == Some(WorkerRole::Prefill) {
+            out.push(Mismatch::new("reported role", pr.map(WorkerRole::as_str), dr.map(WorkerRole::as_str)));
+        }
         let (p, d) = (&self.kv_layout, &decode.kv_layout);
+        if let (Some(a), Some(b)) = (&p.attention_backend, &d.attention_backend) {
+            if a != b {
+                out.push(Mismatch::new("attention backend", Some(a), Some(b)));
+            }
+        }
         let page = |l: &KvLayout| l.page_size.map(|v| v.to_string());
         let parts =
             [("runtime", self.runtime.clone(), decode.runtime.clone()), ("KV layout page_size", page(p), page(d)), ("KV layout kv_dtype", p.kv_dtype.clone(), d.kv_dtype.clone())];
@@ -93,7 +112,8 @@ impl PairingKey {
 /// One reason a prefill and a decode cannot pair.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Mismatch {
-    /// `transport`, `runtime`, `KV layout page_size`, `KV layout kv_dtype`.
+    /// `transport`, `reported role`, `attention backend`, `runtime`, `KV layout page_size`,
+    /// `KV layout kv_dtype`.
     pub what: &'static str,
     pub prefill: Option<String>,
     pub decode: Option<String>,
@@ -108,6 +128,9 @@ impl Mismatch {
 impl fmt::Display for Mismatch {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let show = |v: &Option<String>| v.clone().unwrap_or_else(|| "unknown".into());
+        if self.what == "reported role" {
+            return write!(f, "an engine reports the other role: the prefill's engine says {}, the decode's {}", show(&self.prefill), show(&self.decode));
+        }
         let verb = if self.prefill.is_some() && self.decode.is_some() { "differs" } else { "unknown (strict pairing)" };
         write!(f, "{} {verb}: prefill {}, decode {}", self.what, show(&self.prefill), show(&self.decode))
     }
@@ -206,7 +229,40 @@ mod tests {
     use super::*;
 
     fn key(runtime: Option<&str>, transport: KvConnector, page: Option<u32>, dtype: Option<&str>) -> PairingKey {
-        PairingKey { runtime: runtime.map(str::to_string), transport, kv_layout: KvLayout { page_size: page, kv_dtype: dtype.map(str::to_string), tp_size: None } }
+        PairingKey {
+            runtime: runtime.map(str::to_string),
+            transport,
+            kv_layout: KvLayout { page_size: page, kv_dtype: dtype.map(str::to_string), ..KvLayout::default() },
+            reported_role: None,
+        }
+    }
+
+    /// GetServerInfo's pairing keys beyond the transport: the engine's own role and its
+    /// attention backend refuse a pair when known and wrong; unknown ones never do.
+    #[test]
+    fn reported_role_and_attention_backend() {
+        let base = key(Some("vllm"), KvConnector::Nixl, Some(16), Some("float32"));
+        let with = |role: Option<WorkerRole>, backend: Option<&str>| {
+            let mut k = base.clone();
+            k.reported_role = role;
+            k.kv_layout.attention_backend = backend.map(str::to_string);
+            k
+        };
+        let (p, d) = (Some(WorkerRole::Prefill), Some(WorkerRole::Decode));
+        for mode in [PairingMode::Lenient, PairingMode::Strict] {
+            assert!(with(p, Some("flash")).compatible(&with(d, Some("flash")), mode));
+            assert!(with(None, None).compatible(&with(None, Some("flash")), mode), "an unknown backend never refuses");
+            assert!(!with(p, Some("flash")).compatible(&with(d, Some("flashinfer")), mode));
+            assert!(!with(d, None).compatible(&with(d, None), mode), "a prefill whose engine is a KV consumer");
+            assert!(!with(p, None).compatible(&with(p, None), mode), "a decode whose engine is a KV producer");
+        }
+        assert!(with(d, Some("a")).compatible(&with(p, Some("b")), PairingMode::Off));
+        let m = with(p, Some("flash")).mismatches(&with(p, Some("xformers")), PairingMode::Lenient);
+        let text: Vec<String> = m.iter().map(|m| m.to_string()).collect();
+        assert_eq!(
+            text,
+            ["an engine reports the other role: the prefill's engine says prefill, the decode's prefill", "attention backend differs: prefill flash, decode xformers"]
+        );
     }
 
     /// The pairing modes on a table of keys: (prefill, decode, off, lenient, strict).

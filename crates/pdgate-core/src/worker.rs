@@ -91,6 +91,11 @@ pub struct WorkerSpec {
     /// The engine's KV layout, as far as known. Part of the pairing key.
     #[serde(default)]
     pub kv_layout: KvLayout,
+    /// The disaggregation role the engine reports about itself (gRPC `GetServerInfo`'s
+    /// `kv_role`, `/server_info`'s `disaggregation_mode`); `None` while unknown or when the
+    /// engine serves both. Part of the pairing key.
+    #[serde(default)]
+    pub reported_role: Option<WorkerRole>,
     /// Mooncake prefill: its engine id as registered (else learned from its bootstrap `/query`).
     #[serde(default)]
     pub kv_engine_id: Option<String>,
@@ -137,6 +142,7 @@ impl WorkerSpec {
             labels: BTreeMap::new(),
             runtime: None,
             kv_layout: KvLayout::default(),
+            reported_role: None,
             kv_engine_id: None,
             kv_events: None,
             kv_events_replay: None,

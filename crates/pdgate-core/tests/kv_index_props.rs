@@ -52,19 +52,20 @@ enum Op {
     },
 }
 
-fn op(n_seqs: usize) -> impl Strategy<Value = Op> {
+/// `blocks`: the base sequences' length in blocks.
+fn op(n_seqs: usize, blocks: usize) -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0..WORKERS, 0..n_seqs, 0..5usize, 1..4usize).prop_map(|(worker, seq, from, count)| Op::Store { worker, seq, from, count }),
-        2 => (0..WORKERS, 0..n_seqs, 0..6usize).prop_map(|(worker, seq, block)| Op::Remove { worker, seq, block }),
+        4 => (0..WORKERS, 0..n_seqs, 0..blocks - 1, 1..blocks * 2 / 3).prop_map(|(worker, seq, from, count)| Op::Store { worker, seq, from, count }),
+        2 => (0..WORKERS, 0..n_seqs, 0..blocks).prop_map(|(worker, seq, block)| Op::Remove { worker, seq, block }),
         1 => (0..WORKERS).prop_map(|worker| Op::Clear { worker }),
         1 => (0..WORKERS).prop_map(|worker| Op::Replace { worker }),
-        1 => (0..n_seqs, 1..5usize).prop_map(|(seq, count)| Op::StoreAll { seq, count }),
+        1 => (0..n_seqs, 1..blocks).prop_map(|(seq, count)| Op::StoreAll { seq, count }),
     ]
 }
 
-/// Base sequences over a 2-token alphabet, so they share prefixes often.
-fn seqs() -> impl Strategy<Value = Vec<Vec<u32>>> {
-    proptest::collection::vec(proptest::collection::vec(0..2u32, 12), 1..5)
+/// Base sequences of `blocks` blocks over a 2-token alphabet, so they share prefixes often.
+fn seqs(blocks: usize) -> impl Strategy<Value = Vec<Vec<u32>>> {
+    proptest::collection::vec(proptest::collection::vec(0..2u32, blocks * BS), 1..5)
 }
 
 fn event(op: &Op, seqs: &[Vec<u32>]) -> Option<(usize, KvEvent)> {
@@ -131,59 +132,78 @@ fn oracle_match(held: &[HashMap<u64, Vec<u32>>], q: &[u32]) -> Vec<(u32, usize)>
     out
 }
 
+/// Apply `ops`, looking `probe_len` tokens of the first sequence up after each (the lookup clock
+/// moves, second chances happen, skip pointers are left and used), then check `queries`.
+fn check(bound: usize, seqs: &[Vec<u32>], ops: &[Op], queries: &[(usize, usize, Vec<u32>)], probe_len: usize) -> Result<(), TestCaseError> {
+    let mut ix = KvIndex::new(42, usize::MAX);
+    let mut small = KvIndex::new(42, bound);
+    let slots: Vec<u32> = (0..WORKERS).map(|_| ix.add_worker()).collect();
+    for _ in 0..WORKERS {
+        small.add_worker();
+    }
+    prop_assert_eq!(&slots, &(0..WORKERS as u32).collect::<Vec<_>>());
+    let mut held = vec![HashMap::new(); WORKERS];
+    for o in ops {
+        let evs: Vec<(usize, KvEvent)> = match *o {
+            Op::Replace { worker } => {
+                for index in [&mut ix, &mut small] {
+                    index.remove_worker(slots[worker]);
+                    prop_assert_eq!(index.add_worker(), slots[worker]);
+                }
+                held[worker].clear();
+                vec![]
+            }
+            Op::StoreAll { seq, count } => (0..WORKERS).filter_map(|worker| event(&Op::Store { worker, seq, from: 0, count }, seqs)).collect(),
+            _ => event(o, seqs).into_iter().collect(),
+        };
+        for (w, ev) in evs {
+            ix.apply_event(slots[w], &ev);
+            small.apply_event(slots[w], &ev);
+            oracle_apply(&mut held, w, &ev);
+        }
+        let probe = &seqs[0][..probe_len];
+        prop_assert_eq!(ix.match_tokens(probe), oracle_match(&held, probe));
+        small.match_tokens(probe);
+    }
+    let total: usize = held.iter().map(HashMap::len).sum();
+    prop_assert_eq!(ix.stats().blocks, total);
+    prop_assert!(small.stats().blocks <= bound);
+    for (s, cut, tail) in queries {
+        let mut q = seqs[*s][..*cut.min(&seqs[*s].len())].to_vec();
+        q.extend_from_slice(tail);
+        let exact = oracle_match(&held, &q);
+        prop_assert_eq!(ix.match_tokens(&q), exact.clone(), "query {:?}", q);
+        for (slot, n) in small.match_tokens(&q) {
+            let limit = exact.iter().find(|e| e.0 == slot).map_or(0, |e| e.1);
+            prop_assert!(n <= limit, "bounded index claims {} tokens on {} for {:?}, oracle {}", n, slot, q, limit);
+        }
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
     #[test]
     fn the_index_matches_the_naive_oracle(
         bound in 1..30usize,
-        (seqs, ops, queries) in seqs().prop_flat_map(|s| {
+        (seqs, ops, queries) in seqs(6).prop_flat_map(|s| {
             let n = s.len();
-            (Just(s), proptest::collection::vec(op(n), 0..40), proptest::collection::vec((0..n, 0..13usize, proptest::collection::vec(0..2u32, 0..4)), 1..6))
+            (Just(s), proptest::collection::vec(op(n, 6), 0..40), proptest::collection::vec((0..n, 0..13usize, proptest::collection::vec(0..2u32, 0..4)), 1..6))
         })
     ) {
-        let mut ix = KvIndex::new(42, usize::MAX);
-        let mut small = KvIndex::new(42, bound);
-        let slots: Vec<u32> = (0..WORKERS).map(|_| ix.add_worker()).collect();
-        for _ in 0..WORKERS {
-            small.add_worker();
-        }
-        prop_assert_eq!(&slots, &(0..WORKERS as u32).collect::<Vec<_>>());
-        let mut held = vec![HashMap::new(); WORKERS];
-        for o in &ops {
-            let evs: Vec<(usize, KvEvent)> = match *o {
-                Op::Replace { worker } => {
-                    for index in [&mut ix, &mut small] {
-                        index.remove_worker(slots[worker]);
-                        prop_assert_eq!(index.add_worker(), slots[worker]);
-                    }
-                    held[worker].clear();
-                    vec![]
-                }
-                Op::StoreAll { seq, count } => (0..WORKERS).filter_map(|worker| event(&Op::Store { worker, seq, from: 0, count }, &seqs)).collect(),
-                _ => event(o, &seqs).into_iter().collect(),
-            };
-            for (w, ev) in evs {
-                ix.apply_event(slots[w], &ev);
-                small.apply_event(slots[w], &ev);
-                oracle_apply(&mut held, w, &ev);
-            }
-            // lookups between events move the lookup clock, so second chances happen too
-            let probe = &seqs[0][..6];
-            prop_assert_eq!(ix.match_tokens(probe), oracle_match(&held, probe));
-            small.match_tokens(probe);
-        }
-        let total: usize = held.iter().map(HashMap::len).sum();
-        prop_assert_eq!(ix.stats().blocks, total);
-        prop_assert!(small.stats().blocks <= bound);
-        for (s, cut, tail) in &queries {
-            let mut q = seqs[*s][..*cut.min(&seqs[*s].len())].to_vec();
-            q.extend_from_slice(tail);
-            let exact = oracle_match(&held, &q);
-            prop_assert_eq!(ix.match_tokens(&q), exact.clone(), "query {:?}", q);
-            for (slot, n) in small.match_tokens(&q) {
-                let limit = exact.iter().find(|e| e.0 == slot).map_or(0, |e| e.1);
-                prop_assert!(n <= limit, "bounded index claims {} tokens on {} for {:?}, oracle {}", n, slot, q, limit);
-            }
-        }
+        check(bound, &seqs, &ops, &queries, 6)?;
+    }
+
+    /// Sequences of 40 blocks: runs long enough for skip pointers (16 blocks or more), left by
+    /// the probe after every event and used by the next ones, while events change the holders.
+    #[test]
+    fn long_runs_through_skip_pointers_match_the_naive_oracle(
+        bound in 1..200usize,
+        (seqs, ops, queries) in seqs(40).prop_flat_map(|s| {
+            let n = s.len();
+            (Just(s), proptest::collection::vec(op(n, 40), 0..40), proptest::collection::vec((0..n, 0..81usize, proptest::collection::vec(0..2u32, 0..4)), 1..6))
+        })
+    ) {
+        check(bound, &seqs, &ops, &queries, 80)?;
     }
 }

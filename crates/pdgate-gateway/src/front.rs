@@ -105,7 +105,7 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
             return client_error(&state, route, &err, started);
         }
     };
-    let mut req = match parse_request(endpoint, &raw, &state.limits) {
+    let req = match parse_request(endpoint, &raw, &state.limits) {
         Ok(r) => r,
         Err(e) => return client_error(&state, route, &GatewayError::invalid(e.param.as_deref(), e.message), started),
     };
@@ -117,7 +117,6 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
         Ok(p) => p,
         Err(err) => return client_error(&state, route, &err, started),
     };
-    let strip_usage = crate::exec::accounting::ask_for_usage(&mut req);
     // The client's id only after validation; the legs get a minted one (see `request_id`).
     let client_request_id = request_id::client_id(&headers, &state.config.request_id_headers);
     let request_id = request_id::mint(client_request_id.as_deref());
@@ -163,7 +162,7 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
             route,
             slo,
             priority,
-            strip_usage,
+            usage: Default::default(),
             prompt_ids: Default::default(),
         }),
     )

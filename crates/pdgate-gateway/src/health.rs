@@ -43,6 +43,14 @@ pub async fn check_and_record(state: &AppState, entry: Entry) {
         tracing::debug!(worker = %entry.spec.url, reason = %reason, "health check failed");
         entry.runtime.note_error(format!("health check: {reason}"));
     }
+    // What the engine says about itself (its pairing key: a gRPC worker's connector and role
+    // come from GetServerInfo) is learned before it first turns healthy, so it is never paired
+    // by the gateway-wide default connector in between. Unchecked workers (health checks off)
+    // count as healthy at once and learn it afterwards, so a silent one is not waited on.
+    let unknown = entry.info.models.is_empty();
+    if result.is_ok() && unknown && !cfg.disable_health_check {
+        state.registry.set_info(&entry.id, engine_info(state, &entry.spec.url).await);
+    }
     if let Some(healthy) = state.registry.observe_health(&entry.id, result.is_ok(), cfg.health_failure_threshold, cfg.health_success_threshold) {
         match &result {
             Err(reason) => tracing::warn!(worker = %entry.spec.url, role = entry.spec.role.as_str(), reason = %reason, "worker unhealthy"),
@@ -54,7 +62,7 @@ pub async fn check_and_record(state: &AppState, entry: Entry) {
     }
     let healthy = state.registry.get(&entry.id).is_some_and(|e| e.health.healthy);
     state.metrics.worker_healthy.with_label_values(&[&entry.spec.url, entry.spec.role.as_str()]).set(i64::from(healthy));
-    if healthy && entry.info.models.is_empty() {
+    if healthy && unknown && cfg.disable_health_check {
         state.registry.set_info(&entry.id, engine_info(state, &entry.spec.url).await);
     }
 }
@@ -143,7 +151,10 @@ pub fn server_info_facts(s: &Value) -> EngineInfo {
         models: vec![],
         mode: text("disaggregation_mode"),
         runtime: Some(text("engine").unwrap_or_else(|| "sglang".into())),
-        kv_layout: KvLayout { page_size: num("page_size"), kv_dtype, tp_size: num("tp_size") },
+        // The attention backend is not read: SGLang pairs a prefill and a decode that run
+        // different ones (`--prefill-attention-backend` / `--decode-attention-backend`).
+        kv_layout: KvLayout { page_size: num("page_size"), kv_dtype, tp_size: num("tp_size"), attention_backend: None },
+        kv_connector: None,
         context_length: s.get("context_length").and_then(positive),
     }
 }
@@ -158,7 +169,7 @@ mod tests {
         let sglang = server_info_facts(&json!({"disaggregation_mode": "prefill", "page_size": 64, "kv_cache_dtype": "auto", "tp_size": 8}));
         assert_eq!(sglang.mode.as_deref(), Some("prefill"));
         assert_eq!(sglang.runtime.as_deref(), Some("sglang"));
-        assert_eq!(sglang.kv_layout, KvLayout { page_size: Some(64), kv_dtype: None, tp_size: Some(8) });
+        assert_eq!(sglang.kv_layout, KvLayout { page_size: Some(64), kv_dtype: None, tp_size: Some(8), attention_backend: None });
         let reference = server_info_facts(&json!({"engine": "pdgate-reference", "page_size": 16, "kv_cache_dtype": "fp8_e4m3"}));
         assert_eq!(reference.runtime.as_deref(), Some("pdgate-reference"));
         assert_eq!(reference.kv_layout.kv_dtype.as_deref(), Some("fp8_e4m3"));

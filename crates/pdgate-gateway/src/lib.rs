@@ -19,6 +19,7 @@ mod log_file;
 mod membership;
 mod metrics;
 mod metrics_listener;
+mod policy_rng;
 pub mod prompt_ids;
 mod record;
 mod registry;

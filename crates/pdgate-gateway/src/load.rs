@@ -155,7 +155,7 @@ async fn poll_one(state: &AppState, entry: Entry) {
         }
     }
     if let Some(r) = report.filter(|r| r.block_size.is_some() || r.cache_dtype.is_some()) {
-        let layout = KvLayout { page_size: r.block_size, kv_dtype: r.cache_dtype.clone(), tp_size: None };
+        let layout = KvLayout { page_size: r.block_size, kv_dtype: r.cache_dtype.clone(), ..KvLayout::default() };
         state.registry.learn_pairing(&entry.id, r.runtime, &layout);
     }
 }

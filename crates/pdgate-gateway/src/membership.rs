@@ -16,8 +16,8 @@ const DRAIN_POLL: Duration = Duration::from_millis(50);
 /// One change of the worker set.
 #[derive(Clone, Debug)]
 pub enum Change {
-    /// A new worker from `source`.
-    Add(WorkerSpec, Source),
+    /// A new worker from `source` (boxed: a spec is far larger than the other changes).
+    Add(Box<WorkerSpec>, Source),
     /// No new requests to the worker (by id or URL); it is removed once its in-flight requests
     /// finished, at the latest after the request timeout (then they are cut).
     Drain(String),
@@ -32,9 +32,12 @@ pub fn apply(state: &Arc<AppState>, change: Change) -> Result<Entry, RegistryErr
     match change {
         // A registered Mooncake engine id seeds the worker's runtime record (registry.rs).
         Change::Add(spec, source) => {
-            let entry = state.registry.add(spec, source)?;
+            let entry = state.registry.add(*spec, source)?;
             if let Some(endpoint) = &entry.spec.kv_events {
                 state.kv_view.watch(&entry.spec.url, endpoint, entry.spec.kv_events_replay.as_deref());
+            } else if state.routes_on_events && entry.spec.url.starts_with("grpc://") {
+                // a gRPC worker's events come over its own connection (SubscribeKvEvents)
+                state.kv_view.watch_grpc(&entry.spec.url, state.grpc.clone());
             }
             Ok(entry)
         }

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use pdgate_core::breaker::{Breaker, BreakerConfig, BreakerState, Judgement, Outcome};
-use pdgate_core::{HealthState, KvLayout, PairingKey, PairingMode, PoolSnapshot, SnapshotOptions, WorkerSpec, WorkerView};
+use pdgate_core::{HealthState, KvConnector, KvLayout, PairingKey, PairingMode, PoolSnapshot, SnapshotOptions, WorkerRole, WorkerSpec, WorkerView};
 
 /// Where a worker came from. Discovery only ever removes what discovery added.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -58,9 +58,24 @@ pub struct Runtime {
     /// The last reason the worker failed a health check or a request leg, with when (Unix
     /// seconds), for `GET /workers`.
     pub last_error: Mutex<Option<(String, u64)>>,
+    /// Whether the engine's OpenAI streams carry token ids when asked (`return_token_ids`),
+    /// learned from its streams: 0 unknown, 1 yes, 2 no. A stream whose ids the gateway tracks
+    /// counts its tokens from them, so the engine need not be asked for the usage event
+    /// (`exec/accounting.rs`, [`UsageAsk`](crate::exec::accounting::UsageAsk)).
+    pub token_ids: std::sync::atomic::AtomicU8,
 }
 
 impl Runtime {
+    /// The engine is known to send token ids when asked.
+    pub fn gives_token_ids(&self) -> bool {
+        self.token_ids.load(std::sync::atomic::Ordering::Relaxed) == 1
+    }
+
+    /// What a stream of this engine showed: its prompt's token ids came, or not.
+    pub fn learn_token_ids(&self, gave: bool) {
+        self.token_ids.store(if gave { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+    }
+
     pub fn note_error(&self, reason: String) {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some((reason, now));
@@ -83,9 +98,21 @@ pub struct EngineInfo {
     pub mode: Option<String>,
     pub runtime: Option<String>,
     pub kv_layout: KvLayout,
+    /// The PD protocol the engine reports (gRPC `GetServerInfo`: vLLM's `kv_connector`, an
+    /// SGLang PD worker's bootstrap); `None` where it says nothing (HTTP `/server_info`).
+    pub kv_connector: Option<KvConnector>,
     /// The model's context length as the engine reports it (requests asking for more output
     /// tokens are refused with 400).
     pub context_length: Option<u64>,
+}
+
+/// The PD role an engine's reported mode names (`null`, `both` and unknown name none).
+fn reported_role(mode: Option<&str>) -> Option<WorkerRole> {
+    match mode? {
+        "prefill" => Some(WorkerRole::Prefill),
+        "decode" => Some(WorkerRole::Decode),
+        _ => None,
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -306,17 +333,22 @@ impl Registry {
         Some(healthy)
     }
 
-    /// Records what the engine says about itself; its runtime and KV layout become part of the
-    /// worker's pairing key (facts given at registration win over what the engine reports).
+    /// Records what the engine says about itself; its runtime, connector, reported role and KV
+    /// layout become part of the worker's pairing key (facts given at registration win over
+    /// what the engine reports; the gateway-wide `--kv-connector` is only the default for
+    /// workers whose engine names none).
     pub fn set_info(&self, id: &str, info: EngineInfo) {
         self.edit(|entries| {
             if let Some(e) = entries.iter_mut().find(|e| e.id == id) {
                 let mut spec = (*e.spec).clone();
                 spec.runtime = spec.runtime.take().or_else(|| info.runtime.clone());
+                spec.kv_connector = spec.kv_connector.or(info.kv_connector);
+                spec.reported_role = spec.reported_role.or_else(|| reported_role(info.mode.as_deref()));
                 let l = &mut spec.kv_layout;
                 l.page_size = l.page_size.or(info.kv_layout.page_size);
                 l.kv_dtype = l.kv_dtype.take().or_else(|| info.kv_layout.kv_dtype.clone());
                 l.tp_size = l.tp_size.or(info.kv_layout.tp_size);
+                l.attention_backend = l.attention_backend.take().or_else(|| info.kv_layout.attention_backend.clone());
                 e.spec = Arc::new(spec);
                 e.info = info;
             }
@@ -567,10 +599,31 @@ mod tests {
         p.kv_layout.kv_dtype = Some("fp8_e5m2".into());
         let reg = Registry::new(vec![p], opts(), BreakerConfig::default());
         let id = reg.list()[0].id.clone();
-        let scraped = KvLayout { page_size: Some(16), kv_dtype: Some("auto".into()), tp_size: None };
+        let scraped = KvLayout { page_size: Some(16), kv_dtype: Some("auto".into()), ..KvLayout::default() };
         reg.learn_pairing(&id, Some("vllm"), &scraped);
         let e = reg.get(&id).unwrap();
         assert_eq!((e.spec.runtime.as_deref(), e.spec.kv_layout.page_size), (Some("vllm"), Some(16)));
         assert_eq!(e.spec.kv_layout.kv_dtype.as_deref(), Some("fp8_e5m2"), "a registered fact wins");
+    }
+
+    /// A gRPC worker's GetServerInfo names its connector, role and attention backend: they become
+    /// its pairing key (over the gateway-wide default connector); a registered connector wins.
+    #[test]
+    fn engine_info_gives_the_connector_role_and_backend_of_the_pairing_key() {
+        let p = spec("grpc://p:1", WorkerRole::Prefill);
+        let mut d = spec("grpc://d:1", WorkerRole::Decode);
+        d.kv_connector = Some(KvConnector::Nixl);
+        let reg = Registry::new(vec![p, d], opts(), BreakerConfig::default());
+        let layout = KvLayout { page_size: Some(16), attention_backend: Some("flash".into()), ..KvLayout::default() };
+        for (e, mode) in reg.list().into_iter().zip(["prefill", "decode"]) {
+            let info = EngineInfo { mode: Some(mode.into()), kv_connector: Some(KvConnector::Mooncake), kv_layout: layout.clone(), ..EngineInfo::default() };
+            reg.set_info(&e.id, info);
+        }
+        let keys: Vec<PairingKey> = reg.list().iter().map(|e| reg.pairing_key(e)).collect();
+        assert_eq!((keys[0].transport, keys[0].reported_role), (KvConnector::Mooncake, Some(WorkerRole::Prefill)));
+        assert_eq!(keys[0].kv_layout.attention_backend.as_deref(), Some("flash"));
+        assert_eq!((keys[1].transport, keys[1].reported_role), (KvConnector::Nixl, Some(WorkerRole::Decode)), "the registration's connector wins");
+        assert_eq!(reported_role(Some("null")), None);
+        assert_eq!(reported_role(None), None);
     }
 }

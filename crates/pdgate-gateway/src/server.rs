@@ -109,6 +109,13 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     if let Some(note) = crate::prompt_ids::no_tokenizer_note(&config, tokenizer.is_some()) {
         tracing::warn!("{note}");
     }
+    match (&tokenizer, config.tokenizer_path.as_deref().or(config.model_path.as_deref())) {
+        (Some(t), Some(path)) => tracing::info!(path, chat_template = t.has_chat_template(), "tokenizer loaded (gRPC legs and prompt ids use it)"),
+        _ if workers.iter().any(|w| w.is_grpc()) => {
+            tracing::info!("no --model-path / --tokenizer-path: each model's tokenizer is fetched over GetTokenizer from its first gRPC worker, on first use")
+        }
+        _ => {}
+    }
     let discovery = crate::discovery::prepare(&config).await.map_err(StartError::Discovery)?;
     let bind = format!("{}:{}", config.host, config.port);
     let listener = TcpListener::bind(&bind).await.map_err(|source| StartError::Bind { addr: bind.clone(), source })?;
@@ -134,7 +141,7 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     let state = Arc::new(state);
     // The static flags are the first source of membership changes (membership.rs).
     for spec in workers {
-        let _ = membership::apply(&state, Change::Add(spec, Source::Static));
+        let _ = membership::apply(&state, Change::Add(Box::new(spec), Source::Static));
     }
     let edge_metrics = state.metrics.edge.clone();
     let (tx, rx) = watch::channel(false);

@@ -51,6 +51,8 @@ pub struct AppState {
     pub admission: Option<crate::admission::Admission>,
     /// What each worker that publishes KV events holds (kv_sub); cache_aware reads it.
     pub kv_view: crate::kv_sub::KvView,
+    /// The routing rng (`--seed`, policy_rng.rs).
+    pub policy_rng: crate::policy_rng::PolicyRng,
     /// A cache_aware pool may route on `kv_view` (`--cache-source` events or auto).
     pub routes_on_events: bool,
     /// `--model-path` / `--tokenizer-path`'s tokenizer, loaded at start-up (prompt_ids.rs).
@@ -92,6 +94,7 @@ impl AppState {
             sequence: AtomicU64::new(0),
             tree: Mutex::new(RadixTree::new()),
             edge: crate::edge::Edge::new(),
+            policy_rng: crate::policy_rng::PolicyRng::new(config.seed),
             kv_view: crate::kv_sub::KvView::new(rand::random(), config.kv_index_max_blocks, crate::kv_sub::SubTimings::default()),
             registry,
             config,
@@ -221,9 +224,10 @@ impl AppState {
         tree.evict(self.config.max_tree_size);
     }
 
-    /// Forgets a removed worker's cached prefixes.
+    /// Forgets a removed worker's cached prefixes, and a gRPC worker's cached connection.
     pub fn forget_worker(&self, url: &str) {
         self.kv_view.unwatch(url);
+        self.grpc.forget(url);
         if self.uses_tree() {
             self.tree.lock().unwrap_or_else(|p| p.into_inner()).remove_tenant(url);
         }

@@ -108,7 +108,7 @@ async fn add(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
                 return Err(GatewayError::invalid(Some("worker_type"), format!("{} reports disaggregation_mode {mode:?} but was added as {}", spec.url, spec.role.as_str())));
             }
         }
-        let entry = membership::apply(&state, Change::Add(spec, Source::Api)).map_err(|e| match e {
+        let entry = membership::apply(&state, Change::Add(Box::new(spec), Source::Api)).map_err(|e| match e {
             RegistryError::Duplicate(id) => GatewayError::conflict(format!("worker already registered as {id}")),
             RegistryError::NotFound(id) => GatewayError::missing(id),
         })?;

@@ -49,11 +49,13 @@ pub fn inject(body: &mut Map<String, Value>, host: &str, port: Option<u16>, room
 }
 
 /// The prefill's body for a streamed request: the decode's body (rendezvous fields and all)
-/// asking for a whole answer, without `stream_options` (engines refuse it without `stream`).
+/// asking for a whole answer, without `stream_options` (engines refuse it without `stream`) and
+/// without `return_token_ids` (the answer is only drained: the ids are the decode's to send).
 pub fn whole_prefill_body(decode: &Map<String, Value>) -> Map<String, Value> {
     let mut body = decode.clone();
     body.insert("stream".into(), Value::Bool(false));
     body.remove("stream_options");
+    body.remove("return_token_ids");
     body
 }
 
@@ -61,6 +63,13 @@ pub fn whole_prefill_body(decode: &Map<String, Value>) -> Map<String, Value> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_streamed_requests_prefill_is_asked_for_a_whole_answer_without_ids() {
+        let decode = json!({"prompt": "hi", "stream": true, "stream_options": {"include_usage": true}, "return_token_ids": true, "bootstrap_room": 7});
+        let p = whole_prefill_body(decode.as_object().unwrap());
+        assert_eq!(Value::Object(p), json!({"prompt": "hi", "stream": false, "bootstrap_room": 7}));
+    }
 
     #[test]
     fn single_request_gets_scalars() {

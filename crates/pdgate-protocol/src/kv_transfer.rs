@@ -15,7 +15,8 @@ fn prefill_common(original: &Map<String, Value>, params: Value) -> Map<String, V
     if body.contains_key("messages") {
         body.insert("max_completion_tokens".into(), Value::from(1));
     }
-    for key in ["stream_options", "min_tokens", "min_completion_tokens"] {
+    // The prefill's answer is read for its params only: no ids to send (`return_token_ids`).
+    for key in ["stream_options", "min_tokens", "min_completion_tokens", "return_token_ids"] {
         body.remove(key);
     }
     body
@@ -107,8 +108,9 @@ mod tests {
 
     #[test]
     fn nixl_prefill_is_one_token_no_stream_and_asks_for_remote_decode() {
-        let orig = obj(json!({"messages": [], "stream": true, "max_tokens": 50, "stream_options": {"include_usage": true}, "min_tokens": 3}));
+        let orig = obj(json!({"messages": [], "stream": true, "max_tokens": 50, "stream_options": {"include_usage": true}, "min_tokens": 3, "return_token_ids": true}));
         let p = nixl_prefill_body(&orig);
+        assert!(!p.contains_key("return_token_ids"), "the prefill's answer is not relayed: no ids asked of it");
         assert_eq!(p["stream"], false);
         assert_eq!((p["max_tokens"].clone(), p["max_completion_tokens"].clone()), (json!(1), json!(1)));
         assert!(!p.contains_key("stream_options") && !p.contains_key("min_tokens"));

@@ -62,6 +62,11 @@ pub struct ParsedRequest {
     /// Gateway-owned fields were removed: `body` differs from the bytes received, so a leg that
     /// would forward those bytes must encode `body` instead.
     pub rewritten: bool,
+    /// A resumed stream's continuation: the prompt's last `resumed_ids` ids are the answer's
+    /// own, generated before its decode died (0 for a client's request). A gateway that
+    /// detokenizes (gRPC workers) replays them, so the text it held back at the death (an
+    /// incomplete UTF-8 character, a possible stop string) is written by the continuation.
+    pub resumed_ids: usize,
 }
 
 impl ParsedRequest {
@@ -119,7 +124,7 @@ pub fn parse_request(endpoint: Endpoint, bytes: &[u8], limits: &Limits) -> Resul
     if rewritten {
         rendezvous::strip_gateway_fields(&mut body);
     }
-    Ok(ParsedRequest { endpoint, body, stream, batch_items, wants_input_logprobs, model, max_tokens, prompt_tokens, rewritten })
+    Ok(ParsedRequest { endpoint, body, stream, batch_items, wants_input_logprobs, model, max_tokens, prompt_tokens, rewritten, resumed_ids: 0 })
 }
 
 /// See `ParsedRequest::prompt_tokens`. Runs on a validated body.

@@ -42,12 +42,18 @@ fn set(v: Option<&Value>) -> bool {
 /// Why a request cannot be resumed exactly, if it cannot (the `reason` of
 /// `pdgate_resumes_total{result="refused"}`). Such a stream ends with the error event.
 pub fn refusal(req: &ParsedRequest) -> Option<&'static str> {
+    refusal_given(req, false)
+}
+
+/// [`refusal`], where `text_prompt_ids` says the gateway has a `/generate` text prompt's ids
+/// (its tokenizer, `--model-path`): such a stream is continued from them.
+pub fn refusal_given(req: &ParsedRequest, text_prompt_ids: bool) -> Option<&'static str> {
     let b = &req.body;
     if !req.stream {
         return Some("not_streaming");
     }
     if req.endpoint == Endpoint::Generate {
-        return native_refusal(req);
+        return native_refusal(req, text_prompt_ids);
     }
     if b.get("n").and_then(Value::as_u64).is_some_and(|n| n > 1) {
         return Some("n_greater_than_1");
@@ -82,8 +88,9 @@ pub fn refusal(req: &ParsedRequest) -> Option<&'static str> {
     None
 }
 
-/// `/generate`: continued from `input_ids` only (its stream does not give a text prompt's ids).
-fn native_refusal(req: &ParsedRequest) -> Option<&'static str> {
+/// `/generate`: continued from `input_ids`, or from a text prompt's ids when the gateway has
+/// them (its stream does not give them).
+fn native_refusal(req: &ParsedRequest, text_prompt_ids: bool) -> Option<&'static str> {
     let b = &req.body;
     let sp = b.get("sampling_params").and_then(Value::as_object);
     let sp_set = |k: &&str| sp.is_some_and(|m| set(m.get(*k)));
@@ -93,7 +100,9 @@ fn native_refusal(req: &ParsedRequest) -> Option<&'static str> {
     if req.batch_items.is_some() {
         return Some("batch");
     }
-    if !b.get("input_ids").is_some_and(Value::is_array) {
+    let ids = b.get("input_ids").is_some_and(Value::is_array);
+    let text_with_ids = text_prompt_ids && b.get("text").is_some_and(Value::is_string);
+    if !(ids || text_with_ids) {
         return Some("generate_text");
     }
     if ["regex", "json_schema", "ebnf", "structural_tag"].iter().any(sp_set) {
@@ -125,20 +134,37 @@ pub struct Progress {
     text_base: String,
     client_wants_ids: bool,
     head: Map<String, Value>,
-    prompt_ids: Option<Vec<Value>>,
-    generated: Vec<Value>,
+    /// Token ids as numbers, not `Value`s (4 bytes a token instead of 32: a long answer's ids
+    /// are held for its whole stream).
+    prompt_ids: Option<Vec<u32>>,
+    generated: Vec<u32>,
     /// Text went out without its token ids (an engine without `return_token_ids`).
     ids_unknown: bool,
+    /// `/generate` with a text prompt: the prompt's ids are the gateway tokenizer's, checked
+    /// against the engine's `meta_info.prompt_tokens` on the first event.
+    tokenized: bool,
+    /// The engine counted the prompt differently: the tokenizers differ, no exact continuation.
+    tokenizer_differs: bool,
     finished: bool,
     /// Ids generated before the running continuation began (0 on the first stream).
     resumed_at: Option<usize>,
 }
 
-fn take_ids(obj: &mut Map<String, Value>, key: &str, keep: bool) -> Option<Vec<Value>> {
-    let ids = if keep { obj.get(key).cloned() } else { obj.remove(key) };
-    match ids {
-        Some(Value::Array(a)) if a.iter().all(|t| t.as_u64().is_some()) => Some(a),
-        _ => None,
+/// A JSON array of token ids; `None` for anything else (an id over `u32::MAX` included: no
+/// vocabulary is that large).
+fn ids_of(v: Option<&Value>) -> Option<Vec<u32>> {
+    v?.as_array()?.iter().map(|t| t.as_u64().and_then(|n| u32::try_from(n).ok())).collect()
+}
+
+fn ids_value(ids: impl Iterator<Item = u32>) -> Value {
+    Value::Array(ids.map(Value::from).collect())
+}
+
+fn take_ids(obj: &mut Map<String, Value>, key: &str, keep: bool) -> Option<Vec<u32>> {
+    if keep {
+        ids_of(obj.get(key))
+    } else {
+        ids_of(obj.remove(key).as_ref())
     }
 }
 
@@ -156,7 +182,7 @@ impl Progress {
     pub fn new(req: &ParsedRequest) -> Self {
         let client_wants_ids = req.body.get("return_token_ids") == Some(&Value::Bool(true));
         let native = req.endpoint == Endpoint::Generate;
-        let prompt_ids = if native { req.body.get("input_ids").and_then(Value::as_array).cloned() } else { None };
+        let prompt_ids = if native { ids_of(req.body.get("input_ids")) } else { None };
         Progress { chat: req.endpoint == Endpoint::ChatCompletions, native, prompt_ids, client_wants_ids, ..Progress::default() }
     }
 
@@ -165,12 +191,23 @@ impl Progress {
         self.generated.len()
     }
 
+    /// The prompt's and the answer's token counts from the ids seen (the whole answer, across
+    /// continuations); `None` when the engine sent no prompt ids or text without its ids.
+    pub fn counts(&self) -> Option<(u64, u64)> {
+        match (&self.prompt_ids, self.ids_unknown) {
+            (Some(p), false) => Some((p.len() as u64, self.generated.len() as u64)),
+            _ => None,
+        }
+    }
+
     /// Why this stream cannot be continued, if it cannot.
     pub fn refusal(&self) -> Option<&'static str> {
         if self.finished {
             Some("already_finished")
         } else if self.ids_unknown {
             Some("no_token_ids")
+        } else if self.tokenizer_differs {
+            Some("tokenizer_mismatch")
         } else if self.prompt_ids.is_none() {
             Some("no_prompt_ids")
         } else {
@@ -241,9 +278,7 @@ impl Progress {
         for k in ["max_completion_tokens", "stream_options", "messages", "n", "rid", "return_token_ids"] {
             body.remove(k);
         }
-        let mut ids = prompt.clone();
-        ids.extend(self.generated.iter().cloned());
-        body.insert("prompt".into(), Value::Array(ids));
+        body.insert("prompt".into(), ids_value(prompt.iter().chain(&self.generated).copied()));
         body.insert("max_tokens".into(), json!(left));
         body.insert("stream".into(), Value::Bool(true));
         body.insert("return_token_ids".into(), Value::Bool(true));
@@ -256,12 +291,12 @@ impl Progress {
         Ok(body)
     }
 
-    fn native_continuation(&self, req: &ParsedRequest, prompt: &[Value], left: u64) -> Map<String, Value> {
+    fn native_continuation(&self, req: &ParsedRequest, prompt: &[u32], left: u64) -> Map<String, Value> {
         let mut body = req.body.clone();
+        // A text prompt goes on as ids (an engine takes one or the other).
         body.remove("rid");
-        let mut ids = prompt.to_vec();
-        ids.extend(self.generated.iter().cloned());
-        body.insert("input_ids".into(), Value::Array(ids));
+        body.remove("text");
+        body.insert("input_ids".into(), ids_value(prompt.iter().chain(&self.generated).copied()));
         body.insert("stream".into(), Value::Bool(true));
         let mut sp = body.get("sampling_params").and_then(Value::as_object).cloned().unwrap_or_default();
         sp.insert("max_new_tokens".into(), json!(left));
@@ -286,13 +321,19 @@ impl Progress {
     /// `/generate` chunks carry the whole answer so far: keep the new ids' tail and the text.
     fn observe_native(&mut self, obj: &Map<String, Value>) {
         let text = obj.get("text").and_then(Value::as_str).unwrap_or_default();
-        match obj.get("output_ids").and_then(Value::as_array) {
-            Some(ids) if ids.iter().all(|t| t.as_u64().is_some()) => self.generated.extend(ids.iter().skip(self.generated.len()).cloned()),
+        match ids_of(obj.get("output_ids")) {
+            Some(ids) => self.generated.extend(ids.into_iter().skip(self.generated.len())),
             _ if !text.is_empty() => self.ids_unknown = true,
             _ => {}
         }
         self.text = text.to_string();
         let meta = obj.get("meta_info");
+        if self.tokenized {
+            // Checked once: the first event's count of the prompt is the engine's tokenization.
+            self.tokenized = false;
+            let engine = meta.and_then(|m| m.get("prompt_tokens")).and_then(Value::as_u64);
+            self.tokenizer_differs = engine != self.prompt_ids.as_ref().map(|p| p.len() as u64);
+        }
         if let (false, Some(id)) = (self.head.contains_key("id"), meta.and_then(|m| m.get("id"))) {
             self.head.insert("id".into(), id.clone());
         }
@@ -304,8 +345,8 @@ impl Progress {
     fn rewrite_native(&mut self, mut obj: Map<String, Value>) -> Value {
         let before = self.resumed_at.unwrap_or(0);
         let text = format!("{}{}", self.text_base, obj.get("text").and_then(Value::as_str).unwrap_or_default());
-        let mut ids: Vec<Value> = self.generated[..before].to_vec();
-        ids.extend(obj.get("output_ids").and_then(Value::as_array).cloned().unwrap_or_default());
+        let mut ids: Vec<u32> = self.generated[..before].to_vec();
+        ids.extend(ids_of(obj.get("output_ids")).unwrap_or_default());
         if let Some(Value::Object(meta)) = obj.get_mut("meta_info") {
             let completion = meta.get("completion_tokens").and_then(Value::as_u64).unwrap_or(0) + before as u64;
             meta.insert("completion_tokens".into(), json!(completion));
@@ -319,8 +360,8 @@ impl Progress {
         }
         obj.insert("text".into(), json!(text));
         self.text = text;
-        self.generated.clone_from(&ids);
-        obj.insert("output_ids".into(), Value::Array(ids));
+        obj.insert("output_ids".into(), ids_value(ids.iter().copied()));
+        self.generated = ids;
         Value::Object(obj)
     }
 
@@ -360,7 +401,7 @@ impl Progress {
                 choice.insert("finish_reason".into(), finish);
                 if let Some(ids) = ids {
                     if self.client_wants_ids {
-                        choice.insert("token_ids".into(), Value::Array(ids.clone()));
+                        choice.insert("token_ids".into(), ids_value(ids.iter().copied()));
                     }
                     self.generated.extend(ids);
                 }
@@ -403,6 +444,24 @@ impl ResumeTracker {
         ResumeTracker { decoder: SseDecoder::new(), progress: Progress::new(req), continuing: false, held: Vec::new() }
     }
 
+    /// A `/generate` stream with a text prompt whose ids the gateway's tokenizer gave
+    /// (`refusal_given(req, true)` allowed it). The engine's first event must count the same
+    /// number of prompt tokens, else the stream is not resumed (`tokenizer_mismatch`).
+    pub fn with_prompt_ids(req: &ParsedRequest, ids: &[u32]) -> Self {
+        let mut t = ResumeTracker::new(req);
+        if t.progress.native && t.progress.prompt_ids.is_none() {
+            t.progress.prompt_ids = Some(ids.to_vec());
+            t.progress.tokenized = true;
+        }
+        t
+    }
+
+    /// Whether the first stream's engine sent the prompt's token ids (known once its first
+    /// event was read); `None` once a continuation runs (its chunks say nothing of that).
+    pub fn gave_ids(&self) -> Option<bool> {
+        (!self.continuing).then(|| self.progress.prompt_ids.is_some())
+    }
+
     /// The relayed stream broke: what it left half-sent is dropped, the next bytes are a
     /// continuation's.
     pub fn begin_continuation(&mut self) {
@@ -429,10 +488,9 @@ impl ResumeTracker {
         let (mut out, mut changed, mut pos) = (Vec::with_capacity(data.len()), held, 0);
         while let Some((end, sep)) = find_boundary(&data[pos..], 0) {
             let (raw, whole) = (&data[pos..pos + end], &data[pos..pos + end + sep]);
-            match self.progress.observe_raw(raw) {
+            match self.progress.observe_raw(raw, &mut out) {
                 Some(scan::Fast::Same) => out.extend_from_slice(whole),
-                Some(scan::Fast::Cut(b)) => {
-                    out.extend_from_slice(&b);
+                Some(scan::Fast::Cut) => {
                     out.extend_from_slice(&whole[end..]);
                     changed = true;
                 }

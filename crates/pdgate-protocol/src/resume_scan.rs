@@ -15,7 +15,7 @@ use super::{set, Progress};
 /// What one event taught, and the byte ranges (of its payload) to cut.
 #[derive(Default)]
 struct Learned {
-    ids: Vec<Value>,
+    ids: Vec<u32>,
     text_without_ids: bool,
     finished: bool,
     had_usage: bool,
@@ -208,7 +208,7 @@ fn choice(s: &mut Scan<'_>, keep: bool, out: &mut Learned) -> Option<bool> {
         let raw = &s.b[a..z];
         match key {
             b"token_ids" => {
-                ids = Some(serde_json::from_slice::<Vec<u64>>(raw).ok());
+                ids = Some(serde_json::from_slice::<Vec<u32>>(raw).ok());
                 if !keep {
                     out.cuts.push(member_cut(s.b, key_start, z, before));
                 }
@@ -226,7 +226,7 @@ fn choice(s: &mut Scan<'_>, keep: bool, out: &mut Learned) -> Option<bool> {
     let has_text = if text.is_some() { nonempty_str(text) } else { nonempty_str(content) };
     let ids = ids.flatten();
     out.text_without_ids |= ids.is_none() && has_text;
-    out.ids.extend(ids.unwrap_or_default().into_iter().map(Value::from));
+    out.ids.extend(ids.unwrap_or_default());
     out.finished |= finish;
     let no_text = match delta {
         Some(empty) => empty,
@@ -300,16 +300,17 @@ fn learn(payload: &[u8], head_has: impl Fn(&str) -> bool, keep: bool) -> Option<
 pub(super) enum Fast {
     /// The event goes out as it came.
     Same,
-    /// The event goes out as these bytes (its ids cut).
-    Cut(Vec<u8>),
+    /// The event, its ids cut, was appended to the caller's buffer (its separator not).
+    Cut,
     /// Nothing in it for the client.
     Drop,
 }
 
 impl Progress {
     /// Learns from one raw event (`data: {...}`, its separator excluded) of the first stream
-    /// without parsing it into a `Value`; `None` when the slow path must read it.
-    pub(super) fn observe_raw(&mut self, raw: &[u8]) -> Option<Fast> {
+    /// without parsing it into a `Value`; `None` when the slow path must read it. A cut event
+    /// is written straight into `out` (no buffer of its own per chunk).
+    pub(super) fn observe_raw(&mut self, raw: &[u8], out: &mut Vec<u8>) -> Option<Fast> {
         if self.native || self.head.is_empty() {
             return None;
         }
@@ -330,7 +331,6 @@ impl Progress {
             return Some(Fast::Same);
         }
         let offset = raw.len() - payload.len();
-        let mut out = Vec::with_capacity(raw.len());
         out.extend_from_slice(&raw[..offset]);
         let mut at = 0;
         for (a, z) in learned.cuts {
@@ -338,7 +338,7 @@ impl Progress {
             at = z;
         }
         out.extend_from_slice(&payload[at..]);
-        Some(Fast::Cut(out))
+        Some(Fast::Cut)
     }
 }
 

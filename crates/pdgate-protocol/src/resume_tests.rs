@@ -263,3 +263,43 @@ fn an_event_of_the_usual_shape_goes_out_as_the_engine_wrote_it() {
     assert_eq!(out, "data: {\"id\":\"cmpl-a\",\"object\":\"text_completion\",\"created\":7,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"b\",\"logprobs\":null,\"finish_reason\":null}]}\n\n");
     assert_eq!(t.progress.generated(), 2);
 }
+
+#[test]
+fn the_ids_seen_count_the_prompt_and_the_answer_and_say_whether_the_engine_sends_them() {
+    let r = completions(json!({}));
+    let mut first = chunk("a", &[97], None);
+    first["choices"][0]["prompt_token_ids"] = json!([1, 2, 3]);
+    let mut t = ResumeTracker::new(&r);
+    assert_eq!((t.gave_ids(), t.progress.counts()), (Some(false), None), "nothing read yet");
+    t.process_raw(frame(&first.to_string()).as_bytes());
+    t.process_raw(frame(&chunk("b", &[98], None).to_string()).as_bytes());
+    assert_eq!((t.gave_ids(), t.progress.counts()), (Some(true), Some((3, 2))));
+    t.begin_continuation();
+    assert_eq!(t.gave_ids(), None, "a continuation's chunks say nothing of the first engine");
+    t.process(frame(&chunk("c", &[99], Some("length")).to_string()).as_bytes());
+    assert_eq!(t.progress.counts(), Some((3, 3)), "the whole answer, across the continuation");
+    // An engine that ignores `return_token_ids` (text without ids): nothing to count from.
+    let mut t = ResumeTracker::new(&r);
+    let bare = json!({"id": "cmpl-a", "object": "text_completion", "created": 7, "model": "m", "choices": [{"index": 0, "text": "a", "finish_reason": null}]});
+    t.process_raw(frame(&bare.to_string()).as_bytes());
+    assert_eq!((t.gave_ids(), t.progress.counts()), (Some(false), None));
+}
+
+#[test]
+fn a_generate_text_prompt_is_continued_from_the_gateways_ids_when_the_engine_counts_them_alike() {
+    let r = req(Endpoint::Generate, json!({"text": "hi", "stream": true, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}));
+    assert_eq!((refusal(&r), refusal_given(&r, true)), (Some("generate_text"), None));
+    let guided = req(Endpoint::Generate, json!({"text": "hi", "stream": true, "sampling_params": {"regex": "a+"}}));
+    assert_eq!(refusal_given(&guided, true), Some("guided_decoding"), "the other reasons still hold");
+    let first =
+        |prompt_tokens: u64| frame(&json!({"text": "a", "output_ids": [97], "meta_info": {"id": "g-1", "prompt_tokens": prompt_tokens, "completion_tokens": 1}}).to_string());
+    let mut t = ResumeTracker::with_prompt_ids(&r, &[256, 104, 105]);
+    t.process_raw(first(3).as_bytes());
+    let body = t.progress.continuation(&r, None).unwrap();
+    assert_eq!((body["input_ids"].clone(), body.get("text")), (json!([256, 104, 105, 97]), None), "ids, not text: an engine takes one");
+    assert_eq!(body["sampling_params"]["max_new_tokens"], 3);
+    // The engine made 2 tokens of the prompt: its tokenizer is not the gateway's.
+    let mut t = ResumeTracker::with_prompt_ids(&r, &[256, 104, 105]);
+    t.process_raw(first(2).as_bytes());
+    assert_eq!(t.progress.continuation(&r, None).err(), Some("tokenizer_mismatch"));
+}

@@ -11,9 +11,11 @@ mod error;
 mod load;
 mod pyjson;
 mod stop;
+mod token_text;
 
 pub use chat::{ChatTemplate, ChatTemplateInputs};
 pub use detok::IncrementalDecoder;
 pub use error::TokenizerError;
 pub use load::{ModelTokenizer, TokenizerCache};
 pub use stop::{StopMatch, StopMatcher, StreamDecoder, StreamStep};
+pub use token_text::token_text;

@@ -90,6 +90,11 @@ impl ModelTokenizer {
         self.encode(&self.apply_chat_template(inputs)?, false)
     }
 
+    /// Token `id`'s text as logprob answers name it (token_text.rs).
+    pub fn token_text(&self, id: u32) -> String {
+        crate::token_text(&self.tokenizer, id)
+    }
+
     /// One-shot decode.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TokenizerError> {
         self.tokenizer.decode(ids, skip_special_tokens).map_err(|e| TokenizerError::Codec(e.to_string()))

@@ -11,10 +11,20 @@ What is measured, every request through the gateway(s), one at a time unless sai
   the median inter-token gap at each B; fitted as base + per_seq·B;
 - KV bytes per token: what the prefill workers (found by the gateway's `GET /workers`) report in
   `/v1/loads` (`disaggregation.kv_bytes_sent`), over the prompt tokens sent through them;
-- the transfer: by difference, TTFT(PD) − prefill − one decode step at each prompt length on the
-  idle pipeline, fitted as setup + bytes / bandwidth (calibrate_fit.fit_transfer). This is the
-  *exposed* hand-off as the client sees it (second leg, transfer, pick-up), which is what the
-  simulator's TTFT adds; the engines' own per-transfer seconds are not read yet.
+- the transfer: from the engines' own reports. The decode workers' `/v1/loads`
+  `disaggregation.kv_transfer_totals` (count, bytes, seconds of whole transfers received) are
+  read before and after each PD request of the TTFT table (one request at a time, so the change
+  is that request's transfer); setup + bytes / bandwidth is fitted over those (bytes, ms)
+  (calibrate_fit.fit_engine_transfer). What the client waits for beyond it (the gateway's second
+  leg, the hand-shake, the pick-up) is the median of TTFT(PD) − TTFT(colocated) − one decode
+  step − the transfer over the paired samples (calibrate_fit.handoff_overhead_ms), added to the
+  setup: the simulator's TTFT adds setup + bytes / bandwidth as the exposed hand-off. Engines
+  that report no transfers fall back to the difference alone (calibrate_fit.fit_transfer).
+
+- shared cores (a CPU host's workers slow each other down; GPUs do not): one decode stream's
+  inter-token gaps alone, then while long prompts keep the prefill worker computing beside it;
+  their slowdown gives the cores the two effectively share (calibrate_fit.shared_cores_estimate),
+  recorded in the `calibration` block as `shared_cores` for `pdgate simulate --shared-cores`.
 
 The file holds the `ServiceModel` fields plus a `calibration` block (samples, fits, sources).
 """
@@ -31,7 +41,8 @@ from typing import Any, Sequence
 import httpx
 import numpy as np
 
-from .calibrate_fit import LinearFit, fit_line, fit_prefill, fit_transfer, kv_bytes_per_token, service_model_fields
+from .calibrate_fit import (LinearFit, fit_engine_transfer, fit_line, fit_prefill, fit_transfer, handoff_overhead_ms,
+                            kv_bytes_per_token, service_model_fields, shared_cores_estimate)
 from .client import RequestOutput, RequestSpec, send_request
 from .dataset import SampleRequest, random_text
 
@@ -48,6 +59,7 @@ class CalibrationPlan:
     repeats: int = 3
     decode_prompt_len: int = 64
     decode_output_len: int = 64
+    contention_prompt_len: int = 1024    # the long prompts that keep the prefill worker busy; 0: skip
     endpoint: str = "/v1/completions"
     timeout_s: float = 120.0
     seed: int = 0
@@ -67,23 +79,56 @@ def _check(outputs: Sequence[RequestOutput], what: str) -> None:
         raise ValueError(f"calibration {what}: {len(failed)} of {len(outputs)} requests failed, e.g. {failed[0]}")
 
 
+@dataclass
+class TtftTables:
+    samples: list[list[tuple[float, float]]]   # per path: (prompt tokens, TTFT ms)
+    tokens: list[int]                          # per path: prompt tokens sent
+    transfers: list[tuple[float, float]]       # PD path: (bytes, ms) per engine-reported transfer
+    unreported: int = 0                        # PD requests with no single transfer reported
+
+
 async def _ttft_tables(client: httpx.AsyncClient, urls: Sequence[str], plan: CalibrationPlan,
-                       rng: np.random.Generator) -> tuple[list[list[tuple[float, float]]], list[int]]:
-    """(prompt tokens, TTFT ms) on each idle path, one request at a time; fresh random text each
-    time so no prefix cache helps. The paths take turns at each length, so on a machine whose
-    load changes by the minute their difference (the transfer) compares like with like.
-    Returns the samples and the prompt tokens sent, per path."""
+                       rng: np.random.Generator, decodes: Sequence[str]) -> TtftTables:
+    """(prompt tokens, TTFT ms) on each idle path (urls[0] the PD gateway), one request at a
+    time; fresh random text each time so no prefix cache helps. The paths take turns at each
+    length, so on a machine whose load changes by the minute their difference compares like
+    with like. Around each PD request the decode workers' transfer totals are read: their
+    change is that request's transfer as the engine timed it."""
     specs = [_spec(url, plan) for url in urls]
-    samples: list[list[tuple[float, float]]] = [[] for _ in urls]
-    tokens = [0 for _ in urls]
+    tables = TtftTables([[] for _ in urls], [0 for _ in urls], [])
+    totals = await _transfer_totals(client, decodes)
     for _ in range(plan.repeats):
         for n in plan.prompt_lens:
             for i, (url, spec) in enumerate(zip(urls, specs)):
                 out = await send_request(client, spec, SampleRequest(random_text(n, rng), n, 2), plan.timeout_s)
                 _check([out], f"TTFT at {n} tokens via {url}")
-                samples[i].append((float(out.prompt_len), out.ttft * 1000.0))
-                tokens[i] += out.prompt_len
-    return samples, tokens
+                tables.samples[i].append((float(out.prompt_len), out.ttft * 1000.0))
+                tables.tokens[i] += out.prompt_len
+                if i == 0:
+                    after = await _transfer_totals(client, decodes)
+                    count, nbytes, seconds = (a - b for a, b in zip(after, totals))
+                    totals = after
+                    if count == 1 and nbytes > 0:
+                        tables.transfers.append((nbytes, seconds * 1000.0))
+                    else:  # an engine that does not report, or a transfer still being counted
+                        tables.unreported += 1
+    return tables
+
+
+async def _transfer_totals(client: httpx.AsyncClient, decodes: Sequence[str]) -> tuple[float, float, float]:
+    """(transfers, bytes, seconds) received so far, summed over the decode workers' reports
+    (`/v1/loads` `disaggregation.kv_transfer_totals`); zeros where an engine has none."""
+    count = nbytes = seconds = 0.0
+    for url in decodes:
+        resp = await client.get(url.rstrip("/") + "/v1/loads")
+        if resp.status_code != 200:
+            continue
+        for load in resp.json().get("loads") or []:
+            t = (load.get("disaggregation") or {}).get("kv_transfer_totals") or {}
+            count += float(t.get("count") or 0)
+            nbytes += float(t.get("bytes") or 0)
+            seconds += float(t.get("seconds") or 0)
+    return count, nbytes, seconds
 
 
 async def _decode_table(client: httpx.AsyncClient, plan: CalibrationPlan,
@@ -104,6 +149,42 @@ async def _decode_table(client: httpx.AsyncClient, plan: CalibrationPlan,
         plan.notes.append("some batch sizes never ran full (prefills slower than the decodes): "
                           "raise --calibrate-decode-output-len")
     return samples
+
+
+async def _contention_table(client: httpx.AsyncClient, plan: CalibrationPlan, rng: np.random.Generator,
+                            prefill_ms: Any) -> tuple[list[float], list[float]]:
+    """Decode gaps (ms) of one stream alone, and while the prefill worker computes long prompts
+    beside it: per repeat, a stream alone, then the same stream with long prompts sent one after
+    another through the PD gateway. A contended gap is one that ends inside a long prompt's
+    prefill, taken as [sent + 10 %, sent + its idle prefill time `prefill_ms(tokens)`] so that
+    neither its hand-off nor its own decode is in it."""
+    spec = _spec(plan.base_url, plan)
+    n, out_len = plan.contention_prompt_len, max(plan.decode_output_len, 32)
+    alone: list[float] = []
+    contended: list[float] = []
+    for _ in range(plan.repeats):
+        stream = SampleRequest(random_text(plan.decode_prompt_len, rng), plan.decode_prompt_len, out_len)
+        out = await send_request(client, spec, stream, plan.timeout_s)
+        _check([out], "a decode stream alone")
+        alone.extend(g * 1000.0 for g in out.itl)
+        task = asyncio.ensure_future(send_request(client, spec, SampleRequest(
+            random_text(plan.decode_prompt_len, rng), plan.decode_prompt_len, out_len), plan.timeout_s))
+        windows = []
+        while not task.done():
+            long = SampleRequest(random_text(n, rng), n, 1)
+            sent = time.perf_counter()
+            res = await send_request(client, spec, long, plan.timeout_s)
+            _check([res], f"a {n}-token prompt beside a decode stream")
+            busy = prefill_ms(res.prompt_len) / 1000.0
+            windows.append((sent + 0.1 * busy, sent + busy))
+        out = await task
+        _check([out], "a decode stream beside long prompts")
+        t = out.start_time + out.ttft
+        for g in out.itl:
+            t += g
+            if any(a < t <= b for a, b in windows):
+                contended.append(g * 1000.0)
+    return alone, contended
 
 
 def _full_batch_gaps(outs: Sequence[RequestOutput]) -> list[float]:
@@ -172,25 +253,25 @@ async def _run(plan: CalibrationPlan) -> dict[str, Any]:
         decode = fit_line(decode_samples)
         plan.log("calibrate: TTFT against prompt tokens through the gateway(s) ...")
         before = await _kv_bytes_sent(client, prefills)
-        tables, sent_tokens = await _ttft_tables(client, [plan.base_url, *([local] if local else [])], plan, rng)
+        tables = await _ttft_tables(client, [plan.base_url, *([local] if local else [])], plan, rng, decodes)
         sent = await _kv_bytes_sent(client, prefills) - before
-        pd_samples, pd_tokens = tables[0], sent_tokens[0]
+        pd_samples, pd_tokens = tables.samples[0], tables.tokens[0]
         kv_bpt = kv_bytes_per_token(sent, pd_tokens)
-        if local:
-            local_samples = tables[1]
-            prefill = fit_prefill(local_samples)
-            setup, gib, transfer = fit_transfer(pd_samples, local_samples, decode.at(1), kv_bpt)
-            transfer_source = ("TTFT(PD) - TTFT(colocated) - one decode step, idle, the two paths taking turns "
-                               "at each prompt length")
-        else:
-            local_samples, transfer = [], None
-            prefill = fit_prefill(pd_samples)
-            setup, gib = 0.0, 1000.0
-            transfer_source = "not measured (no --colocated-base-url): the prefill fit includes the hand-off"
-            plan.notes.append(transfer_source)
-        if transfer is not None and transfer.slope <= 0:
-            plan.notes.append("the transfer did not grow with the bytes beyond the noise: link_gib_per_s is the "
-                              "cap (1000); on a loaded machine, rerun with more --calibrate-repeats")
+        local_samples = tables.samples[1] if local else []
+        prefill = fit_prefill(local_samples or pd_samples)
+        transfer, engine_transfer, handoff = _fit_transfer(plan, pd_samples, local_samples, tables, decode.at(1),
+                                                           kv_bpt)
+        setup, gib, transfer_source = handoff.pop("setup_ms"), handoff.pop("gib_per_s"), handoff.pop("source")
+        shared: dict[str, Any] = {"cores": None}
+        if plan.contention_prompt_len > 0:
+            plan.log("calibrate: decode steps beside a busy prefill worker (shared cores) ...")
+            alone, contended = await _contention_table(client, plan, rng, prefill.at)
+            shared.update(alone_gap_ms=[round(g, 3) for g in alone], contended_gap_ms=[round(g, 3) for g in contended])
+            if alone and contended:
+                cores, slowdown = shared_cores_estimate(alone, contended)
+                shared.update(cores=round(cores, 3), slowdown=round(slowdown, 4))
+            else:
+                plan.notes.append("no decode gap fell inside a long prefill: shared cores not measured")
         info = await _server_info(client, local_workers or decodes)
         fields = service_model_fields(
             prefill, decode, kv_bpt=kv_bpt, link_setup_ms=setup, link_gib_per_s=gib,
@@ -208,14 +289,60 @@ async def _run(plan: CalibrationPlan) -> dict[str, Any]:
         "prefill_workers": prefills, "decode_workers": decodes, "colocated_workers": local_workers,
         "kv_bytes_sent": sent, "kv_prompt_tokens": pd_tokens,
         "fits": {"prefill_ms_vs_tokens": fit(prefill), "decode_step_ms_vs_batch": fit(decode),
-                 "transfer_ms_vs_bytes": fit(transfer)},
-        "samples": {"colocated_ttft_ms": local_samples, "pd_ttft_ms": pd_samples, "decode_itl_ms": decode_samples},
+                 "transfer_ms_vs_bytes": fit(transfer), "engine_transfer_ms_vs_bytes": fit(engine_transfer)},
+        "handoff": handoff,
+        "shared_cores": shared,
+        "samples": {"colocated_ttft_ms": local_samples, "pd_ttft_ms": pd_samples, "decode_itl_ms": decode_samples,
+                    "engine_transfer_ms": tables.transfers},
         "sources": {"prefill": "idle TTFT via " + (local or plan.base_url),
                     "decode_step": "median inter-token gap, B concurrent requests via " + plan.base_url,
                     "kv_bytes_per_token": "prefill workers' /v1/loads kv_bytes_sent / prompt tokens",
                     "transfer": transfer_source},
         "notes": plan.notes,
     }}
+
+
+def _fit_transfer(plan: CalibrationPlan, pd_samples: list[tuple[float, float]],
+                  local_samples: list[tuple[float, float]], tables: TtftTables, first_step_ms: float,
+                  kv_bpt: float) -> tuple[LinearFit | None, LinearFit | None, dict[str, Any]]:
+    """The link: (difference fit, engine-report fit, the hand-off record with setup_ms,
+    gib_per_s and source). Engine reports first; the TTFT difference for what they miss."""
+    transfer = engine = None
+    out: dict[str, Any] = {"unreported_requests": tables.unreported}
+    if local_samples:
+        _, diff_gib, transfer = fit_transfer(pd_samples, local_samples, first_step_ms, kv_bpt)
+        out["difference_gib_per_s"] = round(diff_gib, 6)
+    if tables.transfers:
+        setup, gib, engine = fit_engine_transfer(tables.transfers)
+        out.update(engine_setup_ms=round(setup, 4), gib_per_s=gib)
+        if local_samples:
+            overhead, diffs = handoff_overhead_ms(pd_samples, local_samples, first_step_ms,
+                                                  lambda tokens: engine.at(tokens * kv_bpt))  # type: ignore[union-attr]
+            out.update(overhead_ms=round(overhead, 4), overhead_per_pair_ms=[round(d, 3) for d in diffs])
+            setup += overhead
+            out["source"] = ("decode workers' kv_transfer_totals per PD request (setup + bytes / bandwidth), plus "
+                             "the median of TTFT(PD) - TTFT(colocated) - one decode step - that transfer over "
+                             "the paired samples as extra setup")
+        else:
+            out["source"] = ("decode workers' kv_transfer_totals per PD request (no colocated path: "
+                             "no hand-off overhead)")
+            plan.notes.append("no --colocated-base-url: the prefill fit includes the hand-off")
+        out["setup_ms"] = setup
+        return transfer, engine, out
+    if transfer is None:
+        out.update(setup_ms=0.0, gib_per_s=1000.0,
+                   source=("not measured (no --colocated-base-url, no engine reports): the prefill fit "
+                           "includes the hand-off"))
+        plan.notes.append(out["source"])
+        return None, None, out
+    plan.notes.append("the decode workers reported no per-transfer totals: the transfer is TTFT(PD) - TTFT(colocated) "
+                      "- one decode step, noisy on a loaded machine")
+    out.update(setup_ms=transfer.intercept, gib_per_s=out["difference_gib_per_s"],
+               source="TTFT(PD) - TTFT(colocated) - one decode step, idle, the two paths taking turns at each length")
+    if transfer.slope <= 0:
+        plan.notes.append("the transfer did not grow with the bytes beyond the noise: link_gib_per_s is the "
+                          "cap (1000); on a loaded machine, rerun with more --calibrate-repeats")
+    return transfer, None, out
 
 
 def calibrate(plan: CalibrationPlan, out_path: str) -> dict[str, Any]:

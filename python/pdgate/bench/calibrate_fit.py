@@ -15,12 +15,12 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from pdgate.simulate.model import GIB
 
-__all__ = ["MAX_LINK_GIB_PER_S", "LinearFit", "fit_line", "fit_prefill", "fit_transfer", "kv_bytes_per_token",
-           "service_model_fields"]
+__all__ = ["MAX_LINK_GIB_PER_S", "LinearFit", "fit_engine_transfer", "fit_line", "fit_prefill", "fit_transfer",
+           "handoff_overhead_ms", "kv_bytes_per_token", "service_model_fields", "shared_cores_estimate"]
 
 # A transfer too fast to resolve against the noise (its slope fits to 0) gets this bandwidth.
 MAX_LINK_GIB_PER_S = 1000.0
@@ -139,8 +139,37 @@ def fit_transfer(pd_ttft: Sequence[tuple[float, float]], local_ttft: Sequence[tu
     if not extra:
         raise ValueError("the PD and colocated TTFT tables share no prompt length")
     fit = fit_line(extra, min_intercept=0.0, relative=False)
-    gib_per_s = MAX_LINK_GIB_PER_S if fit.slope <= 0 else min(MAX_LINK_GIB_PER_S, 1000.0 / (fit.slope * GIB))
-    return fit.intercept, gib_per_s, fit
+    return fit.intercept, _gib_per_s(fit.slope), fit
+
+
+def _gib_per_s(ms_per_byte: float) -> float:
+    return MAX_LINK_GIB_PER_S if ms_per_byte <= 0 else min(MAX_LINK_GIB_PER_S, 1000.0 / (ms_per_byte * GIB))
+
+
+def fit_engine_transfer(samples: Sequence[tuple[float, float]]) -> tuple[float, float, LinearFit]:
+    """The KV transfer from the engines' own reports: one (bytes, ms) sample per transfer, as
+    the decode worker timed it (first KV frame to `done`). The same prompt length moves the same
+    page-rounded bytes, so the per-size medians are taken over the repeats; fitted as setup +
+    bytes / bandwidth by absolute error (intercept ≥ 0). Returns (setup_ms, GiB/s, the fit)."""
+    if not samples:
+        raise ValueError("no per-transfer reports to fit")
+    fit = fit_line(samples, min_intercept=0.0, relative=False)
+    return fit.intercept, _gib_per_s(fit.slope), fit
+
+
+def handoff_overhead_ms(pd_ttft: Sequence[tuple[float, float]], local_ttft: Sequence[tuple[float, float]],
+                        first_step_ms: float, transfer_ms: Callable[[float], float]) -> tuple[float, list[float]]:
+    """What the client waits for on the PD path beyond prefill, transfer and one decode step:
+    the gateway's second leg, the bootstrap hand-shake, the decode picking the KV up. Per pair
+    of samples taken back to back at the same prompt length (the two tables alternate, so
+    `pd_ttft[i]` and `local_ttft[i]` are a pair), TTFT(PD) − TTFT(colocated) − one decode step
+    − the engine-reported transfer at that length; the median over all pairs (one number: it
+    does not grow with the prompt), at least 0. Returns (overhead, the per-pair values)."""
+    diffs = [pd - local - first_step_ms - transfer_ms(x)
+             for (x, pd), (lx, local) in zip(pd_ttft, local_ttft) if x == lx]
+    if not diffs:
+        raise ValueError("the PD and colocated TTFT tables share no paired samples")
+    return max(0.0, statistics.median(diffs)), diffs
 
 
 def service_model_fields(prefill: LinearFit, decode: LinearFit, *, kv_bpt: float, link_setup_ms: float,
@@ -162,3 +191,16 @@ def service_model_fields(prefill: LinearFit, decode: LinearFit, *, kv_bpt: float
         "prefill_chunk_tokens": int(prefill_chunk_tokens),
         "max_batch": int(max_batch),
     }
+
+
+def shared_cores_estimate(alone_gaps_ms: Sequence[float], contended_gaps_ms: Sequence[float],
+                          busy: int = 2) -> tuple[float, float]:
+    """How many cores the workers effectively share (`pdgate simulate --shared-cores`), from
+    one decode stream's inter-token gaps alone and while `busy` − 1 other workers compute
+    beside it (a prefill). Under processor sharing each of `busy` workers runs at min(1, N /
+    busy), so the median gap grows by busy / N when N < busy: N = busy / slowdown. A slowdown
+    of at most 1 (no contention seen) gives N = 0: cores not shared. Returns (N, slowdown)."""
+    if not alone_gaps_ms or not contended_gaps_ms:
+        raise ValueError("no decode gaps to compare (alone and contended both needed)")
+    slowdown = statistics.median(contended_gaps_ms) / statistics.median(alone_gaps_ms)
+    return (busy / slowdown if slowdown > 1.0 else 0.0), slowdown

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens of the decode-step requests (the step grows with the context)")
     c.add_argument("--calibrate-decode-output-len", type=int, default=64,
                    help="output tokens of the decode-step requests (long enough for the batch to form)")
+    c.add_argument("--calibrate-contention-prompt-len", type=int, default=1024,
+                   help="prompt tokens that keep the prefill worker busy while a decode stream's gaps are "
+                        "measured: the cores the workers effectively share (0: skip)")
     c.add_argument("--service-model-out", default="service_model.json",
                    help="where --calibrate writes the service-time file (default: %(default)s)")
     return p
@@ -212,7 +215,8 @@ def _calibrate(args: argparse.Namespace, model: str) -> int:
         base_url=args.base_url, model=model, colocated_base_url=args.colocated_base_url,
         prompt_lens=args.calibrate_prompt_lens, batch_sizes=args.calibrate_batch_sizes,
         repeats=args.calibrate_repeats, decode_prompt_len=args.calibrate_decode_prompt_len,
-        decode_output_len=args.calibrate_decode_output_len, endpoint=args.endpoint,
+        decode_output_len=args.calibrate_decode_output_len, contention_prompt_len=args.calibrate_contention_prompt_len,
+        endpoint=args.endpoint,
         timeout_s=args.request_timeout, seed=args.seed, admin_api_key=args.admin_api_key, log=lambda msg: print(msg, file=sys.stderr))
     data = calibrate(plan, args.service_model_out)
     print(json.dumps({k: v for k, v in data.items() if k != "calibration"}, indent=2))

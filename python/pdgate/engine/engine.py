@@ -61,8 +61,9 @@ class Engine:
         if args.enable_prefix_caching and args.disaggregation_mode != "decode":
             cache = PrefixCache(args.page_size, self.kv_events.add if self.kv_events else None)
         self.pool = KVPool(num_pages, args.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache)
+        faults = [n for n in (getattr(args, "fault_kill_after_tokens", 0), getattr(args, "fault_drop_after_tokens", 0)) if n]
         self.scheduler = Scheduler(self.model, self.pool, self.tokenizer, args.chunked_prefill_size,
-                                   args.max_running_requests)
+                                   args.max_running_requests, hold_at=min(faults, default=0))
         self.mode = args.disaggregation_mode
         self.kv_transfer_config = args.kv_transfer_config
         self.served_name = args.served_model_name or args.model

@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import io
 import os
+import signal
 import tempfile
 import time
 import zipfile
@@ -67,6 +68,29 @@ async def deltas(seqs: list[Seq]) -> AsyncIterator[tuple[int, list[int], int]]:
             finally:
                 for t in waiters:
                     t.cancel()
+
+
+async def fault_point(engine, out: int, context) -> None:
+    """The HTTP surfaces' fault hooks (`http_common.fault_kill_point`) over gRPC, at the same
+    moment: once a sequence has `out` >= N output tokens out (handed to the call in stream
+    chunks; for a whole answer, generated). `out` counts what was handed out, not the live
+    sequence, which may already be ahead of the stream.
+
+    `--fault-kill-after-tokens N`: the engine SIGKILLs itself (no status, no last bytes).
+    `--fault-drop-after-tokens N`: on every call, the call ends with `UNAVAILABLE` (what a gRPC
+    client reports for a lost connection) and its sequences are aborted (the caller's finally);
+    the process and its other calls live on. One HTTP/2 connection carries every call, so
+    closing it, as the HTTP hook closes its socket, would break unrelated calls too."""
+    n = getattr(engine.args, "fault_kill_after_tokens", 0)
+    if n and out >= n:
+        os.kill(os.getpid(), signal.SIGKILL)
+    d = getattr(engine.args, "fault_drop_after_tokens", 0)
+    if d and out >= d:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "--fault-drop-after-tokens: the call was dropped mid-answer")
+
+
+def faults_on(engine) -> bool:
+    return bool(getattr(engine.args, "fault_kill_after_tokens", 0) or getattr(engine.args, "fault_drop_after_tokens", 0))
 
 
 def finish_reason(seq: Seq) -> tuple[str, dict]:

@@ -5,8 +5,8 @@ Token ids in, token ids out. Streams carry each step's new ids (`GenerateStreamC
 `GenerateComplete` after the last chunk); a non-streaming call answers one `GenerateComplete`
 per choice with all ids. n>1 choices are `{request_id}-{i}` inside the engine, so `Abort` with
 the request id ends all of them. Failures end the call with a gRPC status, never a Complete.
-Not served (UNIMPLEMENTED): Embed, profiling, LoRA, SubscribeKvEvents (the engine's
-KV events go out over ZMQ with --kv-events-config; their gRPC stream is not written yet).
+SubscribeKvEvents streams the engine's KV events when it publishes them (`grpc_kv_events.py`).
+Not served (UNIMPLEMENTED): Embed, profiling, LoRA.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from .grpc_common import TokenizerBundle, deltas, finish_reason, flush_cache, health_probe, pairing_keys, status_of
+from .grpc_kv_events import feed_of, subscribe
+from .grpc_common import (TokenizerBundle, deltas, fault_point, faults_on, finish_reason, flush_cache, health_probe,
+                          pairing_keys, status_of)
 from .items import GenItem
 from .sampling import BadRequest, params_from_dict
 from .sequence import EngineError, Seq
@@ -116,7 +118,7 @@ def complete(rid: str, seq: Seq, index: int, ids: list[int], start: int) -> pb.G
 
 def chunk(rid: str, seq: Seq, index: int, ids: list[int], start: int) -> pb.GenerateResponse:
     return pb.GenerateResponse(request_id=rid, chunk=pb.GenerateStreamChunk(
-        token_ids=ids, prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output_ids),
+        token_ids=ids, prompt_tokens=seq.prompt_len, completion_tokens=start + len(ids),
         cached_tokens=seq.cached_tokens, output_logprobs=output_logprobs(seq, start, start + len(ids)),
         input_logprobs=input_logprobs(seq) if start == 0 else None, index=index))
 
@@ -125,6 +127,7 @@ class SglangScheduler(pb_grpc.SglangSchedulerServicer):
     def __init__(self, engine):
         self.e = engine
         self.bundle = TokenizerBundle(engine.args.model)
+        feed_of(engine)  # from now on the KV event history is kept for SubscribeKvEvents
         self.started = time.time()
         self.last_receive = 0.0
 
@@ -147,6 +150,8 @@ class SglangScheduler(pb_grpc.SglangSchedulerServicer):
                     if last:
                         completed.add(i)
                         yield complete(rid, s, i, ids, start)
+                if faults_on(self.e):
+                    await fault_point(self.e, start + len(ids) if request.stream else len(s.output_ids), context)
             if not request.stream:
                 for i, s in enumerate(seqs):
                     yield complete(rid, s, i, list(s.output_ids), 0)
@@ -212,6 +217,10 @@ class SglangScheduler(pb_grpc.SglangSchedulerServicer):
     async def GetTokenizer(self, request, context):
         async for c in self.bundle.chunks(common_pb2.GetTokenizerChunk):
             yield c
+
+    async def SubscribeKvEvents(self, request, context):
+        async for b in subscribe(self.e, request, context):
+            yield b
 
 
 def scheduler_load(e) -> pb.SchedulerLoad:

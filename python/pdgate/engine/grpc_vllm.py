@@ -4,7 +4,8 @@ engine: what `python -m vllm.entrypoints.grpc_server` serves to SMG and pdgate.
 The same engine path as the HTTP surfaces: NIXL and Mooncake PD ride in `kv_transfer_params_json`
 (the prefill's params come back in `GenerateComplete.kv_transfer_params_json`), and the pairing
 keys are GetServerInfo's fields. Streams carry deltas and a Complete per choice, as vLLM's do.
-Not served (UNIMPLEMENTED): Embed, profiling, SubscribeKvEvents.
+SubscribeKvEvents streams the engine's KV events when it publishes them (`grpc_kv_events.py`).
+Not served (UNIMPLEMENTED): Embed, profiling.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-from .grpc_common import TokenizerBundle, deltas, finish_reason, flush_cache, health_probe, pairing_keys, status_of
+from .grpc_kv_events import feed_of, subscribe
+from .grpc_common import (TokenizerBundle, deltas, fault_point, faults_on, finish_reason, flush_cache, health_probe,
+                          pairing_keys, status_of)
 from .items import GenItem, kv_params
 from .sampling import BadRequest, params_from_dict
 from .sequence import EngineError, Seq
@@ -124,6 +127,7 @@ class VllmEngine(pb_grpc.VllmEngineServicer):
     def __init__(self, engine):
         self.e = engine
         self.bundle = TokenizerBundle(engine.args.model)
+        feed_of(engine)  # from now on the KV event history is kept for SubscribeKvEvents
         self.started = time.time()
         self.last_receive = 0.0
 
@@ -171,6 +175,8 @@ class VllmEngine(pb_grpc.VllmEngineServicer):
                     if last:
                         completed.add(i)
                         yield self._complete(s, i, ids, start, ks)
+                if faults_on(self.e):
+                    await fault_point(self.e, start + len(ids) if request.stream else len(s.output_ids), context)
             if not request.stream:
                 for i, s in enumerate(seqs):
                     yield self._complete(s, i, list(s.output_ids), 0, ks)
@@ -249,3 +255,7 @@ class VllmEngine(pb_grpc.VllmEngineServicer):
     async def GetTokenizer(self, request, context):
         async for c in self.bundle.chunks(common_pb2.GetTokenizerChunk):
             yield c
+
+    async def SubscribeKvEvents(self, request, context):
+        async for b in subscribe(self.e, request, context):
+            yield b

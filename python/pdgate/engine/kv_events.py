@@ -18,6 +18,10 @@ The engine loop never waits on the network: events gathered during one turn of t
 go out as one batch, handed to a publisher thread through a bounded queue (`max_queue_size`).
 A batch that does not fit is dropped and counted; its sequence number is skipped, so a
 subscriber sees the gap (and cannot replay it: it must resynchronise).
+
+`listeners` get every batch with its sequence number on the event loop thread, before the ZMQ
+queue (the gRPC `SubscribeKvEvents` stream, `grpc_kv_events.py`, is one): both surfaces carry
+the same batches under the same numbers.
 """
 
 from __future__ import annotations
@@ -106,6 +110,7 @@ class KVEventPublisher:
         self._started = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self.listeners: list = []  # callables (seq, batch), see the module doc
 
     # ---- engine side (event loop thread) -------------------------------------------------
     def start(self, timeout: float = 10.0) -> None:
@@ -133,6 +138,8 @@ class KVEventPublisher:
             return
         batch, self._pending = [time.time(), self._pending, self.rank], []
         seq, self._next_seq = self._next_seq, self._next_seq + 1
+        for listener in self.listeners:
+            listener(seq, batch)
         try:
             self._queue.put_nowait((seq, batch))
         except queue.Full:

@@ -25,10 +25,15 @@ log = logging.getLogger("pdgate.engine")
 
 class Scheduler:
     def __init__(self, model: Model, pool: KVPool, tokenizer, chunk_size: int | None,
-                 max_running: int = 256):
+                 max_running: int = 256, hold_at: int = 0):
         self.model, self.pool, self.tok = model, pool, tokenizer
         self.chunk = chunk_size if chunk_size and chunk_size > 0 else 1 << 30
         self.max_running = max_running
+        # Fault injection only (`--fault-*-after-tokens N`): a sequence is not decoded past N
+        # output tokens, so the fault, which fires once a request's N-th token is out, always
+        # comes mid-answer. Without it the engine could run ahead of a slow stream and finish
+        # the answer before the fault's check ran. 0: off.
+        self.hold_at = hold_at
         self.prefilling: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.wake = asyncio.Event()
@@ -72,6 +77,10 @@ class Scheduler:
                 await self.wake.wait()
                 continue
             plan = self._plan()
+            if not plan:  # every sequence held (hold_at): nothing to do until one is aborted
+                self.wake.clear()
+                await self.wake.wait()
+                continue
             t0 = loop.time()
             try:
                 logits = await loop.run_in_executor(self.exec, self.model.forward, self.pool,
@@ -94,6 +103,8 @@ class Scheduler:
     def _plan(self) -> list[tuple[Seq, Segment]]:
         plan, budget = [], self.chunk
         for seq in self.running:
+            if self.hold_at and len(seq.output_ids) >= self.hold_at:
+                continue
             plan.append((seq, Segment(seq.pages, len(seq.tokens) - 1, [seq.tokens[-1]])))
         moved = []
         for seq in self.prefilling:

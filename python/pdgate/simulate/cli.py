@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-retries", type=int, default=2)
     a("--decision", default=None, metavar="MODULE:FUNCTION", help="placement decision for conditional "
       "(default: pdgate.simulate.placement:conditional)")
+    a("--shared-cores", type=float, default=0.0, metavar="N", help="workers share N CPU cores (processor sharing: "
+      "each busy worker runs at min(1, N / busy workers) of its speed), as reference engines on one CPU host "
+      "do; 0 (default): each worker has its own hardware, as with one GPU per worker")
     a("--sample-interval-ms", type=float, default=1000.0)
     a("--seed", type=int, default=0)
     a("--save-detailed", action="store_true", help="include each stage's queue length over time")
@@ -102,7 +105,7 @@ def _one(args: argparse.Namespace, model: ServiceModel, decide: Decide, placemen
     arrivals, prompts, outputs = _traffic(args, rate)
     config = SimConfig(placement, args.prefill_workers, args.decode_workers, goodput.get("ttft", 1000.0),
                        goodput.get("tpot", 50.0), args.transfer_failure_rate, args.failure_policy,
-                       args.max_retries, args.sample_interval_ms, args.seed)
+                       args.max_retries, args.sample_interval_ms, args.seed, args.shared_cores)
     sim = Simulator(model, config, decide)
     started = time.perf_counter()
     sim.run(arrivals, prompts, outputs)

@@ -9,6 +9,15 @@ Placements, with the same number of workers in each (`prefill_workers + decode_w
 A failed transfer (injected at `transfer_failure_rate`) releases its decode reservation at once,
 then the failure policy retries on a fresh pair (up to `max_retries`), recomputes on the decode
 worker, or fails the request.
+
+Shared cores (`shared_cores` N > 0, off by default): the workers' compute shares N cores by
+processor sharing, each busy worker running at min(1, N / busy workers) of its calibrated
+speed, as reference-engine processes on one CPU host do (on GPUs, one per worker, this term
+does not exist). All busy workers then progress at the same rate, so their work is scheduled in
+*virtual time* V, with dV/dt = that rate: a worker's step or prefill of w ms ends when V has
+advanced by w, whatever the busy count does meanwhile. Arrivals and KV transfers (the link, not
+the cores) stay in real time; first-token stamps, set in V when a step is planned, are mapped
+back to real time at the end of the run.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ class SimConfig:
     max_retries: int = 2
     sample_interval_ms: float = 1000.0
     seed: int = 0
+    shared_cores: float = 0.0   # processor sharing between busy workers over N cores; 0: off
 
 
 class ItlHistogram:
@@ -84,10 +94,52 @@ class Simulator:
             self.prefill = [PrefillWorker(self, i) for i in range(config.prefill_workers)]
             self.decode = [StepWorker(self, i, "decode") for i in range(config.decode_workers)]
         self.typical_output = 1
+        if config.shared_cores < 0:
+            raise ValueError(f"shared_cores must not be negative, got {config.shared_cores}")
+        self.shared = config.shared_cores > 0
+        self.vnow = 0.0        # virtual time (equal to `now` when cores are not shared)
+        self.work: list[tuple[float, int, Callable[..., None], Any]] = []  # worker events, in virtual time
+        self.busy = 0          # workers computing now
+        self.speed = 1.0       # dV/dt
+        self.vmap: list[tuple[float, float]] = [(0.0, 0.0)]  # (t, V) wherever the speed changed
 
     def schedule(self, t: float, fn: Callable[..., None], arg: Any) -> None:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, fn, arg))
+
+    def schedule_work(self, v: float, fn: Callable[..., None], arg: Any) -> None:
+        """A worker's event at virtual time `v` (real time when cores are not shared)."""
+        if not self.shared:
+            self.schedule(v, fn, arg)
+            return
+        self.seq += 1
+        heapq.heappush(self.work, (v, self.seq, fn, arg))
+
+    def set_busy(self, delta: int) -> None:
+        """A worker started (+1) or stopped (-1) computing: the shared cores' rate changes."""
+        self.busy += delta
+        if not self.shared:
+            return
+        speed = min(1.0, self.config.shared_cores / self.busy) if self.busy > 0 else 1.0
+        if speed != self.speed:
+            self.vmap.append((self.now, self.vnow))
+            self.speed = speed
+
+    def real_time(self, v: float) -> float:
+        """The real time at which virtual time reached `v` (after the run, or up to now)."""
+        ts, vs = zip(*self.vmap, (self.now, self.vnow))
+        return float(np.interp(v, vs, ts))
+
+    def _next(self) -> tuple[float, float, Callable[..., None], Any]:
+        """Pop the earliest event, real or virtual: (t, V, fn, arg)."""
+        events, work = self.events, self.work
+        if work:
+            tw = self.now + (work[0][0] - self.vnow) / self.speed
+            if not events or tw < events[0][0]:
+                v, _, fn, arg = heapq.heappop(work)
+                return tw, v, fn, arg
+        t, _, fn, arg = heapq.heappop(events)
+        return t, self.vnow + (t - self.now) * self.speed, fn, arg
 
     def run(self, arrivals_ms: Sequence[float], prompts: Sequence[int], outputs: Sequence[int]) -> None:
         self.typical_output = max(1, int(np.median(outputs))) if len(outputs) else 1
@@ -97,15 +149,25 @@ class Simulator:
             self.schedule(req.arrival, self.on_arrival, req)
         next_sample = 0.0
         interval = self.config.sample_interval_ms
-        events = self.events
-        while events:
-            t, _, fn, arg = heapq.heappop(events)
+        events, work, shared = self.events, self.work, self.shared
+        while events or work:
+            if shared:
+                t, v, fn, arg = self._next()
+            else:
+                t, _, fn, arg = heapq.heappop(events)
+                v = t
             while next_sample <= t:
                 for counter in self.stage.values():
                     counter.samples.append((next_sample, counter.value))
                 next_sample += interval
-            self.now = t
+            self.now, self.vnow = t, v
             fn(t, arg)
+        if shared:  # first tokens were stamped in virtual time
+            stamped = [r for r in self.requests if r.first_token is not None]
+            ts, vs = zip(*self.vmap, (self.now, self.vnow))
+            real = np.interp([r.first_token for r in stamped], vs, ts)
+            for r, ft in zip(stamped, real):
+                r.first_token = float(ft)
 
     # The request's path.
     def on_arrival(self, t: float, req: SimRequest) -> None:

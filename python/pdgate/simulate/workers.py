@@ -5,6 +5,10 @@ prefill chunk (chunked prefill), which stalls the running decodes for that step.
 
 A step worker does not simulate steps one by one while its batch is steady: it jumps to the step
 at which the next sequence finishes, and is woken at the next step boundary when work arrives.
+
+Workers schedule their own compute in the simulator's virtual time (`sim.vnow`, `schedule_work`),
+which is real time unless the simulator shares cores between busy workers (engine.py); they
+tell it when they start and stop computing (`set_busy`).
 """
 
 from __future__ import annotations
@@ -40,25 +44,39 @@ class PrefillWorker:
             self._start(t)
 
     def _start(self, t: float) -> None:
+        sim = self.sim
         req = self.queue.popleft()
-        self.sim.stage["prefill_queue"].add(t, -1)
-        self.sim.stage["prefill_running"].add(t, 1)
+        sim.stage["prefill_queue"].add(t, -1)
+        sim.stage["prefill_running"].add(t, 1)
         req.prefill_wait += t - req.queued_at
-        self.busy = True
-        m = self.sim.model
+        if not self.busy:
+            self.busy = True
+            sim.set_busy(1)
+        m = sim.model
         service = m.prefill_ms(req.prompt)
         self.busy_ms += service
-        done = t + m.chunked_sends_done_ms(req.prompt, link_free_ms=max(0.0, self.link_free - t))
-        self.link_free = done
-        self.sim.schedule(t + service, self.sim.on_prefill_done, (self, req))
-        self.sim.schedule(done, self.sim.on_transfer_done, req)
+        sim.schedule_work(sim.vnow + service, sim.on_prefill_done, (self, req))
+        if not sim.shared:  # the sends' timing is known now: chunks leave as the prefill makes them
+            done = t + m.chunked_sends_done_ms(req.prompt, link_free_ms=max(0.0, self.link_free - t))
+            self.link_free = done
+            sim.schedule(done, sim.on_transfer_done, req)
 
     def prefill_done(self, t: float, req: SimRequest) -> None:
-        self.queued_ms -= self.sim.model.prefill_ms(req.prompt)
-        self.sim.stage["prefill_running"].add(t, -1)
-        self.busy = False
+        sim = self.sim
+        m = sim.model
+        self.queued_ms -= m.prefill_ms(req.prompt)
+        sim.stage["prefill_running"].add(t, -1)
+        if sim.shared:
+            # The prefill's end is known only now; the link still exposes what chunked sends
+            # do not hide, after any send still on it.
+            done = max(t, self.link_free) + m.exposed_transfer_ms(req.prompt)
+            self.link_free = done
+            sim.schedule(done, sim.on_transfer_done, req)
         if self.queue:
             self._start(t)
+        else:
+            self.busy = False
+            sim.set_busy(-1)
 
 
 class StepWorker:
@@ -71,6 +89,7 @@ class StepWorker:
         self.local_ms = 0.0      # local prefill work queued here
         self.steps = 0
         self.seg_t = 0.0         # time of the last step boundary
+        self.seg_v = 0.0         # ... in virtual time (engine.py: shared cores)
         self.seg_dt = 0.0        # step length of the current segment
         self.seg_batch = 0
         self.seg_fresh = 0       # sequences whose first token is the segment's first step
@@ -105,15 +124,16 @@ class StepWorker:
 
     def _wake(self, t: float) -> None:
         if not self.active:
-            self.seg_t, self.seg_batch, self.seg_fresh, self.seg_dt = t, 0, 0, 0.0
+            self.seg_t, self.seg_v, self.seg_batch, self.seg_fresh, self.seg_dt = t, self.sim.vnow, 0, 0, 0.0
             self.boundary(t, (self.version, self.steps))
         elif self.chunk is None:
             # Mid-segment of plain decode steps: take the new work at the next step boundary.
-            k = math.floor((t - self.seg_t) / self.seg_dt) + 1
+            v = self.sim.vnow
+            k = math.floor((v - self.seg_v) / self.seg_dt) + 1
             if self.running and self.steps + k >= self.running[0][0]:
                 return  # the pending boundary comes first; it will admit the new work
             self.version += 1
-            self.sim.schedule(max(t, self.seg_t + k * self.seg_dt), self.boundary, (self.version, self.steps + k))
+            self.sim.schedule_work(max(v, self.seg_v + k * self.seg_dt), self.boundary, (self.version, self.steps + k))
 
     def boundary(self, t: float, token: tuple[int, int]) -> None:
         version, steps = token
@@ -122,9 +142,11 @@ class StepWorker:
         sim = self.sim
         k = steps - self.steps
         if self.active and k > 0:
-            sim.itl.add(self.seg_dt, self.seg_batch * k - self.seg_fresh)
+            # Shared cores stretch steps unevenly within a segment: each gets the mean.
+            gap = round((t - self.seg_t) / k, 3) if sim.shared else self.seg_dt
+            sim.itl.add(gap, self.seg_batch * k - self.seg_fresh)
             self.busy_ms += t - self.seg_t
-        self.steps, self.seg_t = steps, t
+        self.steps, self.seg_t, self.seg_v = steps, t, sim.vnow
         if self.chunk is not None:
             self._finish_chunk(t)
         while self.running and self.running[0][0] <= steps:
@@ -143,7 +165,7 @@ class StepWorker:
         self.prefills.popleft()
         self.local_ms -= self.sim.model.prefill_ms(req.prompt)
         self.sim.stage["prefill_running"].add(t, -1)
-        req.first_token = t      # the prefill's last chunk yields the first token
+        req.first_token = self.sim.vnow  # the prefill's last chunk yields the first token (virtual time)
         req.remaining = req.output - 1
         if req.remaining <= 0:
             self.sim.finish(t, req)
@@ -180,11 +202,16 @@ class StepWorker:
             dt = m.decode_step(batch)
             k = self.running[0][0] - self.steps
         else:
-            self.active = False
+            if self.active:
+                self.active = False
+                self.sim.set_busy(-1)
             return
+        v = self.sim.vnow
         for r in fresh:
-            r.first_token = t + dt
-        self.active = True
+            r.first_token = v + dt   # virtual time; the simulator maps it back after the run
+        if not self.active:
+            self.active = True
+            self.sim.set_busy(1)
         self.seg_dt, self.seg_batch, self.seg_fresh = dt, batch, len(fresh)
         self.version += 1
-        self.sim.schedule(t + k * dt, self.boundary, (self.version, self.steps + k))
+        self.sim.schedule_work(v + k * dt, self.boundary, (self.version, self.steps + k))

@@ -2,9 +2,11 @@
 //! narrowed by each block's holders; a worker dropping out is emitted with the depth it reached.
 //! Alive starts as the first block's holder set: a list when few workers hold it (then each
 //! step costs the list's length), a bitset when many do (then each step costs one word
-//! operation per 64 slots, whatever the number of holders).
+//! operation per 64 slots, whatever the number of holders). A block whose holders are the
+//! previous block's (the same slot or the same interned set id) changes nothing and is passed
+//! without reading the set: the survivors are a subset of those holders already.
 
-use super::holders::{bit, BitIter, Holders};
+use super::holders::{bit, BitIter, Holders, View};
 use super::WorkerSlot;
 
 enum Alive {
@@ -16,32 +18,35 @@ enum Alive {
 
 pub(super) struct Walk<'o> {
     alive: Alive,
-    started: bool,
+    /// The previous block's holders (None before the first block).
+    last: Option<Holders>,
     out: &'o mut Vec<(WorkerSlot, usize)>,
 }
 
 impl<'o> Walk<'o> {
     pub(super) fn new(out: &'o mut Vec<(WorkerSlot, usize)>) -> Self {
-        Walk { alive: Alive::Empty, started: false, out }
+        Walk { alive: Alive::Empty, last: None, out }
+    }
+
+    /// Whether `holders` are the previous block's (a step with them changes nothing).
+    pub(super) fn same(&self, holders: Holders) -> bool {
+        self.last == Some(holders)
     }
 
     /// Narrow to the holders of the next block; `depth` is the tokens matched before it.
     /// Returns false once nobody is left (the walk can stop).
-    pub(super) fn step(&mut self, holders: &Holders, depth: usize) -> bool {
-        if !self.started {
-            self.started = true;
+    pub(super) fn step<'v>(&mut self, holders: Holders, members: impl FnOnce() -> View<'v>, depth: usize) -> bool {
+        let first = self.last.is_none();
+        if self.last.replace(holders) == Some(holders) {
+            return true; // the common long walk: the same workers hold block after block
+        }
+        let holders = members();
+        if first {
             self.alive = match holders {
-                Holders::One(s) => Alive::List(vec![*s]),
-                Holders::Few(v) => Alive::List(v.to_vec()),
-                Holders::Bits(b) => Alive::Bits(b.to_vec()),
+                View::List(v) => Alive::List(v.to_vec()),
+                View::Bits(b) => Alive::Bits(b.to_vec()),
             };
             return true;
-        }
-        // the common long walk: the same few workers hold block after block
-        if let (Alive::List(list), Holders::Few(v)) = (&self.alive, holders) {
-            if list.as_slice() == &**v {
-                return true;
-            }
         }
         let out = &mut *self.out;
         self.alive = match std::mem::replace(&mut self.alive, Alive::Empty) {
@@ -50,13 +55,13 @@ impl<'o> Walk<'o> {
                 let mut cursor = 0; // both sorted: a merge, not a search per slot
                 list.retain(|&s| {
                     let kept = match holders {
-                        Holders::Few(v) => {
+                        View::List(v) => {
                             while cursor < v.len() && v[cursor] < s {
                                 cursor += 1;
                             }
                             cursor < v.len() && v[cursor] == s
                         }
-                        _ => holders.contains(s),
+                        View::Bits(b) => bit(b, s),
                     };
                     if !kept {
                         out.push((s, depth));
@@ -70,7 +75,7 @@ impl<'o> Walk<'o> {
                 }
             }
             Alive::Bits(mut words) => match holders {
-                Holders::Bits(b) => {
+                View::Bits(b) => {
                     let mut any = 0;
                     for (i, w) in words.iter_mut().enumerate() {
                         let keep = *w & b.get(i).copied().unwrap_or(0);
@@ -85,12 +90,7 @@ impl<'o> Walk<'o> {
                     }
                 }
                 // few holders: the survivors are among them, and alive becomes a list
-                Holders::One(_) | Holders::Few(_) => {
-                    let listed: &[WorkerSlot] = match holders {
-                        Holders::One(s) => std::slice::from_ref(s),
-                        Holders::Few(v) => v,
-                        Holders::Bits(_) => &[],
-                    };
+                View::List(listed) => {
                     let kept: Vec<WorkerSlot> = listed.iter().copied().filter(|&s| bit(&words, s)).collect();
                     for &s in &kept {
                         words[s as usize / 64] &= !(1 << (s % 64));

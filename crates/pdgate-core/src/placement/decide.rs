@@ -116,6 +116,8 @@ pub const REASONS: &[&str] = &[
     "placement_colocated",
     "remote_ttft_lower",
     "local_ttft_lower",
+    "remote_less_utilised",
+    "local_less_utilised",
     "cached_prefix_local",
     "local_stall_breaks_tpot",
     "local_misses_ttft",
@@ -127,6 +129,25 @@ pub const REASONS: &[&str] = &[
     "slo_missed_local_lower",
     "predicted_ttft_over_budget",
 ];
+
+/// When both paths meet the SLOs, the lower TTFT wins unless the other path's utilisation (see
+/// [`path_utilisation`]) is lower by more than this share of the SLOs. Below it the paths count
+/// as equally loaded, and the one without a transfer keeps short prompts; above it load spreads
+/// to the idler path before the busier one is near its SLO (where prediction error breaks it).
+pub const TIE_BREAK_MARGIN: f64 = 0.1;
+
+/// How close a path, with this request on it, comes to the objectives: the larger of its TTFT
+/// over the TTFT SLO and the worst TPOT on its target over the TPOT SLO. Remote: the decode
+/// worker's step with this request added. Local: the running decodes' TPOT with this prefill
+/// stalling them ([`local_stall_tpot_ms`]), or the step with this request added if larger.
+/// `None` when the path is not available.
+pub fn path_utilisation(m: &CostModel, input: &PlacementInput, p: &Predicted) -> (Option<f64>, Option<f64>) {
+    let waited = input.waited_ms.max(0.0);
+    let of = |ttft: f64, tpot: f64| ((ttft + waited) / input.slo_ttft_ms).max(tpot / input.slo_tpot_ms);
+    let remote = input.remote.zip(p.remote_ttft_ms).map(|(r, t)| of(t, m.decode_step_ms(r.decode_batch + 1)));
+    let local = input.local.zip(p.local_ttft_ms).map(|(l, t)| of(t, m.decode_step_ms(l.batch + 1).max(p.local_tpot_ms.unwrap_or(0.0))));
+    (remote, local)
+}
 
 /// The early-rejection slack for a request of `priority` (higher is more important, 0 the
 /// default): below 0 a request is shed as soon as it is predicted to miss the TTFT SLO (slack
@@ -180,8 +201,9 @@ pub fn predict(m: &CostModel, input: &PlacementInput) -> Predicted {
 /// Decides where the request runs. See docs/placement.md for the rules, in this order: a path
 /// meets the SLOs when its TTFT (plus the time already waited) is within the TTFT SLO and, for
 /// the colocated path, the stall keeps the running decodes within the TPOT SLO; when both do,
-/// the lower TTFT wins; when one does, it wins; when neither does, the lower TTFT wins unless
-/// it is over the SLO × slack, which rejects.
+/// the lower TTFT wins, unless the other path is less utilised by more than
+/// [`TIE_BREAK_MARGIN`] ([`path_utilisation`]); when one does, it wins; when neither does, the
+/// lower TTFT wins unless it is over the SLO × slack, which rejects.
 pub fn decide(m: &CostModel, mode: PlacementMode, input: &PlacementInput) -> Decision {
     let p = predict(m, input);
     let decision = |placement, reason| Decision { placement, reason, predicted: p };
@@ -212,6 +234,15 @@ fn conditional(m: &CostModel, input: &PlacementInput, p: Predicted) -> Decision 
         (None, None) => decision(Placement::Disaggregated, "no_pd_pair"),
         _ if remote_meets && local_meets => {
             let (r, l) = (p.remote_ttft_ms.unwrap_or(f64::INFINITY), p.local_ttft_ms.unwrap_or(f64::INFINITY));
+            // Both meet (so both exist): the utilisation tie-break before the TTFT.
+            if let (Some(ur), Some(ul)) = path_utilisation(m, input, &p) {
+                if r < l && ur > ul + TIE_BREAK_MARGIN {
+                    return decision(Placement::Colocated, "local_less_utilised");
+                }
+                if l <= r && ul > ur + TIE_BREAK_MARGIN {
+                    return decision(Placement::Disaggregated, "remote_less_utilised");
+                }
+            }
             if r < l {
                 return decision(Placement::Disaggregated, "remote_ttft_lower");
             }

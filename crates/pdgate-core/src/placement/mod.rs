@@ -16,8 +16,8 @@ mod failover;
 
 pub use cost_model::{CostModel, CostPriors, Fitted, LinearFit, MeanFit, GIB, PRIOR_FLOOR};
 pub use decide::{
-    decide, local_stall_tpot_ms, local_ttft_ms, predict, priority_slack, remote_ttft_ms, Decision, LocalPath, Placement, PlacementInput, PlacementMode, Predicted, RemotePath,
-    REASONS,
+    decide, local_stall_tpot_ms, local_ttft_ms, path_utilisation, predict, priority_slack, remote_ttft_ms, Decision, LocalPath, Placement, PlacementInput, PlacementMode,
+    Predicted, RemotePath, REASONS, TIE_BREAK_MARGIN,
 };
 pub use failover::{recover, FailureInput, Recovery};
 

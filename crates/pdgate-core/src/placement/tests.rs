@@ -208,3 +208,74 @@ fn lowest_priority_is_shed_first() {
     assert_eq!([at(over_budget, -1), at(over_budget, 0), at(over_budget, 1)], [Placement::Reject, Placement::Reject, Placement::Disaggregated]);
     assert_eq!(priority_slack(0.0, 5), 0.0, "rejection off stays off");
 }
+
+/// The utilisation tie-break, by hand: a 2,000-token prompt (90 ms prefill, 39.7 ms transfer),
+/// 50 output tokens, SLOs 600 ms / 100 ms, the remote pair idle (its step 45 ms: 0.45 of the
+/// TPOT SLO).
+fn tie_input(local_batch: u64) -> PlacementInput {
+    let local = LocalPath { batch: local_batch, ..LocalPath::default() };
+    PlacementInput { prompt_tokens: 2000, output_tokens: 50, slo_tpot_ms: 100.0, ..input(Some(RemotePath::default()), Some(local)) }
+}
+
+#[test]
+fn both_paths_meet_and_the_busier_local_target_loses_by_more_than_the_margin() {
+    let m = worked();
+    // Eight decodes locally: the stall makes their TPOT 45 + 90·8/50 = 59.4 ms, 0.594 of the SLO,
+    // against the remote step's 0.45: 0.144 apart, over the 0.1 margin, though local's TTFT
+    // (135 ms) is lower than remote's (174.7 ms).
+    let d = decide(&m, PlacementMode::Conditional, &tie_input(8));
+    let (ur, ul) = path_utilisation(&m, &tie_input(8), &d.predicted);
+    assert!(close(ur.unwrap(), 0.45, 1e-9) && close(ul.unwrap(), 0.594, 1e-9), "{ur:?} {ul:?}");
+    assert!(d.predicted.local_ttft_ms.unwrap() < d.predicted.remote_ttft_ms.unwrap(), "{d:?}");
+    assert_eq!((d.placement, d.reason), (Placement::Disaggregated, "remote_less_utilised"), "{d:?}");
+    // Four decodes: 52.2 ms, 0.522 against 0.45, within the margin: the lower TTFT keeps it local.
+    let d = decide(&m, PlacementMode::Conditional, &tie_input(4));
+    assert_eq!((d.placement, d.reason), (Placement::Colocated, "local_ttft_lower"), "{d:?}");
+}
+
+#[test]
+fn both_paths_meet_and_the_busier_decode_worker_loses_by_more_than_the_margin() {
+    // Each running sequence adds 2 ms to a step: 20 on the remote decode make its step 87 ms
+    // (0.87 of the TPOT SLO); the local target is idle but has 200 ms of prefill queued, so its
+    // TTFT (290 ms, 0.483) is higher than remote's (216.7 ms).
+    let m = CostModel::new(CostPriors { decode_step_per_seq_ms: 2.0, ..CostPriors::default() });
+    let busy_decode = RemotePath { decode_batch: 20, ..RemotePath::default() };
+    let queued_local = LocalPath { queue_ms: 200.0, ..LocalPath::default() };
+    let i = PlacementInput { prompt_tokens: 2000, output_tokens: 50, slo_tpot_ms: 100.0, ..input(Some(busy_decode), Some(queued_local)) };
+    let d = decide(&m, PlacementMode::Conditional, &i);
+    assert!(d.predicted.remote_ttft_ms.unwrap() < d.predicted.local_ttft_ms.unwrap(), "{d:?}");
+    let (ur, ul) = path_utilisation(&m, &i, &d.predicted);
+    assert!(close(ur.unwrap(), 0.87, 1e-9) && close(ul.unwrap(), 290.0 / 600.0, 1e-9), "{ur:?} {ul:?}");
+    assert_eq!((d.placement, d.reason), (Placement::Colocated, "local_less_utilised"), "{d:?}");
+}
+
+#[test]
+fn when_both_meet_the_choice_is_never_the_busier_path_beyond_the_margin() {
+    // Random loads (seeded): whenever both paths meet the SLOs, the chosen one is at most
+    // TIE_BREAK_MARGIN more utilised than the other, and the reason names the rule used.
+    let m = CostModel::new(CostPriors { decode_step_per_seq_ms: 0.5, ..CostPriors::default() });
+    let mut rng = StdRng::seed_from_u64(14);
+    let mut tie_broken = 0;
+    for _ in 0..20_000 {
+        let remote = RemotePath { prefill_queue_ms: rng.random_range(0.0..400.0), decode_wait_ms: 0.0, decode_batch: rng.random_range(0..32) };
+        let local = LocalPath { queue_ms: rng.random_range(0.0..400.0), batch: rng.random_range(0..32), cached_tokens: 0 };
+        let i = PlacementInput {
+            prompt_tokens: rng.random_range(16..8000),
+            output_tokens: rng.random_range(16..800),
+            slo_tpot_ms: 100.0,
+            slack: 0.0,
+            ..input(Some(remote), Some(local))
+        };
+        let d = decide(&m, PlacementMode::Conditional, &i);
+        let (ur, ul) = path_utilisation(&m, &i, &d.predicted);
+        let (ur, ul) = (ur.unwrap(), ul.unwrap());
+        match d.reason {
+            "remote_less_utilised" | "local_less_utilised" => tie_broken += 1,
+            "remote_ttft_lower" | "local_ttft_lower" => {}
+            _ => continue, // not both meeting the SLOs
+        }
+        let (chosen, other) = if d.placement == Placement::Colocated { (ul, ur) } else { (ur, ul) };
+        assert!(chosen <= other + TIE_BREAK_MARGIN, "{i:?} {d:?} {ur} {ul}");
+    }
+    assert!(tie_broken > 100, "the tie-break decided {tie_broken} of the random cases");
+}

@@ -63,7 +63,7 @@ impl Lookup<'_> {
         for i in 0..n.min(self.visits) {
             let tenant = level.tenant((self.offset + i) % n)?;
             let Some(w) = self.snap.index_of(self.tree.key(tenant)) else { continue };
-            if !is_candidate(self.candidates, w) || self.skip_events.is_some_and(|src| uses_events(src, self.snap, w)) {
+            if !is_candidate(self.candidates, w) || self.skip_events.is_some_and(|src| uses_events(src, self.snap, self.input.kv.as_ref(), w)) {
                 continue;
             }
             let load = self.input.loads.load(w);

@@ -11,15 +11,16 @@ use std::hash::{Hash, Hasher};
 
 use rand::{Rng, RngCore};
 
-use super::{is_candidate, RouteInput, SCAN_LIMIT};
+use super::{is_candidate, KvMatch, RouteInput, SCAN_LIMIT};
 use crate::config::CacheSource;
 use crate::snapshot::PoolSnapshot;
 
-/// Whether worker `w`'s cache view comes from KV events under `source`.
-pub fn uses_events(source: CacheSource, snap: &PoolSnapshot, w: usize) -> bool {
+/// Whether worker `w`'s cache view comes from KV events under `source`: with auto, when it
+/// registered a publisher or its gRPC stream feeds the index (`kv`'s `subscribed`).
+pub fn uses_events(source: CacheSource, snap: &PoolSnapshot, kv: Option<&KvMatch<'_>>, w: usize) -> bool {
     match source {
         CacheSource::Events => true,
-        CacheSource::Auto => snap.worker(w).spec.kv_events.is_some(),
+        CacheSource::Auto => snap.worker(w).spec.kv_events.is_some() || kv.is_some_and(|k| k.subscribed.binary_search(&w).is_ok()),
         CacheSource::Text => false,
     }
 }
@@ -56,7 +57,7 @@ pub(super) fn best_held(
     let mut best: Option<(Rank, usize)> = None;
     for i in 0..n.min(SCAN_LIMIT) {
         let (w, matched) = held[(start + i) % n];
-        if matched == 0 || !is_candidate(candidates, w) || !uses_events(source, snap, w) {
+        if matched == 0 || !is_candidate(candidates, w) || !uses_events(source, snap, Some(&kv), w) {
             continue;
         }
         let load = input.loads.load(w);

@@ -121,6 +121,10 @@ pub struct KvMatch<'a> {
     /// A hash of the prompt's token ids, the same in every replica: ties between holders go
     /// by it and the worker's URL (rendezvous), so replicas with equal loads agree.
     pub key: u64,
+    /// Workers without a registered `kv_events` endpoint whose events reach the index anyway
+    /// (a gRPC worker's `SubscribeKvEvents` stream), ascending: `--cache-source auto` matches
+    /// them on their events, like the registered publishers.
+    pub subscribed: &'a [usize],
 }
 
 impl Default for RouteInput<'_> {

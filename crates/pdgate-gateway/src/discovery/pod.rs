@@ -67,7 +67,8 @@ pub struct RoleSelector {
 /// What the gateway should register for a pod.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Candidate {
-    pub spec: WorkerSpec,
+    /// Boxed: a spec is far larger than the other verdicts.
+    pub spec: Box<WorkerSpec>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -171,7 +172,7 @@ fn candidate(pod: &Pod, role: WorkerRole, ip: &str, default_port: u16) -> Result
             spec.labels.insert(key.to_string(), v.clone());
         }
     }
-    Ok(Candidate { spec })
+    Ok(Candidate { spec: Box::new(spec) })
 }
 
 #[cfg(test)]

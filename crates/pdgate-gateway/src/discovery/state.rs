@@ -83,7 +83,7 @@ mod tests {
     use pdgate_core::{WorkerRole, WorkerSpec};
 
     fn worker(url: &str) -> Verdict {
-        Verdict::Worker(Candidate { spec: WorkerSpec::new(url, WorkerRole::Decode).unwrap() })
+        Verdict::Worker(Candidate { spec: Box::new(WorkerSpec::new(url, WorkerRole::Decode).unwrap()) })
     }
 
     fn urls(set: &PodSet) -> Vec<String> {

@@ -8,6 +8,7 @@
 //! chunks there. Output tokens come from the engine's usage (OpenAI `usage`, SGLang
 //! `meta_info`); without it they are counted as the data events from the first content on.
 
+use std::sync::LazyLock;
 use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
@@ -17,7 +18,7 @@ use pdgate_protocol::sse::frame;
 use pdgate_protocol::{Endpoint, ParsedRequest};
 use serde_json::{Map, Value};
 
-use pdgate_core::plan::Mode;
+use pdgate_core::plan::{LegBody, Mode};
 
 use super::Ctx;
 use crate::goodput::Finished;
@@ -84,31 +85,102 @@ pub fn has_content(endpoint: Endpoint, v: &Value) -> bool {
     }
 }
 
-/// A streamed OpenAI request whose client did not ask for usage gets
-/// `stream_options.include_usage` (the engine's token counts), and the relay strips that chunk
-/// again. Returns whether it must. SGLang's `/generate` reports counts in every chunk.
-pub fn ask_for_usage(req: &mut ParsedRequest) -> bool {
-    if !req.stream || req.endpoint == Endpoint::Generate {
-        return false;
+/// How the gateway learns a stream's token counts when its client did not ask for the usage
+/// chunk (the engine's counts: the request log, the metrics, the PD cached-token report).
+/// Asking costs the engine one more event per stream, so it is asked only where needed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UsageAsk {
+    /// Nothing to ask or strip: the client asked for usage itself, the answer is whole, or the
+    /// route reports counts in every chunk (SGLang `/generate`'s `meta_info`).
+    #[default]
+    None,
+    /// `stream_options.include_usage` is in the body for every worker: PD (the decode's
+    /// cached-token report needs `prompt_tokens_details`) and streams whose token ids are not
+    /// tracked. The relay strips the chunk.
+    Always,
+    /// A regular stream whose token ids the resume tracker reads: its counts are the prompt's
+    /// and the generated ids, so usage is asked only of a worker not (yet) known to send ids
+    /// (`Runtime::gives_token_ids`). The relay strips any usage chunk.
+    UnlessIds,
+}
+
+impl UsageAsk {
+    /// The client did not ask for usage: a usage chunk is the gateway's and must not reach it.
+    pub fn strips(self) -> bool {
+        self != UsageAsk::None
     }
-    let opts = req.body.entry("stream_options").or_insert_with(|| Value::Object(Map::new()));
+}
+
+/// Whether a streamed request's client left the usage chunk out (so any usage chunk is the
+/// gateway's). `/generate` reports counts in every chunk and has none.
+pub fn client_left_out_usage(req: &ParsedRequest) -> bool {
+    req.stream && req.endpoint != Endpoint::Generate && req.body.get("stream_options").and_then(|o| o.get("include_usage")) != Some(&Value::Bool(true))
+}
+
+/// Sets `stream_options.include_usage` in a body (keeping the client's other stream options).
+pub fn insert_include_usage(body: &mut Map<String, Value>) {
+    let opts = body.entry("stream_options").or_insert_with(|| Value::Object(Map::new()));
     if !opts.is_object() {
         // The parser allows only an object or null here.
         *opts = Value::Object(Map::new());
     }
-    let Some(opts) = opts.as_object_mut() else { return false };
-    if opts.get("include_usage") == Some(&Value::Bool(true)) {
+    if let Some(opts) = opts.as_object_mut() {
+        opts.insert("include_usage".into(), Value::Bool(true));
+    }
+}
+
+/// A streamed OpenAI request whose client did not ask for usage gets
+/// `stream_options.include_usage` (the engine's token counts), and the relay strips that chunk
+/// again. Returns whether it must. SGLang's `/generate` reports counts in every chunk.
+pub fn ask_for_usage(req: &mut ParsedRequest) -> bool {
+    if !client_left_out_usage(req) {
         return false;
     }
-    opts.insert("include_usage".into(), Value::Bool(true));
+    insert_include_usage(&mut req.body);
     req.rewritten = true;
     true
 }
 
+// Searchers built once: `memmem::find` builds one per call, which showed in per-chunk profiles.
+static LF2: LazyLock<memmem::Finder<'static>> = LazyLock::new(|| memmem::Finder::new(b"\n\n"));
+static CRLF2: LazyLock<memmem::Finder<'static>> = LazyLock::new(|| memmem::Finder::new(b"\r\n\r\n"));
+static DATA: LazyLock<memmem::Finder<'static>> = LazyLock::new(|| memmem::Finder::new(b"data:"));
+static DONE: LazyLock<memmem::Finder<'static>> = LazyLock::new(|| memmem::Finder::new(b"[DONE]"));
+static USAGE: LazyLock<memmem::Finder<'static>> = LazyLock::new(|| memmem::Finder::new(b"\"usage\""));
+
+/// One leg's body with `stream_options.include_usage` added (a forwarded body becomes the
+/// request's, encoded).
+pub fn ask_for_usage_in(body: &mut LegBody, req: &ParsedRequest) {
+    match body {
+        LegBody::Json(b) => insert_include_usage(b),
+        LegBody::Forward => {
+            let mut b = req.body.clone();
+            insert_include_usage(&mut b);
+            *body = LegBody::Json(b);
+        }
+        // Regular plans have no other body shape.
+        _ => {}
+    }
+}
+
+/// Decides, once per request, how its token counts are learned: `pd` (the decode's cached-token
+/// report needs the engine's usage), `tracks_ids` (the resume tracker reads the stream's token
+/// ids, which count the prompt and the answer exactly). Edits the body for [`UsageAsk::Always`].
+pub fn usage_ask(req: &mut ParsedRequest, pd: bool, tracks_ids: bool) -> UsageAsk {
+    if !client_left_out_usage(req) {
+        UsageAsk::None
+    } else if pd || !tracks_ids {
+        ask_for_usage(req);
+        UsageAsk::Always
+    } else {
+        UsageAsk::UnlessIds
+    }
+}
+
 /// The end of the first event in `data` and the length of its separator.
 fn boundary(data: &[u8]) -> Option<(usize, usize)> {
-    let lf = memmem::find(data, b"\n\n").map(|i| (i, 2));
-    let crlf = memmem::find(data, b"\r\n\r\n").map(|i| (i, 4));
+    let lf = LF2.find(data).map(|i| (i, 2));
+    let crlf = CRLF2.find(data).map(|i| (i, 4));
     match (lf, crlf) {
         (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
         (a, b) => a.or(b),
@@ -117,8 +189,8 @@ fn boundary(data: &[u8]) -> Option<(usize, usize)> {
 
 /// Data events in whole events, `[DONE]` left out.
 fn count_data_events(events: &[u8]) -> u64 {
-    let data = memmem::find_iter(events, b"data:").count();
-    let done = memmem::find_iter(events, b"[DONE]").count();
+    let data = DATA.find_iter(events).count();
+    let done = DONE.find_iter(events).count();
     data.saturating_sub(done) as u64
 }
 
@@ -184,7 +256,7 @@ impl StreamTally {
         // A chunk of whole events without usage (the usual one) passes unread; one that ends
         // inside an event is read, so the rest of that event is held until it is complete.
         let whole = chunk.ends_with(b"\n\n");
-        let read = self.first_content.is_none() || !self.held.is_empty() || self.every_event || !whole || memmem::find(&chunk, b"\"usage\"").is_some();
+        let read = self.first_content.is_none() || !self.held.is_empty() || self.every_event || !whole || USAGE.find(&chunk).is_some();
         if !read {
             self.events += count_data_events(&chunk);
             if self.endpoint == Endpoint::Generate {
@@ -225,7 +297,7 @@ impl StreamTally {
     }
 
     fn event(&mut self, raw: &[u8], now: Instant) -> Verdict {
-        if self.first_content.is_some() && !self.every_event && memmem::find(raw, b"\"usage\"").is_none() {
+        if self.first_content.is_some() && !self.every_event && USAGE.find(raw).is_none() {
             // Read only for its boundary: counted, not parsed.
             let n = count_data_events(raw);
             self.events += n;
@@ -296,7 +368,14 @@ impl StreamTally {
     }
 
     /// The engine's counts, or the counted events for the output when it reported none.
+    #[cfg(test)]
     pub fn usage(&mut self) -> Usage {
+        self.usage_with(None)
+    }
+
+    /// The engine's counts; where it reported none, `ids` (the prompt's and the answer's token
+    /// ids the resume tracker counted, whole answer), else the counted events for the output.
+    pub fn usage_with(&mut self, ids: Option<(u64, u64)>) -> Usage {
         if let Some(v) = self.last.take().and_then(|raw| serde_json::from_str::<Value>(&event_data(&raw)?).ok()) {
             if let Some(u) = usage_of(&v) {
                 self.items = vec![(0, u)];
@@ -316,6 +395,9 @@ impl StreamTally {
                 (Some(c), Some(p)) => Some(c.min(p)),
                 (c, _) => c,
             };
+        }
+        if let (None, Some((prompt, output))) = (reported, ids) {
+            u = Usage { prompt: Some(prompt), output: Some(output), cached: None };
         }
         if u.output.is_none() && self.first_content.is_some() {
             u.output = Some(self.events.max(1));

@@ -172,3 +172,46 @@ fn without_reported_usage_a_resumed_stream_counts_its_events_over_both_decodes()
     t.process(Bytes::from(text("c") + "data: [DONE]\n\n"), t0);
     assert_eq!(t.usage().output, Some(3));
 }
+
+#[test]
+fn usage_is_asked_of_the_engine_only_where_the_counts_need_it() {
+    let limits = Limits::default();
+    let parse = |e, v: serde_json::Value| parse_request(e, v.to_string().as_bytes(), &limits).unwrap();
+    let stream = || parse(Endpoint::Completions, json!({"prompt": "a", "stream": true}));
+    // Regular, ids tracked: nothing in the body; per worker (`ask_for_usage_in`) until it is known to send ids.
+    let mut r = stream();
+    assert_eq!(usage_ask(&mut r, false, true), UsageAsk::UnlessIds);
+    assert!(!r.body.contains_key("stream_options") && UsageAsk::UnlessIds.strips());
+    // PD (the decode's cached-token report) and untracked streams: asked in the body.
+    for (pd, ids) in [(true, true), (true, false), (false, false)] {
+        let mut r = stream();
+        assert_eq!(usage_ask(&mut r, pd, ids), UsageAsk::Always, "pd {pd} ids {ids}");
+        assert_eq!(r.body["stream_options"], json!({"include_usage": true}));
+    }
+    // The client asked, or there is no usage chunk: nothing asked, nothing stripped.
+    let mut asked = parse(Endpoint::Completions, json!({"prompt": "a", "stream": true, "stream_options": {"include_usage": true}}));
+    let mut whole = parse(Endpoint::Completions, json!({"prompt": "a"}));
+    let mut generate = parse(Endpoint::Generate, json!({"text": "a", "stream": true}));
+    for r in [&mut asked, &mut whole, &mut generate] {
+        assert_eq!(usage_ask(r, true, false), UsageAsk::None);
+        assert!(!UsageAsk::None.strips());
+    }
+    assert_eq!(whole.body.get("stream_options"), None);
+    // One leg's body: a forwarded body becomes the request's with the option added.
+    let r = stream();
+    let mut body = LegBody::Forward;
+    ask_for_usage_in(&mut body, &r);
+    let LegBody::Json(b) = body else { panic!("the forwarded body is encoded") };
+    assert_eq!((b["stream_options"].clone(), b["prompt"].clone()), (json!({"include_usage": true}), json!("a")));
+}
+
+#[test]
+fn without_usage_a_tracked_stream_counts_from_its_ids_then_from_its_events() {
+    let text = |s: &str| ev(json!({"choices": [{"index": 0, "text": s}]}));
+    let (_, mut t, _) = run(Endpoint::Completions, true, &[&text("a"), &text("b"), &text("c"), "data: [DONE]\n\n"]);
+    assert_eq!(t.usage_with(Some((6, 3))), Usage { prompt: Some(6), output: Some(3), cached: None }, "the ids count exactly");
+    assert_eq!(t.usage_with(None), Usage { prompt: None, output: Some(3), cached: None }, "else the events, and no prompt count");
+    // Reported usage wins over the ids.
+    let (_, mut t, _) = run(Endpoint::Completions, true, &[&text("a"), &usage_chunk(), "data: [DONE]\n\n"]);
+    assert_eq!(t.usage_with(Some((1, 1))), Usage { prompt: Some(7), output: Some(4), cached: Some(6) });
+}

@@ -37,6 +37,9 @@ pub struct LegRequest {
     pub request_id: String,
     pub leg: Leg,
     pub deadline: Instant,
+    /// The prompt's last ids that are the answer's own (a resume's continuation, see
+    /// `ParsedRequest::resumed_ids`); HTTP workers detokenize themselves and ignore it.
+    pub resumed_ids: usize,
 }
 
 /// A worker accepted the leg (a 2xx head): the status and content type to relay.

@@ -36,6 +36,9 @@ pub struct RelayPlan {
     pub url: String,
     pub merge_logprobs: bool,
     pub scan_usage: bool,
+    /// The relayed worker, to learn from its first chunk whether it sends token ids
+    /// ([`UsageAsk::UnlessIds`](super::accounting::UsageAsk)).
+    pub learn_ids: Option<Arc<crate::registry::Runtime>>,
 }
 
 /// Whether an error means the leg already ended at its worker (it failed or answered badly
@@ -193,7 +196,7 @@ async fn commit_and_relay(
 ) -> Result<Committed, GatewayError> {
     let (deadline, leg) = (ctx.deadline, plan.leg);
     let limits = ctx.state.upstream.limits;
-    let req = LegRequest { url: plan.url.clone(), path: ctx.req.endpoint.path(), body, request_id: ctx.request_id.clone(), leg, deadline };
+    let req = LegRequest { url: plan.url.clone(), path: ctx.req.endpoint.path(), body, request_id: ctx.request_id.clone(), leg, deadline, resumed_ids: ctx.req.resumed_ids };
     let answer = race(&mut watched, client.send(req)).await.inspect_err(|e| {
         if e.kind == ErrorKind::BadWorkerResponse {
             count_bad(ctx, leg, "content_encoding");
@@ -224,8 +227,8 @@ async fn commit_and_relay(
             tokens.prefilled();
         }
         let abort = abort.take().ok_or_else(|| GatewayError::internal("the relayed leg's abort guard is gone"))?;
-        let tally = StreamTally::new(ctx.req.endpoint, ctx.strip_usage, ctx.req.batch_items.is_some());
-        let relayed = Relayed { leg, worker: plan.url, scanner, abort, trace: RelayTrace::start(), tally };
+        let tally = StreamTally::new(ctx.req.endpoint, ctx.usage.strips(), ctx.req.batch_items.is_some());
+        let relayed = Relayed { leg, worker: plan.url, scanner, abort, trace: RelayTrace::start(), tally, learn_ids: plan.learn_ids };
         let relay = StreamRelay::new(first, events, deadline, watched.leg, Rewriter::new(logprobs, plan.scan_usage), finish, relayed);
         let content_type = head.content_type.unwrap_or_else(|| HeaderValue::from_static("text/event-stream"));
         return Ok(Committed::Stream { status: head.status, content_type, relay: Box::new(relay) });

@@ -65,8 +65,9 @@ pub struct Ctx {
     /// `x-pdgate-priority`, else the body's `priority` (SGLang's field), else 0; higher is
     /// served first and shed last (the admission queue, early rejection).
     pub priority: i64,
-    /// The gateway asked the engine for the stream's usage: the relay strips it again.
-    pub strip_usage: bool,
+    /// How the stream's token counts are learned, and whether a usage chunk is the gateway's
+    /// (then the relay strips it); decided once the resumer is prepared (`transaction.rs`).
+    pub usage: accounting::UsageAsk,
     /// The prompt's token ids, computed once on first use (KV-event routing); `Default` for a
     /// new prompt.
     pub prompt_ids: Arc<OnceLock<Option<Vec<u32>>>>,
@@ -80,6 +81,15 @@ impl Ctx {
             return Ok(self.raw.clone());
         }
         serde_json::to_vec(&self.req.body).map(Bytes::from).map_err(|e| GatewayError::internal(format!("cannot encode request: {e}")))
+    }
+
+    /// What a stream's resumer keeps after commit (`resume.rs`): this context with the parsed
+    /// body moved out, not copied (nothing here reads it after commit: the legs' bytes are
+    /// sent), and without the received bytes, so they are freed when the request's handler
+    /// returns instead of living as long as the stream.
+    pub fn for_resume(&mut self) -> Ctx {
+        let body = std::mem::take(&mut self.req.body);
+        Ctx { req: ParsedRequest { body, ..self.req.clone() }, raw: Bytes::new(), ..self.clone() }
     }
 
     /// The prompt text, only when a policy reads it (copying it for the others would be waste).
@@ -108,7 +118,8 @@ impl Ctx {
         // Fixed keys: every replica computes the same key for the same prompt.
         let mut h = std::collections::hash_map::DefaultHasher::new();
         std::hash::Hash::hash(ids, &mut h);
-        Some(Held { prompt_tokens: ids.len(), held: self.state.kv_view.held_in(&routing.snapshot, ids), key: std::hash::Hasher::finish(&h) })
+        let (held, subscribed) = self.state.kv_view.held_in(&routing.snapshot, ids);
+        Some(Held { prompt_tokens: ids.len(), held, key: std::hash::Hasher::finish(&h), subscribed })
     }
 
     /// Runs one policy decision with everything a policy may read: the load view, the affinity
@@ -118,7 +129,7 @@ impl Ctx {
         let loads = self.state.loads(&routing.runtime);
         let held = self.kv_held(routing);
         let input = RouteInput {
-            kv: held.as_ref().map(|h| KvMatch { prompt_tokens: h.prompt_tokens, held: &h.held, key: h.key }),
+            kv: held.as_ref().map(|h| KvMatch { prompt_tokens: h.prompt_tokens, held: &h.held, key: h.key, subscribed: &h.subscribed }),
             text,
             key: self.session_key.as_deref(),
             sequence: self.state.next_sequence(),
@@ -161,6 +172,8 @@ struct Held {
     prompt_tokens: usize,
     held: Vec<(usize, usize)>,
     key: u64,
+    /// gRPC workers whose `SubscribeKvEvents` stream feeds the index, by snapshot index.
+    subscribed: Vec<usize>,
 }
 
 /// An attempt's failure and the worker to avoid on the next attempt.

@@ -200,6 +200,8 @@ pub struct Relayed {
     pub trace: RelayTrace,
     /// First content token, usage (read, and stripped when the gateway asked for it).
     pub tally: StreamTally,
+    /// The worker's live state, told after the first chunk whether the engine sends token ids.
+    pub learn_ids: Option<Arc<crate::registry::Runtime>>,
 }
 
 pub struct StreamRelay {
@@ -296,6 +298,23 @@ impl StreamRelay {
         }
     }
 
+    /// After the first chunk: whether this worker sends token ids decides whether its next
+    /// streams are asked for the usage event (`accounting::UsageAsk::UnlessIds`).
+    fn learn_ids(&mut self) {
+        if let Some(rt) = self.relayed.learn_ids.take() {
+            if let Some(gave) = self.resumer.as_ref().and_then(|r| r.gave_ids()) {
+                rt.learn_token_ids(gave);
+            }
+        }
+    }
+
+    /// The answer's token counts: the engine's usage, else the ids the resumer counted, else
+    /// the counted events.
+    fn usage(&mut self) -> Usage {
+        let ids = self.resumer.as_ref().and_then(|r| r.counted());
+        self.relayed.tally.usage_with(ids)
+    }
+
     fn end(&mut self) -> Option<Bytes> {
         self.done = true;
         if let Some(f) = &self.finish {
@@ -306,7 +325,7 @@ impl StreamRelay {
         let tail = self.rewriter.as_mut().and_then(Rewriter::flush);
         if let Some(f) = self.finish.take() {
             let first = self.relayed.tally.first_content;
-            let usage = self.relayed.tally.usage();
+            let usage = self.usage();
             f.done(self.cache_report(usage), self.error.take(), first, usage);
         }
         match (held, tail) {
@@ -396,7 +415,9 @@ impl StreamRelay {
     /// new pair or ends with the error event.
     async fn died(&mut self, mut err: GatewayError) -> Option<Option<Bytes>> {
         self.judge(&err);
-        if self.resumed(&err).await {
+        // Boxed: a resume runs a whole attempt, whose future would otherwise be part of every
+        // stream's relay future (held, unused, between chunks by each in-flight stream).
+        if Box::pin(self.resumed(&err)).await {
             return None;
         }
         // The client learns why its stream was not continued (e.g. `guided_decoding`).
@@ -431,6 +452,7 @@ impl StreamRelay {
             // The first chunk of the stream, or of a continuation (already read: the commit point).
             if let Some(first) = self.first.take() {
                 let out = self.process(first);
+                self.learn_ids();
                 if !out.is_empty() {
                     return Some(out);
                 }
@@ -492,7 +514,8 @@ impl Drop for StreamRelay {
             // A client that had `[DONE]` got the whole answer, even if it left before the
             // worker closed its stream.
             let error = (!self.relayed.scanner.saw_done()).then(|| "client_disconnected".to_string());
-            f.done(None, error, first, self.relayed.tally.usage());
+            let usage = self.usage();
+            f.done(None, error, first, usage);
         }
     }
 }

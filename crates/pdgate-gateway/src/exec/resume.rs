@@ -18,7 +18,7 @@
 use bytes::Bytes;
 use pdgate_core::breaker::Outcome;
 use pdgate_core::GatewayError;
-use pdgate_protocol::resume::{refusal, ResumeTracker};
+use pdgate_protocol::resume::{refusal, refusal_given, ResumeTracker};
 use pdgate_protocol::{Endpoint, ParsedRequest};
 use serde_json::Value;
 use tokio::time::Instant;
@@ -53,8 +53,17 @@ impl Resumer {
         if left == 0 || !ctx.req.stream {
             return None;
         }
-        let refused = refusal(&ctx.req);
-        let tracker = refused.is_none().then(|| ResumeTracker::new(&ctx.req));
+        let mut refused = refusal(&ctx.req);
+        // A `/generate` text prompt: its stream never gives the prompt's ids, the gateway's
+        // tokenizer (`--model-path`) can. Checked against the engine's count on the first event.
+        let text_ids = if refused == Some("generate_text") { ctx.routing_ids().map(<[u32]>::to_vec) } else { None };
+        if text_ids.is_some() {
+            refused = refusal_given(&ctx.req, true);
+        }
+        let tracker = refused.is_none().then(|| match &text_ids {
+            Some(ids) => ResumeTracker::with_prompt_ids(&ctx.req, ids),
+            None => ResumeTracker::new(&ctx.req),
+        });
         // `/generate` streams give `output_ids` anyway; the OpenAI routes are asked for them.
         let openai = ctx.req.endpoint != Endpoint::Generate;
         if tracker.is_some() && openai && ctx.req.body.get("return_token_ids") != Some(&Value::Bool(true)) {
@@ -64,9 +73,9 @@ impl Resumer {
         Some(Resumer { ctx: None, refused, tracker, left, failed: Vec::new(), first_route: Record::default(), why_not: None })
     }
 
-    /// The stream committed: keep what a continuation will need.
-    pub fn bind(mut self, ctx: &Ctx, record: &Record) -> Resumer {
-        self.ctx = Some(Box::new(ctx.clone()));
+    /// The stream committed: keep what a continuation will need (`Ctx::for_resume`).
+    pub fn bind(mut self, ctx: Ctx, record: &Record) -> Resumer {
+        self.ctx = Some(Box::new(ctx));
         self.first_route = record.clone();
         self
     }
@@ -80,6 +89,16 @@ impl Resumer {
     /// Tokens of the answer generated so far (before the running continuation, once one began).
     pub fn generated(&self) -> u64 {
         self.tracker.as_ref().map_or(0, |t| t.progress.generated() as u64)
+    }
+
+    /// The prompt's and the answer's token counts, from the ids the tracker read.
+    pub fn counted(&self) -> Option<(u64, u64)> {
+        self.tracker.as_ref()?.progress.counts()
+    }
+
+    /// Whether the first stream's engine sent token ids (see `ResumeTracker::gave_ids`).
+    pub fn gave_ids(&self) -> Option<bool> {
+        self.tracker.as_ref()?.gave_ids()
     }
 
     /// One relayed chunk as the client is to see it.
@@ -148,6 +167,7 @@ impl Resumer {
             // The continuation's prompt is the original prompt plus what was generated.
             prompt_tokens: ctx.req.prompt_tokens + generated as u64,
             rewritten: true,
+            resumed_ids: generated,
         };
         // A new rendezvous: the dead pair may still hold the old id.
         let request_id = crate::request_id::mint(ctx.client_request_id.as_deref());

@@ -28,7 +28,7 @@ use serde_json::{Map, Value};
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use super::accounting::{placement_of, Account, Ending, Usage, Who};
+use super::accounting::{ask_for_usage_in, placement_of, Account, Ending, Usage, UsageAsk, Who};
 use super::client::{AbortGuard, LegRequest, WorkerClient};
 use super::commit::{relay_leg, Committed, RelayPlan, Watched};
 use super::placement;
@@ -54,6 +54,13 @@ pub async fn execute(mut ctx: Ctx) -> Response {
     // Learns, before the legs are built, whether this stream could be resumed (then the decode
     // is asked for token ids).
     let mut resumer = Resumer::prepare(&mut ctx);
+    // Then how its token counts are learned: a stream whose ids are tracked need not make its
+    // engine send the usage event too (PD does: the decode's cached-token report is in it).
+    let tracks_ids = resumer.as_ref().is_some_and(Resumer::tracking);
+    ctx.usage = super::accounting::usage_ask(&mut ctx.req, ctx.state.config.pd_disaggregation, tracks_ids);
+    if ctx.req.rewritten {
+        tracing::debug!(request_id = %ctx.request_id, usage = ?ctx.usage, "the body sent differs from the client's (rendezvous fields removed, token ids or the stream's usage asked for)");
+    }
     // Place (PD mode): disaggregated, colocated, or rejected early; then wait for decode room.
     let mut placed = match placement::place_request(&ctx, &mut record).await {
         Ok(placed) => placed,
@@ -71,7 +78,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         }
         let attempt_span = spans::attempt(record.attempts, &ctx.request_id);
         let failure = match attempt(&ctx, &failed, placed, &mut record).instrument(attempt_span.clone()).await {
-            Ok(committed) => break committed.into_response(resumer.take().map(|r| r.bind(&ctx, &record))),
+            Ok(committed) => break committed.into_response(resumer.take().map(|r| r.bind(ctx.for_resume(), &record))),
             Err(f) => f,
         };
         let err = &failure.error;
@@ -128,9 +135,6 @@ pub async fn execute(mut ctx: Ctx) -> Response {
 /// Admit: a request for more tokens than the model's context length can never be served:
 /// refuse it (400 naming the field) instead of letting it wait on the workers.
 fn admit(ctx: &Ctx) -> Result<(), GatewayError> {
-    if ctx.req.rewritten {
-        tracing::debug!(request_id = %ctx.request_id, strip_usage = ctx.strip_usage, "the body sent differs from the client's (rendezvous fields removed, or the stream's usage asked for)");
-    }
     let Some((asked, field)) = ctx.req.max_tokens else { return Ok(()) };
     let Some(limit) = ctx.state.registry.routing().snapshot.context_limit(ctx.req.model.as_deref()) else { return Ok(()) };
     if asked > limit {
@@ -199,7 +203,7 @@ fn select(ctx: &Ctx, failed: &[String], placed: Option<Placement>) -> Result<Cho
         let policy = ctx.state.regular_policy.as_ref();
         // A half-open worker admits one probe at a time: a pick it refuses is re-made without it.
         let choice = loop {
-            let choice = ctx.decide(&routing, text.as_deref(), |input| select_regular(snap, policy, input, &exclude, &mut rand::rng()))?;
+            let choice = ctx.decide(&routing, text.as_deref(), |input| ctx.state.policy_rng.with(|rng| select_regular(snap, policy, input, &exclude, rng)))?;
             match super::admit_all(ctx, snap, &[choice.worker]) {
                 None => break choice,
                 Some(refused) if !exclude.contains(&refused) => exclude.push(refused),
@@ -210,12 +214,17 @@ fn select(ctx: &Ctx, failed: &[String], placed: Option<Placement>) -> Result<Cho
             ctx.remember(text.as_deref(), &snap.worker(choice.worker).spec.url);
         }
         metrics.decisions.with_label_values(&["regular", choice.branch]).inc();
-        let plan = plan::regular(snap, &choice, &ctx.req, &ctx.request_id);
-        return Ok(Chosen { plan, prefill_runtime: None, relayed_runtime: routing.runtime[choice.worker].clone(), policy: choice.reason.to_string() });
+        let mut plan = plan::regular(snap, &choice, &ctx.req, &ctx.request_id);
+        let relayed_runtime = routing.runtime[choice.worker].clone();
+        if ctx.usage == UsageAsk::UnlessIds && !relayed_runtime.gives_token_ids() {
+            // Not known to send ids: its counts must come from its usage event.
+            ask_for_usage_in(&mut plan.relayed.body, &ctx.req);
+        }
+        return Ok(Chosen { plan, prefill_runtime: None, relayed_runtime, policy: choice.reason.to_string() });
     }
     let (pp, dp) = (ctx.state.prefill_policy.as_ref(), ctx.state.decode_policy.as_ref());
     let chosen = loop {
-        let chosen = ctx.decide(&routing, text.as_deref(), |input| select_pair(snap, pp, dp, input, &exclude, &mut rand::rng()));
+        let chosen = ctx.decide(&routing, text.as_deref(), |input| ctx.state.policy_rng.with(|rng| select_pair(snap, pp, dp, input, &exclude, rng)));
         let Ok((p, d)) = &chosen else { break chosen };
         match super::admit_all(ctx, snap, &[p.worker, d.worker]) {
             None => break chosen,
@@ -237,6 +246,7 @@ fn select(ctx: &Ctx, failed: &[String], placed: Option<Placement>) -> Result<Cho
     }
     metrics.decisions.with_label_values(&["prefill", p.branch]).inc();
     metrics.decisions.with_label_values(&["decode", d.branch]).inc();
+    // the room: never from the seeded routing rng (replicas with one seed must not share rooms)
     let plan = plan::pd(snap, &p, &d, &ctx.req, &ctx.request_id, &mut rand::rng())?;
     Ok(Chosen {
         plan,
@@ -277,7 +287,15 @@ async fn prepare_relayed(ctx: &Ctx, client: &Arc<dyn WorkerClient>, plan: &PdPla
 /// `judge_success`; NIXL judges after reading the params); a prefill dropped unfinished is
 /// aborted at its engine.
 fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: Bytes, protocol: &'static str, judge_success: bool, queued: Option<TokenGuard>) -> PrefillLeg {
-    let req = LegRequest { url: leg.url.clone(), path: ctx.req.endpoint.path(), body, request_id: ctx.request_id.clone(), leg: Leg::Prefill, deadline: ctx.deadline };
+    let req = LegRequest {
+        url: leg.url.clone(),
+        path: ctx.req.endpoint.path(),
+        body,
+        request_id: ctx.request_id.clone(),
+        leg: Leg::Prefill,
+        deadline: ctx.deadline,
+        resumed_ids: ctx.req.resumed_ids,
+    };
     let call = client.call(req, ctx.state.upstream.limits.max_response_bytes);
     let mut abort = AbortGuard::new(client, &leg.url, &leg.abort);
     let (state, url, tokens) = (ctx.state.clone(), leg.url.clone(), ctx.req.prompt_tokens);
@@ -317,6 +335,7 @@ async fn run(ctx: &Ctx, chosen: Chosen, attempts: u32, resumes: u32) -> Result<C
     let Chosen { plan, prefill_runtime, relayed_runtime, .. } = chosen;
     let protocol = plan.mode.as_str();
     let relayed_body = prepare_relayed(ctx, &client, &plan).await?;
+    let learn_ids = (ctx.usage == UsageAsk::UnlessIds).then(|| relayed_runtime.clone());
     let (mut finish, prefill_queued) = accounting(ctx, &plan, prefill_runtime, relayed_runtime, attempts, resumes);
     let mut watched = Watched { leg: None, answer: None, blame_silent_prefill: plan.order == Order::Concurrent, release: None };
     let body = match (plan.order, &plan.prefill, relayed_body) {
@@ -335,7 +354,7 @@ async fn run(ctx: &Ctx, chosen: Chosen, attempts: u32, resumes: u32) -> Result<C
         (_, None, Some(body)) => body,
         (_, _, None) => return Err(GatewayError::internal("the plan's relayed body is unknown before its legs run")),
     };
-    let relay = RelayPlan { leg: plan.relayed.leg, url: plan.relayed.url.clone(), merge_logprobs: plan.merge_input_logprobs, scan_usage: plan.scan_usage };
+    let relay = RelayPlan { leg: plan.relayed.leg, url: plan.relayed.url.clone(), merge_logprobs: plan.merge_input_logprobs, scan_usage: plan.scan_usage, learn_ids };
     let abort = AbortGuard::new(&client, &plan.relayed.url, &plan.relayed.abort);
     relay_leg(ctx, &client, relay, body, watched, finish, abort).await
 }

@@ -7,13 +7,22 @@
 //! relay, accounting, retries, resume and the decision record work unchanged.
 //!
 //! - `pb`:       the generated messages and clients (scripts/gen_grpc_protos);
-//! - `request`:  JSON body → prompt ids, sampling, answer shape;
-//! - `response`: token events → JSON / SSE;
-//! - `wire`:     the two services behind one interface (which one from `GetModelInfo`).
+//! - `request`:  JSON body → sampling, logprob ask, answer shape (`prompts`: the prompt ids,
+//!   batches included; `calls`: the `GenerateRequest`s a leg is sent as);
+//! - `response`: token events → JSON / SSE (`logprobs`: their JSON shapes);
+//! - `wire`:     the two services behind one interface (which one from `GetModelInfo`);
+//! - `fetched`, `tokenizer_zip`: the tokenizer from the worker's `GetTokenizer` when the
+//!   gateway has no `--model-path` / `--tokenizer-path`.
 
+mod calls;
+mod fetched;
+pub mod logprobs;
 pub mod pb;
+mod prompts;
 pub mod request;
 pub mod response;
+mod sse_chunk;
+mod tokenizer_zip;
 mod wire;
 
 use std::collections::HashMap;
@@ -42,6 +51,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const ABORT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Stream events buffered between the engine's stream and the relay.
 const EVENT_BUFFER: usize = 32;
+/// Longest a `GetTokenizer` fetch (download and load) may take.
+const TOKENIZER_FETCH_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The gRPC [`WorkerClient`], and the management calls health and load polling make.
 #[derive(Default)]
@@ -50,6 +61,11 @@ pub struct GrpcClient {
     tokenizer: OnceLock<Arc<ModelTokenizer>>,
     /// One connection (HTTP/2, multiplexed) and service kind per worker URL.
     workers: Mutex<HashMap<String, Arc<Wire>>>,
+    /// Without a configured tokenizer: each model's, fetched from its first worker.
+    fetched: fetched::FetchedTokenizers,
+    /// Counts `forget`s: a connection made while one happened is used but not cached, so a
+    /// check in flight when its worker was removed cannot put the worker's channel back.
+    forgets: std::sync::atomic::AtomicU64,
 }
 
 impl GrpcClient {
@@ -67,22 +83,51 @@ impl GrpcClient {
         if let Some(w) = self.workers.lock().unwrap_or_else(|p| p.into_inner()).get(url) {
             return Ok(w.clone());
         }
+        let forgets = self.forgets.load(std::sync::atomic::Ordering::Acquire);
         let wire = Arc::new(Wire::detect(url, leg).await?);
-        self.workers.lock().unwrap_or_else(|p| p.into_inner()).insert(url.to_string(), wire.clone());
+        let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
+        if self.forgets.load(std::sync::atomic::Ordering::Acquire) == forgets {
+            workers.insert(url.to_string(), wire.clone());
+        }
         Ok(wire)
     }
 
-    /// Forgets a worker's connection (it was removed, or its service may have changed).
+    /// Forgets a worker's connection (it was removed, or its service may have changed). The
+    /// channel closes once the calls still running on it end.
     pub fn forget(&self, url: &str) {
-        self.workers.lock().unwrap_or_else(|p| p.into_inner()).remove(url);
+        let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
+        self.forgets.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        workers.remove(url);
     }
 
-    fn tokenizer(&self, leg: Leg) -> Result<Arc<ModelTokenizer>, GatewayError> {
-        // Fetching the tokenizer from the worker's GetTokenizer is not built yet: say what to do.
-        self.tokenizer.get().cloned().ok_or_else(|| {
+    /// Whether a connection to `url` is cached.
+    pub fn has_connection(&self, url: &str) -> bool {
+        self.workers.lock().unwrap_or_else(|p| p.into_inner()).contains_key(url)
+    }
+
+    /// The tokenizer legs to this worker are tokenized with: the configured one, else the
+    /// worker's model's, fetched once over `GetTokenizer` (fetched.rs).
+    async fn tokenizer(&self, wire: &Arc<Wire>, url: &str, leg: Leg) -> Result<Arc<ModelTokenizer>, GatewayError> {
+        if let Some(t) = self.tokenizer.get() {
+            return Ok(t.clone());
+        }
+        let model = wire.served_model().to_string();
+        let (w, url, name) = (wire.clone(), url.to_string(), model.clone());
+        let fetch = || async move {
+            let load = async {
+                let zip = w.fetch_tokenizer_bundle().await?;
+                let bytes = zip.len();
+                // Parsing a real tokenizer.json takes a while: off the runtime's threads.
+                let tok = tokio::task::spawn_blocking(move || tokenizer_zip::load_bundle(&zip)).await.map_err(|e| format!("loading the bundle: {e}"))??;
+                tracing::info!(model = %name, worker = %url, bytes, chat_template = tok.has_chat_template(), "tokenizer fetched from the worker's GetTokenizer");
+                Ok::<_, String>(tok)
+            };
+            tokio::time::timeout(TOKENIZER_FETCH_TIMEOUT, load).await.map_err(|_| format!("GetTokenizer took over {} s", TOKENIZER_FETCH_TIMEOUT.as_secs()))?
+        };
+        self.fetched.get_or_fetch(&model, fetch).await.map_err(|e| {
             GatewayError::bad_worker_response(
                 leg,
-                "gRPC workers take token ids: start the gateway with --model-path or --tokenizer-path (fetching the tokenizer over GetTokenizer is not supported yet)",
+                format!("no tokenizer for model '{model}': {e} (gRPC workers take token ids; --model-path or --tokenizer-path gives the gateway one)"),
             )
         })
     }
@@ -107,6 +152,16 @@ impl GrpcClient {
         tokio::time::timeout(limit, info).await.ok().flatten().unwrap_or_default()
     }
 
+    /// The worker's KV event stream (`SubscribeKvEvents`) from `start`, opened within `limit`
+    /// (finding the service included). `UNIMPLEMENTED`: the worker does not offer it.
+    pub async fn kv_events(&self, url: &str, start: u64, limit: Duration) -> Result<tonic::Streaming<pb::smg::grpc::common::KvEventBatch>, tonic::Status> {
+        let open = async {
+            let wire = self.wire(url, Leg::Regular).await.map_err(|e| tonic::Status::unavailable(e.message))?;
+            wire.subscribe_kv_events(start).await
+        };
+        tokio::time::timeout(limit, open).await.unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded(format!("SubscribeKvEvents: no answer within {} s", limit.as_secs()))))
+    }
+
     /// The worker's load, from `GetLoads`.
     pub async fn loads(&self, url: &str, limit: Duration) -> Option<EngineLoad> {
         let loads = async { self.wire(url, Leg::Regular).await.ok()?.loads().await };
@@ -117,10 +172,17 @@ impl GrpcClient {
     /// bytes. Resolves when the engine accepted the call (its response head).
     async fn start(&self, r: LegRequest) -> Result<(LegHead, mpsc::Receiver<LegEvent>), GatewayError> {
         let route = Route::of_path(r.path).ok_or_else(|| GatewayError::invalid(None, format!("{} is not served by gRPC workers", r.path)))?;
-        let tok = self.tokenizer(r.leg)?;
-        let parsed = request::parse(&tok, route, &r.body, &r.request_id)?;
         let wire = timeout_at(r.deadline, self.wire(&r.url, r.leg)).await.map_err(|_| deadline_error(r.leg))??;
-        let stream = timeout_at(r.deadline, wire.generate(&parsed, r.leg)).await.map_err(|_| deadline_error(r.leg))??;
+        let tok = timeout_at(r.deadline, self.tokenizer(&wire, &r.url, r.leg)).await.map_err(|_| deadline_error(r.leg))??;
+        let mut parsed = request::parse(&tok, route, &r.body, &r.request_id)?;
+        parsed.shape.resumed_ids = r.resumed_ids;
+        // Every call of the leg at once; their events merged, numbered answer-wide.
+        let started = futures_util::future::try_join_all(parsed.calls.iter().map(|c| wire.generate(c, &parsed.shape, r.leg)));
+        let streams = timeout_at(r.deadline, started).await.map_err(|_| deadline_error(r.leg))??;
+        let stream: wire::GenStream = Box::pin(futures_util::stream::select_all(streams.into_iter().zip(&parsed.calls).map(|(s, c)| {
+            let first = c.first;
+            s.map(move |e| e.map(|g| g.offset(first))).boxed()
+        })));
         let stream_mode = parsed.shape.stream;
         let ct = if stream_mode { "text/event-stream" } else { "application/json" };
         let head = LegHead { status: StatusCode::OK, content_type: Some(HeaderValue::from_static(ct)) };
@@ -141,7 +203,15 @@ async fn pump(tok: Arc<ModelTokenizer>, shape: request::Shape, served: String, m
             next = stream.next() => next,
         };
         let event = match next {
-            None if writer.all_done() => LegEvent::Chunk(if writer.stream() { writer.end_stream() } else { writer.whole() }),
+            // Every choice completed: the answer is whole, whatever status ends the call (an
+            // engine that drops the call right after its last message must not cost the client
+            // its answer, nor be resumed).
+            end @ (None | Some(Err(_))) if writer.all_done() => {
+                if let Some(Err(e)) = end {
+                    tracing::debug!(leg = ?leg, error = %e, "gRPC call ended by an error after every choice completed");
+                }
+                LegEvent::Chunk(if writer.stream() { writer.end_stream() } else { writer.whole() })
+            }
             None => LegEvent::Error(GatewayError::unreachable(leg, format!("{} gRPC stream ended before every choice completed", whose(leg)))),
             Some(Err(e)) => LegEvent::Error(e),
             Some(Ok(gen)) => match writer.on_event(gen) {
@@ -212,7 +282,25 @@ impl WorkerClient for Arc<GrpcClient> {
         });
     }
 
-    fn engine_id(&self, _prefill_url: &str, _bootstrap_base: &str, _deadline: Instant) -> LegFuture<String> {
-        Box::pin(async { Err(GatewayError::protocol(Leg::Prefill, "Mooncake over gRPC workers is not supported yet")) })
+    /// A gRPC prefill's Mooncake engine id comes from its `GetServerInfo.kv_engine_id` (the
+    /// bootstrap server is still where the decode pushes from: `bootstrap_base` is the plan's).
+    fn engine_id(&self, prefill_url: &str, _bootstrap_base: &str, deadline: Instant) -> LegFuture<String> {
+        let (this, url) = (self.clone(), prefill_url.to_string());
+        Box::pin(async move {
+            let ask = async {
+                let wire = this.wire(&url, Leg::Prefill).await?;
+                wire.kv_engine_id(Leg::Prefill).await
+            };
+            // Bounded like the HTTP `/query`: a prefill that does not say is not waited on.
+            timeout_at(deadline.min(Instant::now() + CONNECT_TIMEOUT), ask).await.map_err(|_| deadline_error(Leg::Prefill))?
+        })
     }
 }
+
+#[cfg(test)]
+#[path = "eviction_tests.rs"]
+mod eviction_tests;
+
+#[cfg(test)]
+#[path = "pump_tests.rs"]
+mod pump_tests;

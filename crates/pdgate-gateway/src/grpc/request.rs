@@ -6,7 +6,8 @@ use pdgate_core::GatewayError;
 use pdgate_tokenizer::ModelTokenizer;
 use serde_json::{Map, Value};
 
-use crate::prompt_ids::{prompt_token_ids, PromptKind};
+use super::logprobs::{self, LogprobAsk};
+use super::{calls, prompts};
 
 /// The reference engine's and SGLang's defaults when a body gives no `max_tokens`.
 const COMPLETIONS_DEFAULT_MAX_TOKENS: u32 = 16;
@@ -51,6 +52,13 @@ pub struct Sampling {
     pub skip_special_tokens: bool,
     pub seed: Option<i64>,
     pub n: u32,
+    /// Output logprobs with this many top entries (SGLang `return_logprob` + `top_logprobs_num`,
+    /// vLLM `logprobs`).
+    pub logprobs: Option<u32>,
+    /// The prompt's logprobs too (SGLang always sends them with `return_logprob`; vLLM
+    /// `prompt_logprobs`), and SGLang's `logprob_start_len`.
+    pub prompt_logprobs: bool,
+    pub logprob_start_len: i32,
 }
 
 /// What the gateway must know to write the engine's answer back as the route's JSON or SSE.
@@ -66,17 +74,62 @@ pub struct Shape {
     pub id: String,
     /// The body's `model`, echoed (else the worker's served name).
     pub model: Option<String>,
-    pub prompt_ids: Vec<u32>,
+    /// The prompts (one, or a batch's); choice `c` answers prompt `c / sampling.n`.
+    pub prompts: Vec<Vec<u32>>,
+    /// The body gave a list of prompts: `/generate` answers a list.
+    pub batch: bool,
+    /// The request's sampling (each call's own `n` and seed are in its [`Call`]).
     pub sampling: Sampling,
+    pub logprobs: Option<LogprobAsk>,
+    /// The prompt's last ids that are the answer's own (a resume's continuation): the writer
+    /// replays them through its decoder before the first new token.
+    pub resumed_ids: usize,
 }
 
-/// A parsed leg: the request id the engine is asked under, the prompt and sampling, and the shape.
-#[derive(Debug, Clone)]
-pub struct Parsed {
+impl Shape {
+    /// How many choices the answer has: prompts × n.
+    pub fn choices(&self) -> usize {
+        self.prompts.len() * self.sampling.n.max(1) as usize
+    }
+
+    /// Choice `c`'s prompt.
+    pub fn prompt_of(&self, c: usize) -> &[u32] {
+        &self.prompts[c / self.sampling.n.max(1) as usize]
+    }
+
+    /// `/generate`'s `meta_info.id` of choice `c`: the id itself for a single answer, else
+    /// `{id}_{c}` (SGLang's names for a batch's items).
+    pub fn item_id(&self, c: usize) -> String {
+        if self.choices() == 1 {
+            self.id.clone()
+        } else {
+            format!("{}_{c}", self.id)
+        }
+    }
+}
+
+/// One `GenerateRequest`: a prompt, its choices (`sampling.n` of them, numbered from `first` in
+/// the answer) and, for an SGLang bootstrap PD leg, its room.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Call {
     pub request_id: String,
-    pub shape: Shape,
+    pub prompt: usize,
+    pub first: u32,
+    pub sampling: Sampling,
     /// SGLang bootstrap fields of a PD leg (`bootstrap_host`, `bootstrap_port`, `bootstrap_room`).
     pub bootstrap: Option<(String, i32, i32)>,
+    /// vLLM NIXL / Mooncake `kv_transfer_params` of a PD leg, as the JSON text the contract's
+    /// `kv_transfer_params_json` carries (the plan's object, verbatim).
+    pub kv_transfer_params: Option<String>,
+}
+
+/// A parsed leg: the answer's shape and the calls that make it (one for a single prompt; one
+/// per prompt of a batch; one per item — prompt × choice — on a bootstrap PD leg, each with its
+/// own room).
+#[derive(Debug, Clone)]
+pub struct Parsed {
+    pub shape: Shape,
+    pub calls: Vec<Call>,
 }
 
 fn bad(param: &str, message: impl Into<String>) -> GatewayError {
@@ -143,6 +196,40 @@ fn sampling(obj: &Map<String, Value>, max_tokens: Option<u32>, default_max: u32,
         skip_special_tokens: flag("skip_special_tokens", true),
         seed,
         n,
+        logprobs: None,
+        prompt_logprobs: false,
+        logprob_start_len: -1,
+    })
+}
+
+/// A top-logprobs count in [0, 20] (the engines' bound), or absent.
+fn top_count(body: &Map<String, Value>, key: &str) -> Result<u32, GatewayError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(0),
+        Some(v) => v
+            .as_u64()
+            .filter(|k| *k <= logprobs::MAX_TOP_LOGPROBS)
+            .map(|k| k as u32)
+            .ok_or_else(|| bad(key, format!("'{key}' must be an integer in [0, {}]", logprobs::MAX_TOP_LOGPROBS))),
+    }
+}
+
+/// The logprobs the body asks for, in the route's terms (the engine's HTTP surfaces' rules).
+fn logprob_ask(route: Route, body: &Map<String, Value>) -> Result<Option<LogprobAsk>, GatewayError> {
+    Ok(match route {
+        Route::Completions => match body.get("logprobs") {
+            None | Some(Value::Null) => None,
+            Some(_) => Some(LogprobAsk::Completions { top: top_count(body, "logprobs")? }),
+        },
+        Route::Chat => {
+            let top = top_count(body, "top_logprobs")?;
+            body.get("logprobs").and_then(Value::as_bool).unwrap_or(false).then_some(LogprobAsk::Chat { top })
+        }
+        Route::Generate => {
+            let top = top_count(body, "top_logprobs_num")?;
+            let text = body.get("return_text_in_logprobs").and_then(Value::as_bool).unwrap_or(false);
+            body.get("return_logprob").and_then(Value::as_bool).unwrap_or(false).then_some(LogprobAsk::Native { top, text })
+        }
     })
 }
 
@@ -151,36 +238,15 @@ fn sampling(obj: &Map<String, Value>, max_tokens: Option<u32>, default_max: u32,
 pub fn parse(tok: &ModelTokenizer, route: Route, raw: &[u8], request_id: &str) -> Result<Parsed, GatewayError> {
     let value: Value = serde_json::from_slice(raw).map_err(|e| GatewayError::invalid(None, format!("request body is not JSON: {e}")))?;
     let Value::Object(body) = &value else { return Err(GatewayError::invalid(None, "request body must be a JSON object")) };
-    let kind = match route {
-        Route::Completions => PromptKind::Completion,
-        Route::Chat => PromptKind::Chat,
-        Route::Generate => PromptKind::Generate,
-    };
-    let (field, what) = match route {
-        Route::Completions => ("prompt", "'prompt' must be a string or a list of token ids (batched prompts are not served over gRPC yet)"),
-        Route::Chat => ("messages", "'messages' must be a non-empty list of messages"),
-        Route::Generate => ("text", "one of 'text' (a string) or 'input_ids' (a list of token ids) is required (batches are not served over gRPC yet)"),
-    };
-    if route == Route::Chat && body.get("messages").and_then(Value::as_array).is_none_or(Vec::is_empty) {
-        return Err(bad(field, what));
+    if route == Route::Completions && body.get("echo").and_then(Value::as_bool).unwrap_or(false) {
+        // The engine's HTTP completions refuse it too (the prompt's logprobs are not written).
+        return Err(bad("echo", "'echo' is not supported"));
     }
-    if route == Route::Generate && body.contains_key("text") && body.contains_key("input_ids") {
-        return Err(bad("text", "give either 'text' or 'input_ids', not both"));
-    }
-    let prompt_ids =
-        prompt_token_ids(tok, kind, &value).map_err(|e| bad(field, format!("cannot tokenize the prompt: {e}")))?.filter(|ids| !ids.is_empty()).ok_or_else(|| bad(field, what))?;
-    // Logprobs over gRPC are not written back yet: say so rather than answer null.
-    let logprobs = match route {
-        Route::Completions => body.get("logprobs").is_some_and(|v| !v.is_null()).then_some("logprobs"),
-        Route::Chat => body.get("logprobs").and_then(Value::as_bool).unwrap_or(false).then_some("logprobs"),
-        Route::Generate => body.get("return_logprob").and_then(Value::as_bool).unwrap_or(false).then_some("return_logprob"),
-    };
-    if let Some(param) = logprobs {
-        return Err(bad(param, format!("'{param}' is not supported for gRPC workers yet")));
-    }
+    let given = prompts::prompts(tok, route, &value, body)?;
+    let ask = logprob_ask(route, body)?;
     let rid = body.get("rid").and_then(Value::as_str).filter(|r| !r.is_empty()).map(str::to_string);
     let flag = |k: &str| body.get(k).and_then(Value::as_bool).unwrap_or(false);
-    let (sampling, id) = match route {
+    let (mut sampling, id) = match route {
         Route::Completions | Route::Chat => {
             let n = u32_field(body, "n")?.unwrap_or(1);
             if !(1..=MAX_N).contains(&n) {
@@ -199,7 +265,8 @@ pub fn parse(tok: &ModelTokenizer, route: Route, raw: &[u8], request_id: &str) -
             let sp = match body.get("sampling_params") {
                 None | Some(Value::Null) => Map::new(),
                 Some(Value::Object(m)) => m.clone(),
-                Some(_) => return Err(bad("sampling_params", "'sampling_params' must be an object (lists are not served over gRPC yet)")),
+                // A list (one per prompt) is not mapped yet: the items would differ in sampling.
+                Some(_) => return Err(bad("sampling_params", "'sampling_params' must be an object (a list per prompt is not served over gRPC)")),
             };
             let n = u32_field(&sp, "n")?.unwrap_or(1);
             if !(1..=MAX_N).contains(&n) {
@@ -209,29 +276,29 @@ pub fn parse(tok: &ModelTokenizer, route: Route, raw: &[u8], request_id: &str) -
             (sampling(&sp, mt, GENERATE_DEFAULT_MAX_NEW_TOKENS, n)?, rid.clone().unwrap_or_else(|| request_id.to_string()))
         }
     };
-    let include_usage = body.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
-    let bootstrap = match (body.get("bootstrap_host").and_then(Value::as_str), body.get("bootstrap_room").and_then(Value::as_i64)) {
-        (Some(host), Some(room)) => {
-            let port = body.get("bootstrap_port").and_then(Value::as_i64).unwrap_or(0);
-            let room = i32::try_from(room).map_err(|_| bad("bootstrap_room", "bootstrap_room does not fit the gRPC contract's int32"))?;
-            Some((host.to_string(), i32::try_from(port).unwrap_or(0), room))
+    if let Some(ask) = ask {
+        sampling.logprobs = Some(ask.top());
+        sampling.prompt_logprobs = matches!(ask, LogprobAsk::Native { .. });
+        if sampling.prompt_logprobs {
+            sampling.logprob_start_len = body.get("logprob_start_len").and_then(Value::as_i64).and_then(|v| i32::try_from(v).ok()).unwrap_or(-1);
         }
-        _ => None,
+    }
+    let include_usage = body.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
+    let shape = Shape {
+        route,
+        stream: flag("stream"),
+        include_usage,
+        return_token_ids: flag("return_token_ids"),
+        id,
+        model: body.get("model").and_then(Value::as_str).map(str::to_string),
+        prompts: given.ids,
+        batch: given.batch,
+        sampling,
+        logprobs: ask,
+        resumed_ids: 0,
     };
-    Ok(Parsed {
-        request_id: rid.unwrap_or_else(|| request_id.to_string()),
-        shape: Shape {
-            route,
-            stream: flag("stream"),
-            include_usage,
-            return_token_ids: flag("return_token_ids"),
-            id,
-            model: body.get("model").and_then(Value::as_str).map(str::to_string),
-            prompt_ids,
-            sampling,
-        },
-        bootstrap,
-    })
+    let calls = calls::calls(&shape, body, rid.as_deref().unwrap_or(request_id))?;
+    Ok(Parsed { shape, calls })
 }
 
 #[cfg(test)]
@@ -246,7 +313,7 @@ mod tests {
     #[test]
     fn completions_map_sampling_and_defaults() {
         let p = parse(&tok(), Route::Completions, br#"{"prompt":[1,2,3],"max_tokens":5,"temperature":0,"stop":"x","n":2}"#, "abc").unwrap();
-        assert_eq!(p.shape.prompt_ids, vec![1, 2, 3]);
+        assert_eq!(p.shape.prompts, vec![vec![1, 2, 3]]);
         assert_eq!(p.shape.sampling.max_new_tokens, 5);
         assert_eq!(p.shape.sampling.temperature, 0.0);
         assert_eq!(p.shape.sampling.stop, vec!["x".to_string()]);
@@ -265,10 +332,13 @@ mod tests {
             (Route::Chat, br#"{"messages":[]}"#, "messages"),
             (Route::Generate, br#"{"text":"a","input_ids":[1]}"#, "text"),
             (Route::Completions, br#"{"prompt":[1],"stop":5}"#, "stop"),
-            (Route::Completions, br#"{"prompt":[1],"logprobs":2}"#, "logprobs"),
-            (Route::Chat, br#"{"messages":[{"role":"user","content":"a"}],"logprobs":true}"#, "logprobs"),
-            (Route::Generate, br#"{"input_ids":[1],"return_logprob":true}"#, "return_logprob"),
+            (Route::Completions, br#"{"prompt":[1],"logprobs":21}"#, "logprobs"),
+            (Route::Completions, br#"{"prompt":[1],"echo":true}"#, "echo"),
+            (Route::Chat, br#"{"messages":[{"role":"user","content":"a"}],"logprobs":true,"top_logprobs":-1}"#, "top_logprobs"),
+            (Route::Generate, br#"{"input_ids":[1],"return_logprob":true,"top_logprobs_num":"2"}"#, "top_logprobs_num"),
             (Route::Generate, br#"{"input_ids":[1],"bootstrap_host":"h","bootstrap_room":4294967296}"#, "bootstrap_room"),
+            (Route::Completions, br#"{"prompt":[1],"kv_transfer_params":[1]}"#, "kv_transfer_params"),
+            (Route::Completions, br#"{"prompt":[[1],[2]],"kv_transfer_params":{"do_remote_decode":true}}"#, "kv_transfer_params"),
         ] {
             let err = parse(&tok(), route, body, "r").unwrap_err();
             assert_eq!(err.status(), 400, "{body:?}");
@@ -280,8 +350,34 @@ mod tests {
     fn generate_takes_sampling_params_rid_and_bootstrap() {
         let body = br#"{"input_ids":[5,6],"sampling_params":{"max_new_tokens":3},"rid":"g1","bootstrap_host":"h","bootstrap_port":8998,"bootstrap_room":7}"#;
         let p = parse(&tok(), Route::Generate, body, "r").unwrap();
-        assert_eq!(p.request_id, "g1");
+        assert_eq!(p.calls.len(), 1);
+        assert_eq!(p.calls[0].request_id, "g1");
         assert_eq!(p.shape.sampling.max_new_tokens, 3);
-        assert_eq!(p.bootstrap, Some(("h".into(), 8998, 7)));
+        assert_eq!(p.calls[0].bootstrap, Some(("h".into(), 8998, 7)));
+    }
+
+    #[test]
+    fn logprob_asks_follow_the_engines_http_rules() {
+        let c = parse(&tok(), Route::Completions, br#"{"prompt":[1],"logprobs":0}"#, "r").unwrap();
+        assert_eq!(c.shape.logprobs, Some(LogprobAsk::Completions { top: 0 }));
+        assert_eq!((c.shape.sampling.logprobs, c.shape.sampling.prompt_logprobs), (Some(0), false));
+        let chat = parse(&tok(), Route::Chat, br#"{"messages":[{"role":"user","content":"a"}],"logprobs":true,"top_logprobs":3}"#, "r").unwrap();
+        assert_eq!(chat.shape.logprobs, Some(LogprobAsk::Chat { top: 3 }));
+        // top_logprobs without logprobs asks for nothing (OpenAI's rule, the engine's too).
+        let none = parse(&tok(), Route::Chat, br#"{"messages":[{"role":"user","content":"a"}],"top_logprobs":3}"#, "r").unwrap();
+        assert_eq!((none.shape.logprobs, none.shape.sampling.logprobs), (None, None));
+        let g =
+            parse(&tok(), Route::Generate, br#"{"input_ids":[1,2],"return_logprob":true,"top_logprobs_num":2,"logprob_start_len":0,"return_text_in_logprobs":true}"#, "r").unwrap();
+        assert_eq!(g.shape.logprobs, Some(LogprobAsk::Native { top: 2, text: true }));
+        assert_eq!((g.shape.sampling.logprobs, g.shape.sampling.prompt_logprobs, g.shape.sampling.logprob_start_len), (Some(2), true, 0));
+    }
+
+    #[test]
+    fn kv_transfer_params_are_carried_as_json_text_verbatim() {
+        let body = br#"{"prompt":[1],"max_tokens":1,"kv_transfer_params":{"do_remote_decode":true,"remote_block_ids":null,"x":{"y":[1,2]}}}"#;
+        let p = parse(&tok(), Route::Completions, body, "r").unwrap();
+        let sent: Value = serde_json::from_str(p.calls[0].kv_transfer_params.as_deref().unwrap()).unwrap();
+        assert_eq!(sent, serde_json::json!({"do_remote_decode": true, "remote_block_ids": null, "x": {"y": [1, 2]}}));
+        assert_eq!(parse(&tok(), Route::Completions, br#"{"prompt":[1]}"#, "r").unwrap().calls[0].kv_transfer_params, None);
     }
 }

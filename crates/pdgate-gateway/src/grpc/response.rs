@@ -1,15 +1,19 @@
 //! The engine's token answer written back as the route's JSON or SSE, as the engines' HTTP
 //! surfaces write it: incremental UTF-8-safe detokenization, stop strings cut (and held back
-//! while they may still match), the matched stop reported, usage with cached tokens.
+//! while they may still match), the matched stop reported, usage with cached tokens, logprobs
+//! (logprobs.rs), and a batch's choices in the order of its prompts.
 //!
-//! Both wires (SGLang's scheduler, vLLM's engine) are read into the same [`Gen`] events first.
+//! Both wires (SGLang's scheduler, vLLM's engine) are read into the same [`Gen`] events first;
+//! a leg of several calls (calls.rs) has its events' `index` already made answer-wide.
 
 use bytes::Bytes;
 use pdgate_core::{GatewayError, Leg};
 use pdgate_tokenizer::{IncrementalDecoder, ModelTokenizer, StopMatcher, StreamDecoder};
 use serde_json::{json, Map, Value};
 
+use super::logprobs::{self, LogprobAsk, LpPart, TokenLp};
 use super::request::{Route, Shape};
+use super::sse_chunk::{ChoicePart, ChunkFrame};
 
 /// The stop an engine reports in its `GenerateComplete`.
 #[derive(Debug, Clone, PartialEq)]
@@ -29,10 +33,25 @@ pub struct Counts {
 /// One message of a `Generate` stream, whichever the wire.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Gen {
-    /// New tokens of choice `index`.
-    Chunk { index: u32, ids: Vec<u32>, counts: Counts },
+    /// New tokens of choice `index` (and their logprobs, when asked for).
+    Chunk { index: u32, ids: Vec<u32>, counts: Counts, lp: LpPart },
     /// Choice `index` is done: its last new tokens (stream) or all its tokens (whole answer).
-    Complete { index: u32, ids: Vec<u32>, finish_reason: String, matched: Option<Matched>, counts: Counts },
+    Complete { index: u32, ids: Vec<u32>, finish_reason: String, matched: Option<Matched>, counts: Counts, lp: LpPart },
+    /// A vLLM prefill's returned `kv_transfer_params` (NIXL's pull handle, Mooncake's
+    /// engine id): written into the whole answer as its top-level `kv_transfer_params`, the
+    /// field the NIXL plan reads the decode's params from, as over HTTP.
+    KvTransferParams(Value),
+}
+
+impl Gen {
+    /// The same event with its choice number moved by `by` (a call's first choice in the answer).
+    pub fn offset(mut self, by: u32) -> Gen {
+        match &mut self {
+            Gen::Chunk { index, .. } | Gen::Complete { index, .. } => *index += by,
+            Gen::KvTransferParams(_) => {}
+        }
+        self
+    }
 }
 
 /// One choice's progress.
@@ -41,7 +60,12 @@ struct Choice<'t> {
     /// Everything emitted so far (`/generate` streams cumulative text).
     text: String,
     ids: Vec<u32>,
+    /// Output logprobs so far, one per id; the prompt's once the engine sent them.
+    lps: Vec<TokenLp>,
+    input_lps: Option<Vec<TokenLp>>,
     role_sent: bool,
+    /// A stream's `prompt_token_ids` went out (with `return_token_ids`: what resume reads).
+    prompt_ids_sent: bool,
     done: Option<(String, Option<Matched>)>,
     counts: Counts,
 }
@@ -50,9 +74,13 @@ struct Choice<'t> {
 /// reads the engine's stream, next to the `Arc` that owns the tokenizer).
 pub struct Writer<'t> {
     shape: Shape,
+    tok: &'t ModelTokenizer,
     choices: Vec<Choice<'t>>,
     created: u64,
     model: String,
+    /// A completions / chat stream's chunk envelope, written once (sse_chunk.rs).
+    frame: Option<ChunkFrame>,
+    kv_transfer_params: Option<Value>,
 }
 
 fn sse(v: &Value) -> Bytes {
@@ -71,29 +99,51 @@ fn codec(e: impl std::fmt::Display) -> GatewayError {
 impl<'t> Writer<'t> {
     /// `served` is the worker's model name, for bodies that named none.
     pub fn new(shape: Shape, tok: &'t ModelTokenizer, served: &str) -> Self {
-        let n = shape.sampling.n.max(1) as usize;
         let s = &shape.sampling;
         let mut stop_ids = s.stop_token_ids.clone();
         if let (Some(eos), false) = (tok.eos_token_id(), s.ignore_eos) {
             stop_ids.push(eos);
         }
-        let choices = (0..n)
-            .map(|_| Choice {
-                decoder: StreamDecoder::new(
-                    IncrementalDecoder::with_prompt(tok.tokenizer(), s.skip_special_tokens, &shape.prompt_ids),
-                    StopMatcher::new(s.stop.clone()),
-                    stop_ids.clone(),
-                ),
+        let choices = (0..shape.choices())
+            .map(|c| Choice {
+                decoder: Self::decoder(tok, &shape, c, stop_ids.clone()),
                 text: String::new(),
                 ids: Vec::new(),
+                lps: Vec::new(),
+                input_lps: None,
                 role_sent: false,
+                prompt_ids_sent: false,
                 done: None,
                 counts: Counts::default(),
             })
             .collect();
         let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let model = shape.model.clone().unwrap_or_else(|| served.to_string());
-        Writer { shape, choices, created, model }
+        let frame = (shape.stream && shape.route != Route::Generate).then(|| ChunkFrame::new(&shape.id, created, &model, shape.route == Route::Chat));
+        Writer { shape, tok, choices, created, model, frame, kv_transfer_params: None }
+    }
+
+    /// Choice `c`'s decoder. A resume's continuation replays the answer's own ids (the
+    /// prompt's tail) first, their text discarded (the client has it): the decoder is then as
+    /// the dead stream's was, and what that one held back (an incomplete UTF-8 character, a
+    /// possible stop string) comes out with the continuation's first tokens. A replay that
+    /// cannot decode starts from the whole prompt, as a fresh request would.
+    fn decoder(tok: &'t ModelTokenizer, shape: &Shape, c: usize, stop_ids: Vec<u32>) -> StreamDecoder<'t> {
+        let s = &shape.sampling;
+        let prompt = shape.prompt_of(c);
+        let fresh = |prompt: &[u32], stop_ids| {
+            StreamDecoder::new(IncrementalDecoder::with_prompt(tok.tokenizer(), s.skip_special_tokens, prompt), StopMatcher::new(s.stop.clone()), stop_ids)
+        };
+        // Only a single answer is ever resumed (the resumer refuses n > 1 and batches).
+        let own = if shape.choices() == 1 { shape.resumed_ids.min(prompt.len()) } else { 0 };
+        let (asked, answered) = prompt.split_at(prompt.len() - own);
+        let mut decoder = fresh(asked, stop_ids.clone());
+        for &id in answered {
+            if decoder.push(id).is_err() {
+                return fresh(prompt, stop_ids);
+            }
+        }
+        decoder
     }
 
     pub fn stream(&self) -> bool {
@@ -127,15 +177,28 @@ impl<'t> Writer<'t> {
         Ok(text)
     }
 
+    /// A chunk's `logprobs` for these new positions (null when none were asked for).
+    fn chunk_logprobs(&self, new: &[TokenLp]) -> Value {
+        match self.shape.logprobs {
+            Some(LogprobAsk::Completions { top }) => logprobs::completions(self.tok, new, top),
+            Some(LogprobAsk::Chat { .. }) => logprobs::chat(self.tok, new),
+            _ => Value::Null,
+        }
+    }
+
     /// One stream event: the SSE bytes to send now (possibly none).
     pub fn on_event(&mut self, event: Gen) -> Result<Option<Bytes>, GatewayError> {
-        let (index, mut ids, counts, done) = match event {
-            Gen::Chunk { index, ids, counts } => (index, ids, counts, None),
-            Gen::Complete { index, ids, finish_reason, matched, counts } => (index, ids, counts, Some((finish_reason, matched))),
+        let (index, mut ids, counts, mut lp, done) = match event {
+            Gen::Chunk { index, ids, counts, lp } => (index, ids, counts, lp, None),
+            Gen::Complete { index, ids, finish_reason, matched, counts, lp } => (index, ids, counts, lp, Some((finish_reason, matched))),
+            Gen::KvTransferParams(params) => {
+                self.kv_transfer_params = Some(params);
+                return Ok(None);
+            }
         };
         let route = self.shape.route;
-        let (id, created, model, want_ids) = (self.shape.id.clone(), self.created, self.model.clone(), self.shape.return_token_ids);
-        let stream = self.shape.stream;
+        let want_ids = self.shape.return_token_ids;
+        let (stream, want_lp) = (self.shape.stream, self.shape.logprobs.is_some());
         let choice = self.choice(index)?;
         if choice.done.is_some() {
             return Ok(None);
@@ -145,9 +208,19 @@ impl<'t> Writer<'t> {
             // vLLM servicers do): only those the chunks did not bring, by the engine's count.
             let missing = (counts.completion as usize).saturating_sub(choice.ids.len()).min(ids.len());
             ids.drain(..ids.len() - missing);
+            let keep = lp.output.len().min(missing);
+            lp.output.drain(..lp.output.len() - keep);
         }
         choice.counts = counts;
+        if choice.input_lps.is_none() {
+            choice.input_lps = lp.input;
+        }
+        let new_lps = lp.output;
+        choice.lps.extend(new_lps.iter().cloned());
         let delta = Self::decode(choice, &ids, done.is_some())?;
+        // vLLM's servicers count a chunk's own tokens, not the running total: never report
+        // fewer than the choice has.
+        choice.counts.completion = choice.counts.completion.max(u32::try_from(choice.ids.len()).unwrap_or(u32::MAX));
         let reason = done.as_ref().map(|(r, _)| r.clone());
         choice.done = done;
         if !stream {
@@ -158,33 +231,50 @@ impl<'t> Writer<'t> {
         match route {
             Route::Generate => {
                 let mut v = self.native(index as usize);
-                if self.choices.len() > 1 {
+                if self.shape.batch || self.choices.len() > 1 {
                     v["index"] = json!(index);
                 }
                 out.extend_from_slice(&sse(&v));
             }
             Route::Completions | Route::Chat => {
                 let chat = route == Route::Chat;
-                let object = if chat { "chat.completion.chunk" } else { "text_completion" };
-                let chunk = |c: Value| json!({"id": id, "object": object, "created": created, "model": model, "choices": [c]});
+                let logprobs = self.chunk_logprobs(&new_lps);
+                let Some(frame) = &self.frame else { return Ok(None) };
+                let n = self.choices.len();
+                let choice = self.choices.get_mut(index as usize).ok_or_else(|| GatewayError::protocol(Leg::Regular, format!("the worker answered choice {index} of {n}")))?;
+                // The prompt's ids go out once per choice, on its first chunk (vLLM's place for
+                // them: the chat role chunk's top level, or a completion choice), as the engine's
+                // HTTP stream does: resume reads them there.
+                let prompt_ids = self.shape.prompt_of(index as usize);
+                let mut send_prompt_ids = want_ids && !choice.prompt_ids_sent;
                 if chat && !choice.role_sent {
                     choice.role_sent = true;
-                    out.extend_from_slice(&sse(&chunk(json!({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}))));
+                    frame.chat_role(&mut out, index, send_prompt_ids.then_some(prompt_ids));
+                    if send_prompt_ids {
+                        choice.prompt_ids_sent = true;
+                        send_prompt_ids = false;
+                    }
                 }
-                if !delta.is_empty() || reason.is_some() || (want_ids && !ids.is_empty()) {
-                    let mut c = Map::new();
-                    c.insert("index".into(), json!(index));
+                // With logprobs every new token goes out at once, text or not (as the engine does).
+                if !delta.is_empty() || reason.is_some() || ((want_ids || want_lp) && !ids.is_empty()) {
+                    let text = if chat && delta.is_empty() { None } else { Some(delta.as_str()) };
+                    let part_prompt_ids = (send_prompt_ids && !chat).then_some(prompt_ids);
+                    if part_prompt_ids.is_some() {
+                        choice.prompt_ids_sent = true;
+                    }
+                    let part = ChoicePart {
+                        index,
+                        text,
+                        logprobs: &logprobs,
+                        finish_reason: reason.as_deref(),
+                        token_ids: want_ids.then_some(ids.as_slice()),
+                        prompt_ids: part_prompt_ids,
+                    };
                     if chat {
-                        c.insert("delta".into(), if delta.is_empty() { json!({}) } else { json!({"content": delta}) });
+                        frame.chat(&mut out, &part);
                     } else {
-                        c.insert("text".into(), json!(delta));
+                        frame.completion(&mut out, &part);
                     }
-                    c.insert("logprobs".into(), Value::Null);
-                    c.insert("finish_reason".into(), json!(reason));
-                    if want_ids {
-                        c.insert("token_ids".into(), json!(ids));
-                    }
-                    out.extend_from_slice(&sse(&chunk(Value::Object(c))));
                 }
             }
         }
@@ -207,12 +297,14 @@ impl<'t> Writer<'t> {
         Bytes::from(out)
     }
 
-    /// OpenAI usage; with n choices the prompt counts once.
+    /// OpenAI usage: each prompt (and its cached tokens) counted once, every choice's tokens.
     fn usage(&self) -> Value {
-        let first = self.choices.first().map(|c| c.counts).unwrap_or_default();
+        let n = self.shape.sampling.n.max(1) as usize;
+        let firsts = self.choices.iter().step_by(n);
+        let (prompt, cached) = firsts.fold((0u64, 0u64), |(p, c), ch| (p + u64::from(ch.counts.prompt), c + u64::from(ch.counts.cached)));
         let completion: u64 = self.choices.iter().map(|c| u64::from(c.counts.completion)).sum();
-        json!({"prompt_tokens": first.prompt, "completion_tokens": completion, "total_tokens": u64::from(first.prompt) + completion,
-               "prompt_tokens_details": {"cached_tokens": first.cached}})
+        json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+               "prompt_tokens_details": {"cached_tokens": cached}})
     }
 
     /// SGLang's native result of one choice (cumulative text and ids).
@@ -228,14 +320,22 @@ impl<'t> Writer<'t> {
             Some((r, _)) if r == "length" => json!({"type": "length", "length": c.counts.completion}),
             Some((r, _)) => json!({"type": r}),
         };
-        json!({"text": c.text, "output_ids": c.ids, "meta_info": {"id": self.shape.id, "finish_reason": reason,
-               "prompt_tokens": c.counts.prompt, "completion_tokens": c.counts.completion, "cached_tokens": c.counts.cached}})
+        let mut meta = Map::new();
+        meta.insert("id".into(), json!(self.shape.item_id(i)));
+        meta.insert("finish_reason".into(), reason);
+        meta.insert("prompt_tokens".into(), json!(c.counts.prompt));
+        meta.insert("completion_tokens".into(), json!(c.counts.completion));
+        meta.insert("cached_tokens".into(), json!(c.counts.cached));
+        if let Some(LogprobAsk::Native { top, text }) = self.shape.logprobs {
+            logprobs::native(&mut meta, self.tok, c.input_lps.as_deref().unwrap_or_default(), &c.lps, top, text);
+        }
+        json!({"text": c.text, "output_ids": c.ids, "meta_info": meta})
     }
 
     /// A whole (non-stream) answer from the choices' `Complete`s, fed with `on_event` first.
     pub fn whole(&self) -> Bytes {
         let v = match self.shape.route {
-            Route::Generate if self.choices.len() == 1 => self.native(0),
+            Route::Generate if self.choices.len() == 1 && !self.shape.batch => self.native(0),
             Route::Generate => Value::Array((0..self.choices.len()).map(|i| self.native(i)).collect()),
             route @ (Route::Completions | Route::Chat) => {
                 let chat = route == Route::Chat;
@@ -251,12 +351,12 @@ impl<'t> Writer<'t> {
                         } else {
                             o.insert("text".into(), json!(c.text));
                         }
-                        o.insert("logprobs".into(), Value::Null);
+                        o.insert("logprobs".into(), self.chunk_logprobs(&c.lps));
                         o.insert("finish_reason".into(), json!(c.done.as_ref().map(|(r, _)| r)));
                         if self.shape.return_token_ids {
                             o.insert("token_ids".into(), json!(c.ids));
                             if !chat {
-                                o.insert("prompt_token_ids".into(), json!(self.shape.prompt_ids));
+                                o.insert("prompt_token_ids".into(), json!(self.shape.prompt_of(i)));
                             }
                         }
                         Value::Object(o)
@@ -265,7 +365,10 @@ impl<'t> Writer<'t> {
                 let object = if chat { "chat.completion" } else { "text_completion" };
                 let mut v = json!({"id": self.shape.id, "object": object, "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()});
                 if chat && self.shape.return_token_ids {
-                    v["prompt_token_ids"] = json!(self.shape.prompt_ids);
+                    v["prompt_token_ids"] = json!(self.shape.prompt_of(0));
+                }
+                if let Some(params) = &self.kv_transfer_params {
+                    v["kv_transfer_params"] = params.clone();
                 }
                 v
             }
@@ -275,137 +378,5 @@ impl<'t> Writer<'t> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::grpc::request::{Sampling, Shape};
-
-    fn tok() -> ModelTokenizer {
-        let dir = format!("{}/../pdgate-tokenizer/tests/fixtures/bpe", env!("CARGO_MANIFEST_DIR"));
-        ModelTokenizer::from_path(std::path::Path::new(&dir)).unwrap()
-    }
-
-    fn shape(route: Route, stream: bool, stop: &[&str], n: u32) -> Shape {
-        Shape {
-            route,
-            stream,
-            include_usage: true,
-            return_token_ids: false,
-            id: "cmpl-1".into(),
-            model: Some("m".into()),
-            prompt_ids: vec![],
-            sampling: Sampling { stop: stop.iter().map(|s| s.to_string()).collect(), skip_special_tokens: true, n, max_new_tokens: 64, ..Sampling::default() },
-        }
-    }
-
-    fn data(b: &Bytes) -> Vec<Value> {
-        String::from_utf8(b.to_vec()).unwrap().split("\n\n").filter_map(|e| e.strip_prefix("data: ")).filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).unwrap()).collect()
-    }
-
-    fn counts(c: u32) -> Counts {
-        Counts { prompt: 3, completion: c, cached: 2 }
-    }
-
-    /// Streams `ids` one token a chunk; returns every SSE event and the writer.
-    fn stream_one_by_one<'t>(tok: &'t ModelTokenizer, sh: Shape, ids: &[u32], reason: &str, matched: Option<Matched>) -> (Vec<Value>, Writer<'t>) {
-        let mut w = Writer::new(sh, tok, "served");
-        let mut out = vec![];
-        let (last, body) = ids.split_last().unwrap();
-        for (k, id) in body.iter().enumerate() {
-            if let Some(b) = w.on_event(Gen::Chunk { index: 0, ids: vec![*id], counts: counts(k as u32 + 1) }).unwrap() {
-                out.extend(data(&b));
-            }
-        }
-        let done = Gen::Complete { index: 0, ids: vec![*last], finish_reason: reason.into(), matched, counts: counts(ids.len() as u32) };
-        if let Some(b) = w.on_event(done).unwrap() {
-            out.extend(data(&b));
-        }
-        assert!(w.all_done());
-        out.extend(data(&w.end_stream()));
-        (out, w)
-    }
-
-    fn text(events: &[Value]) -> String {
-        events
-            .iter()
-            .flat_map(|e| e["choices"].as_array().cloned().unwrap_or_default())
-            .map(|c| c["text"].as_str().or(c["delta"]["content"].as_str()).unwrap_or("").to_string())
-            .collect()
-    }
-
-    #[test]
-    fn multibyte_text_streams_whole_characters_and_equals_one_decode() {
-        let tok = tok();
-        let want = "naïve café — 東京 ok";
-        let ids = tok.encode(want, false).unwrap();
-        let (events, _) = stream_one_by_one(&tok, shape(Route::Completions, true, &[], 1), &ids, "length", None);
-        for e in &events {
-            for c in e["choices"].as_array().unwrap() {
-                assert!(!c["text"].as_str().unwrap().contains('\u{FFFD}'), "a broken character was sent: {e}");
-            }
-        }
-        assert_eq!(text(&events), tok.decode(&ids, true).unwrap());
-        let last = events.iter().rev().find(|e| !e["choices"].as_array().unwrap().is_empty()).unwrap();
-        assert_eq!(last["choices"][0]["finish_reason"], "length");
-        let usage = &events.last().unwrap()["usage"];
-        assert_eq!((usage["prompt_tokens"].as_u64(), usage["completion_tokens"].as_u64()), (Some(3), Some(ids.len() as u64)));
-        assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 2);
-    }
-
-    #[test]
-    fn a_streamed_complete_that_repeats_the_last_chunk_adds_nothing_twice() {
-        let tok = tok();
-        let ids = tok.encode("once only", false).unwrap();
-        let mut w = Writer::new(shape(Route::Completions, true, &[], 1), &tok, "served");
-        let mut out = vec![];
-        out.extend(data(&w.on_event(Gen::Chunk { index: 0, ids: ids.clone(), counts: counts(ids.len() as u32) }).unwrap().unwrap_or_default()));
-        let done = Gen::Complete { index: 0, ids: ids.clone(), finish_reason: "length".into(), matched: None, counts: counts(ids.len() as u32) };
-        out.extend(data(&w.on_event(done).unwrap().unwrap_or_default()));
-        assert_eq!(text(&out), "once only");
-    }
-
-    #[test]
-    fn a_stop_string_spanning_chunks_is_cut_and_never_sent() {
-        let tok = tok();
-        let ids = tok.encode("hello world, stop here please", false).unwrap();
-        let (events, _) = stream_one_by_one(&tok, shape(Route::Chat, true, &["stop here"], 1), &ids, "stop", Some(Matched::Text("stop here".into())));
-        assert_eq!(events[0]["choices"][0]["delta"], json!({"role": "assistant", "content": ""}));
-        assert_eq!(text(&events), "hello world, ");
-        assert!(events.iter().all(|e| !e.to_string().contains("stop h")));
-    }
-
-    #[test]
-    fn whole_answers_have_every_choice_and_usage_counts_the_prompt_once() {
-        let tok = tok();
-        let ids = tok.encode("two answers", false).unwrap();
-        let mut w = Writer::new(shape(Route::Completions, false, &[], 2), &tok, "served");
-        for index in [1, 0] {
-            let done = Gen::Complete { index, ids: ids.clone(), finish_reason: "length".into(), matched: None, counts: counts(ids.len() as u32) };
-            assert!(w.on_event(done).unwrap().is_none());
-        }
-        let v: Value = serde_json::from_slice(&w.whole()).unwrap();
-        assert_eq!(v["object"], "text_completion");
-        assert_eq!(v["model"], "m");
-        assert_eq!(v["choices"][0]["text"], "two answers");
-        assert_eq!(v["choices"][1]["text"], "two answers");
-        assert_eq!(v["usage"]["prompt_tokens"], 3);
-        assert_eq!(v["usage"]["completion_tokens"], 2 * ids.len() as u64);
-        let bad = Gen::Chunk { index: 5, ids: vec![1], counts: counts(1) };
-        assert!(w.on_event(bad).is_err());
-    }
-
-    #[test]
-    fn generate_reports_cumulative_text_ids_and_the_matched_stop() {
-        let tok = tok();
-        let ids = tok.encode("abc def", false).unwrap();
-        let mut sh = shape(Route::Generate, false, &[], 1);
-        sh.id = "g1".into();
-        let mut w = Writer::new(sh, &tok, "served");
-        let stop_id = *ids.last().unwrap();
-        w.on_event(Gen::Complete { index: 0, ids: ids.clone(), finish_reason: "stop".into(), matched: Some(Matched::TokenId(stop_id)), counts: counts(ids.len() as u32) }).unwrap();
-        let v: Value = serde_json::from_slice(&w.whole()).unwrap();
-        assert_eq!(v["output_ids"], json!(ids));
-        assert_eq!(v["text"], "abc def");
-        assert_eq!(v["meta_info"]["finish_reason"], json!({"type": "stop", "matched": stop_id}));
-        assert_eq!(v["meta_info"]["id"], "g1");
-    }
-}
+#[path = "response_tests.rs"]
+pub(super) mod tests;

@@ -1,16 +1,18 @@
 //! The gateway's view of what every worker's KV cache holds, fed by the engines' KV events
 //! (docs/kv-events.md): one subscription task per worker that registered a `kv_events`
-//! endpoint, all applying to one [`KvIndex`] behind a mutex held for one batch or one match.
+//! endpoint (ZMQ, `subscriber.rs`) and per gRPC worker (`SubscribeKvEvents`, `grpc_sub.rs`),
+//! all applying to one [`KvIndex`] behind a mutex held for one batch or one match.
 //!
 //! Every gateway replica subscribes to the same publishers, so all replicas hold the same view
 //! without talking to each other.
 
+pub mod grpc_sub;
 pub mod subscriber;
 #[cfg(test)]
 mod tests;
 pub mod zmtp;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -36,14 +38,27 @@ pub struct SubMetrics {
 
 struct Sub {
     slot: WorkerSlot,
-    endpoints: (String, Option<String>),
+    source: Source,
     task: JoinHandle<()>,
+}
+
+/// Where a worker's events come from.
+#[derive(PartialEq, Eq)]
+enum Source {
+    /// A registered ZMQ publisher (and its replay socket).
+    Zmq(String, Option<String>),
+    /// The gRPC worker's own `SubscribeKvEvents` stream.
+    Grpc,
 }
 
 /// The index and the counters, shared with the subscription tasks.
 pub struct KvShared {
     index: Mutex<KvIndex>,
     pub metrics: SubMetrics,
+    /// gRPC workers whose stream is open: only these count as publishing (a gRPC worker that
+    /// does not offer `SubscribeKvEvents`, or cannot be reached, is matched on the text tree
+    /// under `--cache-source auto`).
+    grpc_live: Mutex<HashSet<WorkerSlot>>,
 }
 
 impl KvShared {
@@ -55,6 +70,20 @@ impl KvShared {
 
     pub fn apply(&self, slot: WorkerSlot, seq: u64, batch: &DecodedBatch) -> SeqCheck {
         self.lock().apply(slot, seq, batch)
+    }
+
+    /// A gRPC worker's stream opened (true) or ended (false).
+    pub fn set_grpc_live(&self, slot: WorkerSlot, live: bool) {
+        let mut set = self.grpc_live.lock().unwrap_or_else(|p| p.into_inner());
+        if live {
+            set.insert(slot);
+        } else {
+            set.remove(&slot);
+        }
+    }
+
+    fn grpc_live(&self, slot: WorkerSlot) -> bool {
+        self.grpc_live.lock().unwrap_or_else(|p| p.into_inner()).contains(&slot)
     }
 }
 
@@ -69,7 +98,7 @@ impl KvView {
     /// `seed`: random per process in production (keys a client cannot aim at); `max_blocks`
     /// bounds the index (worker-block entries).
     pub fn new(seed: u64, max_blocks: usize, timings: SubTimings) -> KvView {
-        let shared = Arc::new(KvShared { index: Mutex::new(KvIndex::new(seed, max_blocks)), metrics: SubMetrics::default() });
+        let shared = Arc::new(KvShared { index: Mutex::new(KvIndex::new(seed, max_blocks)), metrics: SubMetrics::default(), grpc_live: Mutex::new(HashSet::new()) });
         KvView { shared, subs: Mutex::new(HashMap::new()), timings }
     }
 
@@ -83,17 +112,30 @@ impl KvView {
 
     /// Subscribe to a worker's publisher (idempotent; new endpoints restart it from empty).
     pub fn watch(&self, worker_url: &str, endpoint: &str, replay: Option<&str>) {
-        let endpoints = (endpoint.to_string(), replay.map(str::to_string));
+        let source = Source::Zmq(endpoint.to_string(), replay.map(str::to_string));
+        let (shared, timings) = (Arc::clone(&self.shared), self.timings);
+        let (endpoint, replay) = (endpoint.to_string(), replay.map(str::to_string));
+        self.start(worker_url, source, move |slot| tokio::spawn(subscriber::run(shared, slot, endpoint, replay, timings)));
+    }
+
+    /// Subscribe to a gRPC worker's `SubscribeKvEvents` (idempotent). A worker that does not
+    /// offer it ends its task; it then never counts as publishing.
+    pub fn watch_grpc(&self, worker_url: &str, grpc: Arc<crate::grpc::GrpcClient>) {
+        let (shared, timings, url) = (Arc::clone(&self.shared), self.timings, worker_url.to_string());
+        self.start(worker_url, Source::Grpc, move |slot| tokio::spawn(grpc_sub::run(shared, slot, url, grpc, timings)));
+    }
+
+    fn start(&self, worker_url: &str, source: Source, spawn: impl FnOnce(WorkerSlot) -> JoinHandle<()>) {
         let mut subs = self.subs.lock().unwrap_or_else(|p| p.into_inner());
-        if subs.get(worker_url).is_some_and(|s| s.endpoints == endpoints) {
+        if subs.get(worker_url).is_some_and(|s| s.source == source) {
             return;
         }
         if let Some(old) = subs.remove(worker_url) {
             self.drop_sub(old);
         }
         let slot = self.lock().add_worker();
-        let task = tokio::spawn(subscriber::run(Arc::clone(&self.shared), slot, endpoints.0.clone(), endpoints.1.clone(), self.timings));
-        subs.insert(worker_url.to_string(), Sub { slot, endpoints, task });
+        let task = spawn(slot);
+        subs.insert(worker_url.to_string(), Sub { slot, source, task });
     }
 
     /// End a worker's subscription and drop its view.
@@ -106,12 +148,20 @@ impl KvView {
 
     fn drop_sub(&self, sub: Sub) {
         sub.task.abort();
+        self.shared.set_grpc_live(sub.slot, false);
         self.lock().remove_worker(sub.slot);
     }
 
-    /// Whether this worker publishes KV events to us (it registered an endpoint).
+    /// Whether this sub's events reach the index (a registered publisher always counts: its
+    /// view is what is known of it; a gRPC worker while its stream is open).
+    fn publishes(&self, sub: &Sub) -> bool {
+        sub.source != Source::Grpc || self.shared.grpc_live(sub.slot)
+    }
+
+    /// Whether this worker publishes KV events to us (it registered an endpoint, or its gRPC
+    /// stream is open).
     pub fn is_watched(&self, worker_url: &str) -> bool {
-        self.subs.lock().unwrap_or_else(|p| p.into_inner()).contains_key(worker_url)
+        self.subs.lock().unwrap_or_else(|p| p.into_inner()).get(worker_url).is_some_and(|s| self.publishes(s))
     }
 
     /// For each watched worker holding a prefix of `tokens`: its URL and how many leading
@@ -125,27 +175,34 @@ impl KvView {
 
     /// Whether any worker publishes KV events to us.
     pub fn any_watched(&self) -> bool {
-        !self.subs.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+        self.subs.lock().unwrap_or_else(|p| p.into_inner()).values().any(|s| self.publishes(s))
     }
 
     /// For each worker of `snap` holding a prefix of `tokens`: `(snapshot index, leading tokens
-    /// it holds)`, ascending by index (what cache_aware reads as `RouteInput::kv`).
-    pub fn held_in(&self, snap: &PoolSnapshot, tokens: &[u32]) -> Vec<(usize, usize)> {
+    /// it holds)`, ascending by index (what cache_aware reads as `RouteInput::kv`); and the gRPC
+    /// workers whose stream is open, by snapshot index, ascending (`KvMatch::subscribed`).
+    pub fn held_in(&self, snap: &PoolSnapshot, tokens: &[u32]) -> (Vec<(usize, usize)>, Vec<usize>) {
         let mut by_slot = self.lock().match_tokens(tokens);
-        if by_slot.is_empty() {
-            return Vec::new();
-        }
         by_slot.sort_unstable_by_key(|e| e.0);
         let subs = self.subs.lock().unwrap_or_else(|p| p.into_inner());
-        let mut held: Vec<(usize, usize)> = subs
-            .iter()
-            .filter_map(|(url, s)| {
-                let i = by_slot.binary_search_by_key(&s.slot, |e| e.0).ok()?;
-                Some((snap.index_of(url)?, by_slot[i].1))
-            })
-            .collect();
+        let mut held = Vec::new();
+        let mut subscribed = Vec::new();
+        for (url, s) in subs.iter() {
+            let grpc_live = s.source == Source::Grpc && self.shared.grpc_live(s.slot);
+            if by_slot.is_empty() && !grpc_live {
+                continue;
+            }
+            let Some(index) = snap.index_of(url) else { continue };
+            if grpc_live {
+                subscribed.push(index);
+            }
+            if let Ok(i) = by_slot.binary_search_by_key(&s.slot, |e| e.0) {
+                held.push((index, by_slot[i].1));
+            }
+        }
         held.sort_unstable();
-        held
+        subscribed.sort_unstable();
+        (held, subscribed)
     }
 
     /// Blocks a worker's view holds (0 when not watched).
@@ -172,7 +229,7 @@ impl KvView {
     /// no worker publishes events).
     pub fn metrics_text(&self) -> String {
         use std::fmt::Write;
-        let watched = self.subs.lock().unwrap_or_else(|p| p.into_inner()).len();
+        let watched = self.subs.lock().unwrap_or_else(|p| p.into_inner()).values().filter(|s| self.publishes(s)).count();
         if watched == 0 {
             return String::new();
         }
