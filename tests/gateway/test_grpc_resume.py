@@ -2,9 +2,9 @@
 issue 15 asks: "resume ... behave exactly as over HTTP"). The HTTP twin is test_resume.py.
 
 SGLang service, bootstrap PD: one prefill, a decode that fails mid-answer and a healthy one. The
-gateway asks the gRPC decode for token ids (it writes `token_ids` / `prompt_token_ids` / the
-cumulative `output_ids` as the HTTP engine does) and continues the stream on the healthy decode
-from the prompt's and the generated ids. With greedy decoding the client must get exactly the
+gateway keeps the gRPC decode's token ids (in the answer's ledger, or, when the client asked for
+them, as `token_ids` / `prompt_token_ids` / the cumulative `output_ids` as the HTTP engine writes
+them) and continues the stream on the healthy decode from the prompt's and the generated ids. With greedy decoding the client must get exactly the
 uninterrupted answer of a plain HTTP engine: same id, `[DONE]`, usage of the whole answer.
 
 The failing decode either SIGKILLs itself after its 5th token (`--fault-kill-after-tokens`) or
@@ -16,6 +16,7 @@ stream resume is proven on two regular workers.
 
 from __future__ import annotations
 
+import codecs
 from typing import Any, Iterator
 
 import httpx
@@ -257,13 +258,45 @@ def test_a_grpc_decode_that_dies_on_every_stream_leaves_rotation(reference, mode
             w.stop()
 
 
-def test_text_held_back_at_the_death_is_written_by_the_continuation(reference, model_dir: str) -> None:
-    """The tiny preset's first answer token is an incomplete UTF-8 byte for this prompt: the
-    gateway's detokenizer holds it back, then the decode drops. The continuation replays the
-    answer's own ids through its decoder, so that byte's text comes out with the next token."""
-    want = text_of(stream(reference.url, "/v1/completions", COMPLETION))
+def answer_ids(reference: ReferenceWorker) -> list[int]:
+    body = {**COMPLETION, "stream": False, "return_token_ids": True}
+    r = httpx.post(reference.url + "/v1/completions", json=body, timeout=60)
+    r.raise_for_status()
+    return r.json()["choices"][0]["token_ids"]
+
+
+def held_after_text(ids: list[int]) -> int:
+    """The fewest answer tokens (byte-level preset: ids 0..255 are bytes) that end inside an
+    incomplete UTF-8 character after some text came out: a decode that dies there has
+    committed the stream, and its last bytes' text is held back."""
+    for k in range(1, len(ids) + 1):
+        if any(i > 255 for i in ids[:k]):
+            break
+        dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        text = dec.decode(bytes(ids[:k]), final=False)
+        if text and dec.getstate()[0]:
+            return k
+    raise AssertionError(f"no answer prefix ends inside a character after text: {ids}")
+
+
+@pytest.mark.parametrize("ids_asked", [False, True], ids=["ids_in_ledger", "ids_asked"])
+def test_text_held_back_at_the_death_is_written_by_the_continuation(ids_asked: bool, reference, model_dir: str) -> None:
+    """The decode dies right after a token whose bytes are an incomplete UTF-8 character: the
+    gateway's detokenizer holds it back. The continuation replays the answer's own ids through
+    its decoder, so that character's text comes out with the next token.
+
+    The client asked for token ids: the tiny preset's first token for this prompt is such a byte
+    and its chunk (ids, no text) commits the stream, so the decode dies after it. It did not ask
+    (the ids go to the ledger, the chunk to nothing): the death comes after the first token that
+    ends inside a character once some text went out (`held_after_text`)."""
+    body = {**COMPLETION, "return_token_ids": True} if ids_asked else COMPLETION
+    want = text_of(stream(reference.url, "/v1/completions", body))
+    ids = answer_ids(reference)
+    fail_after = 1 if ids_asked else held_after_text(ids)
+    if ids_asked:
+        assert bytes(ids[:1]).decode("utf-8", errors="ignore") == "", "the first token is an incomplete character"
     p = ReferenceWorker(mode="prefill", grpc_service="sglang")
-    bad = ReferenceWorker(mode="decode", grpc_service="sglang", extra_args=["--fault-drop-after-tokens", "1"])
+    bad = ReferenceWorker(mode="decode", grpc_service="sglang", extra_args=["--fault-drop-after-tokens", str(fail_after)])
     good = ReferenceWorker(mode="decode", grpc_service="sglang")
     start([p, bad, good])
     try:
@@ -271,9 +304,12 @@ def test_text_held_back_at_the_death_is_written_by_the_continuation(reference, m
                      decode=[bad.grpc_url, good.grpc_url], decode_policy="round_robin", request_timeout_secs=60,
                      retry_max_retries=3, breaker_failure_threshold=1000)
         try:
-            texts = [text_of(stream(gw.url, "/v1/completions", COMPLETION)) for _ in range(2)]
+            got = [stream(gw.url, "/v1/completions", body) for _ in range(2)]
             assert metric(gw, RESUMED) >= 1
-            assert texts == [want, want]
+            assert [text_of(g) for g in got] == [want, want]
+            if ids_asked:
+                streamed = [i for e in got[0] if isinstance(e, dict) for c in e["choices"] for i in c.get("token_ids") or []]
+                assert streamed == ids, "every id once, across the death"
         finally:
             gw.__exit__(None, None, None)
     finally:

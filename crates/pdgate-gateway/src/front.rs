@@ -164,6 +164,7 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
             priority,
             usage: Default::default(),
             prompt_ids: Default::default(),
+            ids_to_ledger: false,
         }),
     )
     .await;

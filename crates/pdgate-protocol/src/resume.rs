@@ -14,6 +14,7 @@
 
 use serde_json::{json, Map, Value};
 
+pub use self::ledger::TokenLedger;
 use crate::request::{Endpoint, ParsedRequest};
 use crate::sse::{find_boundary, frame, parse_event, SseDecoder};
 
@@ -307,6 +308,20 @@ impl Progress {
         body
     }
 
+    /// Learns the running stream's ids from its client's ledger (`resume_ledger.rs`) instead of
+    /// its bytes: the first stream's prompt and envelope, and the running stream's generated ids
+    /// after those generated before it began.
+    pub fn absorb(&mut self, ledger: &TokenLedger) {
+        let e = ledger.entries();
+        self.prompt_ids.get_or_insert(e.prompt);
+        for (k, v) in e.head {
+            self.head.entry(k).or_insert(v);
+        }
+        self.generated.truncate(self.resumed_at.unwrap_or(0));
+        self.generated.extend_from_slice(&e.generated);
+        self.finished |= e.finished;
+    }
+
     /// Whether this is a `/generate` stream (its continuation goes to `/generate`).
     pub fn native(&self) -> bool {
         self.native
@@ -462,6 +477,12 @@ impl ResumeTracker {
         (!self.continuing).then(|| self.progress.prompt_ids.is_some())
     }
 
+    /// Whether a continuation is running (its chunks are rewritten, so they must pass
+    /// [`ResumeTracker::process_raw`] even when a ledger tells their ids).
+    pub fn continuing(&self) -> bool {
+        self.continuing
+    }
+
     /// The relayed stream broke: what it left half-sent is dropped, the next bytes are a
     /// continuation's.
     pub fn begin_continuation(&mut self) {
@@ -553,6 +574,9 @@ impl ResumeTracker {
 
 #[path = "resume_scan.rs"]
 mod scan;
+
+#[path = "resume_ledger.rs"]
+pub mod ledger;
 
 #[cfg(test)]
 #[path = "resume_tests.rs"]

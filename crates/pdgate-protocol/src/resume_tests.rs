@@ -303,3 +303,45 @@ fn a_generate_text_prompt_is_continued_from_the_gateways_ids_when_the_engine_cou
     t.process_raw(first(2).as_bytes());
     assert_eq!(t.progress.continuation(&r, None).err(), Some("tokenizer_mismatch"));
 }
+
+#[test]
+fn a_ledger_tells_what_the_bytes_would_have_across_a_continuation() {
+    let r = completions(json!({}));
+    let head = json!({"id": "cmpl-a", "object": "text_completion", "created": 7, "model": "m"});
+    let Value::Object(head) = head else { unreachable!() };
+    // The first stream, its ids in a ledger: the same continuation as from its bytes.
+    let first = TokenLedger::default();
+    first.open(&[256, 104, 105], head.clone());
+    first.wrote(&[97, 98], false);
+    first.wrote(&[0xe2], false);
+    let mut p = Progress::new(&r);
+    assert_eq!(p.refusal(), Some("no_prompt_ids"), "nothing learned before the ledger is read");
+    p.absorb(&first);
+    p.absorb(&first);
+    assert_eq!(p.generated(), 3, "reading the ledger twice counts its ids once");
+    assert_eq!(p.counts(), Some((3, 3)));
+    let mut from_bytes = Progress::new(&r);
+    let mut c = chunk("ab", &[97, 98], None);
+    c["choices"][0]["prompt_token_ids"] = json!([256, 104, 105]);
+    from_bytes.observe(&mut c);
+    from_bytes.observe(&mut chunk("", &[0xe2], None));
+    assert_eq!(p.continuation(&r, None).unwrap(), from_bytes.continuation(&r, None).unwrap());
+
+    // The continuation's own ledger: its prompt (the first prompt + what was generated) is not
+    // the answer's, its ids follow the first stream's, and its chunks read as the first's.
+    p.begin_continuation();
+    let cont = TokenLedger::default();
+    cont.open(&[256, 104, 105, 97, 98, 0xe2], Map::new());
+    cont.wrote(&[0x82], false);
+    p.absorb(&cont);
+    cont.wrote(&[0xac], true);
+    p.absorb(&cont);
+    assert_eq!(p.generated(), 5);
+    assert_eq!(p.counts(), Some((3, 5)));
+    assert_eq!(p.refusal(), Some("already_finished"));
+    let out = p.rewrite(json!({"id": "cmpl-z", "object": "text_completion", "created": 9, "model": "m",
+                               "choices": [{"index": 0, "text": "€", "finish_reason": "length"}]}));
+    let out = out.unwrap();
+    assert_eq!((out["id"].as_str(), out["created"].as_u64()), (Some("cmpl-a"), Some(7)), "the envelope the ledger told");
+    assert_eq!(p.generated(), 5, "a continuation's chunk without ids adds none");
+}

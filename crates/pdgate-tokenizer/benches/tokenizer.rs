@@ -1,5 +1,5 @@
 //! Hot-path cost of the tokenizer component: encoding a ~1k-token prompt, and incremental
-//! detokenization per generated token. Run: `cargo bench -p pdgate-tokenizer --bench tokenizer`.
+//! detokenization per generated token (the prefix window and the byte table, byte_level.rs). Run: `cargo bench -p pdgate-tokenizer --bench tokenizer`.
 //!
 //! The tokenizer is the test fixture (a byte-level BPE with a 420-entry vocabulary, trained in
 //! tests/fixtures/make_fixtures.py): the same pipeline as a real model's (ByteLevel pre-tokenizer
@@ -37,6 +37,16 @@ fn main() {
     c.bench_function("incremental_decode_1k_tokens", |b| {
         b.iter(|| {
             let mut decoder = IncrementalDecoder::new(tok.tokenizer(), true);
+            for id in &ids {
+                black_box(decoder.push(std::slice::from_ref(id)).unwrap());
+            }
+        })
+    });
+    // The same tokens on the byte-level path (the fixture is a ByteLevel tokenizer).
+    assert!(tok.byte_level());
+    c.bench_function("incremental_decode_1k_tokens_byte_table", |b| {
+        b.iter(|| {
+            let mut decoder = tok.incremental_decoder(true, &[]);
             for id in &ids {
                 black_box(decoder.push(std::slice::from_ref(id)).unwrap());
             }

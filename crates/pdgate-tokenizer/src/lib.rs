@@ -5,6 +5,7 @@
 //! detokenizes itself; HTTP routes use the same component for exact prompt token ids (cache-aware
 //! routing). No async runtime here: the only IO is reading a model directory.
 
+mod byte_level;
 mod chat;
 mod detok;
 mod error;
@@ -13,6 +14,7 @@ mod pyjson;
 mod stop;
 mod token_text;
 
+pub use byte_level::ByteTable;
 pub use chat::{ChatTemplate, ChatTemplateInputs};
 pub use detok::IncrementalDecoder;
 pub use error::TokenizerError;

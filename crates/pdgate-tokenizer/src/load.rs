@@ -9,9 +9,11 @@ use std::sync::{Arc, Mutex};
 use serde_json::Value as Json;
 use tokenizers::Tokenizer;
 
+use crate::byte_level::ByteTable;
 use crate::chat::{ChatTemplate, ChatTemplateInputs};
+use crate::detok::IncrementalDecoder;
 use crate::error::TokenizerError;
-use crate::stop::StreamDecoder;
+use crate::stop::{StopMatcher, StreamDecoder};
 
 const TOKENIZER_FILE: &str = "tokenizer.json";
 const CONFIG_FILE: &str = "tokenizer_config.json";
@@ -23,6 +25,9 @@ pub struct ModelTokenizer {
     tokenizer: Tokenizer,
     chat: Option<ChatTemplate>,
     eos_token_id: Option<u32>,
+    /// Every id's bytes, for a byte-level tokenizer (byte_level.rs): its decoders skip the
+    /// `tokenizers` pipeline.
+    bytes: Option<ByteTable>,
 }
 
 impl ModelTokenizer {
@@ -56,7 +61,8 @@ impl ModelTokenizer {
         let template_value = config.get("chat_template").cloned().or_else(|| chat_template.map(|t| Json::String(t.to_owned())));
         let chat = template_value.map(|t| ChatTemplate::from_config_value(&t, &bos, &eos)).transpose()?;
         let eos_token_id = (!eos.is_empty()).then(|| tokenizer.token_to_id(&eos)).flatten();
-        Ok(Self { tokenizer, chat, eos_token_id })
+        let bytes = ByteTable::of(&tokenizer);
+        Ok(Self { tokenizer, chat, eos_token_id, bytes })
     }
 
     /// The underlying `tokenizers` tokenizer.
@@ -100,13 +106,27 @@ impl ModelTokenizer {
         self.tokenizer.decode(ids, skip_special_tokens).map_err(|e| TokenizerError::Codec(e.to_string()))
     }
 
+    /// Whether decoders take the byte-level path (a `ByteLevel` tokenizer whose table matched).
+    pub fn byte_level(&self) -> bool {
+        self.bytes.is_some()
+    }
+
+    /// An incremental decoder for tokens that follow `prompt`: the byte-level path when this
+    /// tokenizer has one, else the prefix window seeded with the prompt's last tokens.
+    pub fn incremental_decoder(&self, skip_special_tokens: bool, prompt: &[u32]) -> IncrementalDecoder<'_> {
+        match &self.bytes {
+            Some(table) => IncrementalDecoder::with_table(&self.tokenizer, table, skip_special_tokens),
+            None => IncrementalDecoder::with_prompt(&self.tokenizer, skip_special_tokens, prompt),
+        }
+    }
+
     /// A stream decoder with the request's stop strings and stop ids (the EOS id added unless
     /// `ignore_eos`).
     pub fn stream_decoder(&self, skip_special_tokens: bool, stops: Vec<String>, mut stop_ids: Vec<u32>, ignore_eos: bool) -> StreamDecoder<'_> {
         if let (Some(eos), false) = (self.eos_token_id, ignore_eos) {
             stop_ids.push(eos);
         }
-        StreamDecoder::plain(&self.tokenizer, skip_special_tokens, stops, stop_ids)
+        StreamDecoder::new(self.incremental_decoder(skip_special_tokens, &[]), StopMatcher::new(stops), stop_ids)
     }
 }
 

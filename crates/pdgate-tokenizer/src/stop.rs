@@ -4,7 +4,6 @@
 
 use std::collections::HashSet;
 
-use tokenizers::Tokenizer;
 
 use crate::detok::IncrementalDecoder;
 use crate::error::TokenizerError;
@@ -93,11 +92,6 @@ pub struct StreamDecoder<'t> {
 impl<'t> StreamDecoder<'t> {
     pub fn new(decoder: IncrementalDecoder<'t>, stop_strings: StopMatcher, stop_ids: impl IntoIterator<Item = u32>) -> Self {
         Self { decoder, stop_strings, stop_ids: stop_ids.into_iter().collect(), stopped: false }
-    }
-
-    /// A decoder without prompt context, for `tokenizer`.
-    pub fn plain(tokenizer: &'t Tokenizer, skip_special_tokens: bool, stops: Vec<String>, stop_ids: Vec<u32>) -> Self {
-        Self::new(IncrementalDecoder::new(tokenizer, skip_special_tokens), StopMatcher::new(stops), stop_ids)
     }
 
     /// Feeds one generated token. A stop token id ends the stream without its text; the text

@@ -1,5 +1,6 @@
 //! Incremental detokenization: never a broken UTF-8 character in a chunk, and the chunks add up
-//! to the one-shot decode whatever the split.
+//! to the one-shot decode whatever the split. On both paths: the prefix window through the
+//! `tokenizers` decoder, and the byte table of a byte-level tokenizer (the fixture is one).
 
 mod common;
 
@@ -8,9 +9,17 @@ use proptest::prelude::*;
 
 const MULTIBYTE: &str = "Ça va 👍🏽 日本語のテキスト 🚀 Straße 中文!";
 
-/// Feeds `ids` in the given batches; returns the chunks emitted (finish included).
+/// Feeds `ids` in the given batches; returns the chunks emitted (finish included), of the
+/// window path and of the table path.
 fn chunks(tok: &ModelTokenizer, ids: &[u32], cuts: &[usize], skip_special: bool) -> Vec<String> {
-    let mut decoder = IncrementalDecoder::new(tok.tokenizer(), skip_special);
+    let window = chunks_of(IncrementalDecoder::new(tok.tokenizer(), skip_special), ids, cuts);
+    assert!(tok.byte_level(), "the fixture is byte-level: its decoders take the table path");
+    let table = chunks_of(tok.incremental_decoder(skip_special, &[]), ids, cuts);
+    assert_eq!(window.concat(), table.concat(), "both paths give the same text (cuts {cuts:?})");
+    [window, table].concat()
+}
+
+fn chunks_of(mut decoder: IncrementalDecoder<'_>, ids: &[u32], cuts: &[usize]) -> Vec<String> {
     let mut out = Vec::new();
     let mut start = 0;
     for &cut in cuts.iter().chain(std::iter::once(&ids.len())) {
@@ -26,7 +35,7 @@ fn assert_clean_and_complete(tok: &ModelTokenizer, ids: &[u32], cuts: &[usize]) 
     for chunk in &got {
         assert!(!chunk.contains('\u{FFFD}'), "broken character in chunk {chunk:?} (cuts {cuts:?})");
     }
-    assert_eq!(got.concat(), tok.decode(ids, false).unwrap_or_else(|e| panic!("decode: {e}")), "cuts {cuts:?}");
+    assert_eq!(got[..got.len() / 2].concat(), tok.decode(ids, false).unwrap_or_else(|e| panic!("decode: {e}")), "cuts {cuts:?}");
 }
 
 /// Byte-level ids of the text: one token per byte, so every token boundary is a byte boundary
@@ -71,7 +80,8 @@ fn merged_tokens_decode_incrementally_to_the_one_shot_text() {
     let ids = tok.encode(MULTIBYTE, true).expect("e");
     let every: Vec<usize> = (1..ids.len()).collect();
     assert_clean_and_complete(&tok, &ids, &every);
-    let skipped = chunks(&tok, &ids, &every, true).concat();
+    let got = chunks(&tok, &ids, &every, true);
+    let skipped = got[..got.len() / 2].concat();
     assert_eq!(skipped, tok.decode(&ids, true).expect("d"));
     assert!(!skipped.contains("<|begin_of_text|>"));
 }
@@ -82,8 +92,12 @@ fn truncated_character_at_end_comes_out_as_one_shot_decode_shows_it() {
     let mut ids = byte_ids(&tok, "ok 🚀");
     ids.pop();
     let got = chunks(&tok, &ids, &(1..ids.len()).collect::<Vec<_>>(), false);
-    assert_eq!(got.concat(), tok.decode(&ids, false).expect("d"));
-    assert!(got.last().expect("finish").contains('\u{FFFD}'), "only the final flush may hold U+FFFD");
+    let (window, table) = got.split_at(got.len() / 2);
+    for path in [window, table] {
+        assert_eq!(path.concat(), tok.decode(&ids, false).expect("d"));
+        assert!(path.last().expect("finish").contains('\u{FFFD}'), "only the final flush may hold U+FFFD");
+        assert!(path[..path.len() - 1].iter().all(|c| !c.contains('\u{FFFD}')));
+    }
 }
 
 #[test]
@@ -140,6 +154,32 @@ proptest! {
         cuts.sort_unstable();
         let got = chunks(&tok, &ids, &cuts, false);
         prop_assert!(got.iter().all(|c| !c.contains(char::REPLACEMENT_CHARACTER)), "broken character");
-        prop_assert_eq!(got.concat(), text);
+        prop_assert_eq!(got[..got.len() / 2].concat(), text);
     }
+
+    /// Any ids at all (special tokens, bytes that are no UTF-8, ids past the vocabulary): the
+    /// table path's text is the one-shot decode's, with and without special tokens.
+    #[test]
+    fn any_ids_on_the_table_path_equal_one_shot(ids in proptest::collection::vec(0u32..440, 0..40), raw_cuts in proptest::collection::vec(0usize..40, 0..6), skip in any::<bool>()) {
+        let tok = common::bpe();
+        let mut cuts: Vec<usize> = raw_cuts.into_iter().map(|c| c.min(ids.len())).collect();
+        cuts.sort_unstable();
+        let table = chunks_of(tok.incremental_decoder(skip, &[]), &ids, &cuts);
+        prop_assert_eq!(table.concat(), tok.decode(&ids, skip).expect("d"));
+    }
+}
+
+#[test]
+fn a_tokenizer_whose_decoder_is_not_byte_level_keeps_the_window_path() {
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": true},
+        "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "hello": 1, "world": 2}, "unk_token": "[UNK]"}
+    });
+    let tok = ModelTokenizer::from_parts(json.to_string().as_bytes(), None, None).expect("load");
+    assert!(!tok.byte_level());
+    let mut d = tok.incremental_decoder(false, &[]);
+    let text = d.push(&[1, 2]).expect("push") + &d.finish().expect("finish");
+    assert_eq!(text, tok.decode(&[1, 2], false).expect("d"));
 }

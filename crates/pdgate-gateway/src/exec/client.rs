@@ -19,6 +19,7 @@ use bytes::Bytes;
 use futures_util::Stream;
 use pdgate_core::plan::AbortStyle;
 use pdgate_core::{GatewayError, Leg};
+use pdgate_protocol::resume::TokenLedger;
 use tokio::time::Instant;
 
 /// A boxed leg future: owned, so a leg can outlive the function that sent it (a prefill is
@@ -40,6 +41,10 @@ pub struct LegRequest {
     /// The prompt's last ids that are the answer's own (a resume's continuation, see
     /// `ParsedRequest::resumed_ids`); HTTP workers detokenize themselves and ignore it.
     pub resumed_ids: usize,
+    /// The resume tracker, not the client, wants the answer's token ids: a client that writes
+    /// the answer from ids (gRPC) keeps them in the answer's [`TokenLedger`] instead of writing
+    /// them into its bytes; HTTP workers are asked for them in the body and ignore this.
+    pub ids_to_ledger: bool,
 }
 
 /// A worker accepted the leg (a 2xx head): the status and content type to relay.
@@ -62,6 +67,8 @@ pub enum LegEvent {
 pub struct LegAnswer {
     pub head: LegHead,
     pub events: LegEvents,
+    /// The ids the answer's chunks carry, when the client keeps them aside (`ids_to_ledger`).
+    pub ledger: Option<Arc<TokenLedger>>,
 }
 
 /// How the transaction reaches workers.

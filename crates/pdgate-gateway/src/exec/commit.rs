@@ -196,13 +196,22 @@ async fn commit_and_relay(
 ) -> Result<Committed, GatewayError> {
     let (deadline, leg) = (ctx.deadline, plan.leg);
     let limits = ctx.state.upstream.limits;
-    let req = LegRequest { url: plan.url.clone(), path: ctx.req.endpoint.path(), body, request_id: ctx.request_id.clone(), leg, deadline, resumed_ids: ctx.req.resumed_ids };
+    let req = LegRequest {
+        url: plan.url.clone(),
+        path: ctx.req.endpoint.path(),
+        body,
+        request_id: ctx.request_id.clone(),
+        leg,
+        deadline,
+        resumed_ids: ctx.req.resumed_ids,
+        ids_to_ledger: ctx.ids_to_ledger,
+    };
     let answer = race(&mut watched, client.send(req)).await.inspect_err(|e| {
         if e.kind == ErrorKind::BadWorkerResponse {
             count_bad(ctx, leg, "content_encoding");
         }
     })?;
-    let (head, mut events) = (answer.head, answer.events);
+    let (head, mut events, ledger) = (answer.head, answer.events, answer.ledger);
     finish.status = head.status.as_u16();
     if ctx.req.stream {
         let first = race(&mut watched, first_data(&mut events, leg, deadline)).await.map_err(|e| {
@@ -228,7 +237,7 @@ async fn commit_and_relay(
         }
         let abort = abort.take().ok_or_else(|| GatewayError::internal("the relayed leg's abort guard is gone"))?;
         let tally = StreamTally::new(ctx.req.endpoint, ctx.usage.strips(), ctx.req.batch_items.is_some());
-        let relayed = Relayed { leg, worker: plan.url, scanner, abort, trace: RelayTrace::start(), tally, learn_ids: plan.learn_ids };
+        let relayed = Relayed { leg, worker: plan.url, scanner, abort, trace: RelayTrace::start(), tally, learn_ids: plan.learn_ids, ledger };
         let relay = StreamRelay::new(first, events, deadline, watched.leg, Rewriter::new(logprobs, plan.scan_usage), finish, relayed);
         let content_type = head.content_type.unwrap_or_else(|| HeaderValue::from_static("text/event-stream"));
         return Ok(Committed::Stream { status: head.status, content_type, relay: Box::new(relay) });

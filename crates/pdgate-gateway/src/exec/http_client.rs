@@ -60,7 +60,7 @@ impl WorkerClient for HttpClient {
             let resp = leg::send(&upstream, &r.url, r.path, r.body, &r.request_id, r.leg, r.deadline).await?;
             leg::check_head_encoding(&resp, r.leg)?;
             let head = LegHead { status: resp.status(), content_type: resp.headers().get(hyper::header::CONTENT_TYPE).cloned() };
-            Ok(LegAnswer { head, events: events(resp.into_body(), r.leg) })
+            Ok(LegAnswer { head, events: events(resp.into_body(), r.leg), ledger: None })
         })
     }
 

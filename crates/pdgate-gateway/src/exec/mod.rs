@@ -71,6 +71,9 @@ pub struct Ctx {
     /// The prompt's token ids, computed once on first use (KV-event routing); `Default` for a
     /// new prompt.
     pub prompt_ids: Arc<OnceLock<Option<Vec<u32>>>>,
+    /// The resumer asked for the stream's token ids, the client did not: a worker client that
+    /// writes the answer from ids keeps them in a ledger instead of the bytes (`LegRequest`).
+    pub ids_to_ledger: bool,
 }
 
 impl Ctx {

@@ -20,6 +20,7 @@ use pdgate_core::breaker::Outcome;
 use pdgate_core::{GatewayError, Leg};
 use pdgate_protocol::logprobs::{merge_into, PrefillLogprobs};
 use pdgate_protocol::openai::error_event;
+use pdgate_protocol::resume::TokenLedger;
 use pdgate_protocol::sse::{frame, SseDecoder, SseScanner};
 use pdgate_protocol::usage::{cache_report, CacheReport};
 use serde_json::Value;
@@ -202,6 +203,8 @@ pub struct Relayed {
     pub tally: StreamTally,
     /// The worker's live state, told after the first chunk whether the engine sends token ids.
     pub learn_ids: Option<Arc<crate::registry::Runtime>>,
+    /// The leg's token ids, when its client keeps them aside instead of in the bytes (gRPC).
+    pub ledger: Option<Arc<TokenLedger>>,
 }
 
 pub struct StreamRelay {
@@ -262,6 +265,7 @@ impl StreamRelay {
 
     /// The relayed leg died: continue on a new pair if the resumer can, else `false`.
     async fn resumed(&mut self, err: &GatewayError) -> bool {
+        self.absorb_ids();
         let Some(resumer) = self.resumer.as_mut() else { return false };
         if !Resumer::is_death(err) {
             return false;
@@ -292,9 +296,17 @@ impl StreamRelay {
             Some(r) => r.process_sse(chunk),
             None => chunk,
         };
+        let ledger = self.relayed.ledger.is_some();
         match self.resumer.as_mut() {
-            Some(r) => r.process(chunk),
-            None => chunk,
+            Some(r) if r.reads_bytes(ledger) => r.process(chunk),
+            _ => chunk,
+        }
+    }
+
+    /// The resumer learns the ids a ledger kept (read when they are needed, not per chunk).
+    fn absorb_ids(&mut self) {
+        if let (Some(r), Some(ledger)) = (self.resumer.as_mut(), self.relayed.ledger.as_ref()) {
+            r.absorb(ledger);
         }
     }
 
@@ -302,6 +314,7 @@ impl StreamRelay {
     /// streams are asked for the usage event (`accounting::UsageAsk::UnlessIds`).
     fn learn_ids(&mut self) {
         if let Some(rt) = self.relayed.learn_ids.take() {
+            self.absorb_ids();
             if let Some(gave) = self.resumer.as_ref().and_then(|r| r.gave_ids()) {
                 rt.learn_token_ids(gave);
             }
@@ -311,6 +324,7 @@ impl StreamRelay {
     /// The answer's token counts: the engine's usage, else the ids the resumer counted, else
     /// the counted events.
     fn usage(&mut self) -> Usage {
+        self.absorb_ids();
         let ids = self.resumer.as_ref().and_then(|r| r.counted());
         self.relayed.tally.usage_with(ids)
     }

@@ -18,7 +18,7 @@
 use bytes::Bytes;
 use pdgate_core::breaker::Outcome;
 use pdgate_core::GatewayError;
-use pdgate_protocol::resume::{refusal, refusal_given, ResumeTracker};
+use pdgate_protocol::resume::{refusal, refusal_given, ResumeTracker, TokenLedger};
 use pdgate_protocol::{Endpoint, ParsedRequest};
 use serde_json::Value;
 use tokio::time::Instant;
@@ -69,6 +69,7 @@ impl Resumer {
         if tracker.is_some() && openai && ctx.req.body.get("return_token_ids") != Some(&Value::Bool(true)) {
             ctx.req.body.insert("return_token_ids".into(), Value::Bool(true));
             ctx.req.rewritten = true;
+            ctx.ids_to_ledger = true;
         }
         Some(Resumer { ctx: None, refused, tracker, left, failed: Vec::new(), first_route: Record::default(), why_not: None })
     }
@@ -99,6 +100,20 @@ impl Resumer {
     /// Whether the first stream's engine sent token ids (see `ResumeTracker::gave_ids`).
     pub fn gave_ids(&self) -> Option<bool> {
         self.tracker.as_ref()?.gave_ids()
+    }
+
+    /// Learns the running stream's ids from its worker client's ledger (gRPC legs keep them
+    /// there instead of in the bytes).
+    pub fn absorb(&mut self, ledger: &TokenLedger) {
+        if let Some(t) = self.tracker.as_mut() {
+            t.progress.absorb(ledger);
+        }
+    }
+
+    /// Whether chunks must pass [`Resumer::process`]: yes unless their ids are in a ledger and
+    /// no continuation runs (a continuation's chunks are rewritten to read as the first's).
+    pub fn reads_bytes(&self, ledger: bool) -> bool {
+        self.tracker.as_ref().is_some_and(|t| !ledger || t.continuing())
     }
 
     /// One relayed chunk as the client is to see it.

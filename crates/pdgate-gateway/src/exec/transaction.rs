@@ -295,6 +295,7 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
         leg: Leg::Prefill,
         deadline: ctx.deadline,
         resumed_ids: ctx.req.resumed_ids,
+        ids_to_ledger: false,
     };
     let call = client.call(req, ctx.state.upstream.limits.max_response_bytes);
     let mut abort = AbortGuard::new(client, &leg.url, &leg.abort);

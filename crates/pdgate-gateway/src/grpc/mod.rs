@@ -35,6 +35,7 @@ use futures_util::StreamExt;
 use pdgate_core::plan::AbortStyle;
 use pdgate_core::{GatewayError, Leg};
 use pdgate_protocol::engine_load::EngineLoad;
+use pdgate_protocol::resume::TokenLedger;
 use pdgate_tokenizer::ModelTokenizer;
 use tokio::sync::mpsc;
 use tokio::time::{timeout_at, Instant};
@@ -170,7 +171,7 @@ impl GrpcClient {
 
     /// Sends a leg: tokenize, `Generate`, and a task that writes the answer as the route's
     /// bytes. Resolves when the engine accepted the call (its response head).
-    async fn start(&self, r: LegRequest) -> Result<(LegHead, mpsc::Receiver<LegEvent>), GatewayError> {
+    async fn start(&self, r: LegRequest) -> Result<(LegHead, mpsc::Receiver<LegEvent>, Option<Arc<TokenLedger>>), GatewayError> {
         let route = Route::of_path(r.path).ok_or_else(|| GatewayError::invalid(None, format!("{} is not served by gRPC workers", r.path)))?;
         let wire = timeout_at(r.deadline, self.wire(&r.url, r.leg)).await.map_err(|_| deadline_error(r.leg))??;
         let tok = timeout_at(r.deadline, self.tokenizer(&wire, &r.url, r.leg)).await.map_err(|_| deadline_error(r.leg))??;
@@ -188,15 +189,24 @@ impl GrpcClient {
         let head = LegHead { status: StatusCode::OK, content_type: Some(HeaderValue::from_static(ct)) };
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
         let served = wire.served_model().to_string();
-        tokio::spawn(pump(tok, parsed.shape, served, stream, tx, r.leg));
-        Ok((head, rx))
+        let ledger = r.ids_to_ledger.then(|| Arc::new(TokenLedger::default()));
+        tokio::spawn(pump(tok, parsed.shape, served, stream, tx, r.leg, ledger.clone()));
+        Ok((head, rx, ledger))
     }
 }
 
 /// Reads the engine's stream and writes the route's bytes, until the end, an error, or the
 /// relay dropping its side (then the call is dropped, which cancels it at the engine).
-async fn pump(tok: Arc<ModelTokenizer>, shape: request::Shape, served: String, mut stream: wire::GenStream, tx: mpsc::Sender<LegEvent>, leg: Leg) {
-    let mut writer = Writer::new(shape, &tok, &served);
+async fn pump(
+    tok: Arc<ModelTokenizer>,
+    shape: request::Shape,
+    served: String,
+    mut stream: wire::GenStream,
+    tx: mpsc::Sender<LegEvent>,
+    leg: Leg,
+    ledger: Option<Arc<TokenLedger>>,
+) {
+    let mut writer = Writer::new(shape, &tok, &served).with_ledger(ledger);
     loop {
         let next = tokio::select! {
             _ = tx.closed() => return,
@@ -238,8 +248,8 @@ impl WorkerClient for Arc<GrpcClient> {
     fn send(&self, r: LegRequest) -> LegFuture<LegAnswer> {
         let this = self.clone();
         Box::pin(async move {
-            let (head, rx) = this.start(r).await?;
-            Ok(LegAnswer { head, events: events(rx) })
+            let (head, rx, ledger) = this.start(r).await?;
+            Ok(LegAnswer { head, events: events(rx), ledger })
         })
     }
 
@@ -247,7 +257,7 @@ impl WorkerClient for Arc<GrpcClient> {
         let this = self.clone();
         Box::pin(async move {
             let (leg, deadline) = (r.leg, r.deadline);
-            let (_, mut rx) = this.start(r).await?;
+            let (_, mut rx, _) = this.start(r).await?;
             let read = async {
                 let mut buf = BytesMut::new();
                 while let Some(event) = rx.recv().await {

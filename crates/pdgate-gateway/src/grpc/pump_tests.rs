@@ -19,7 +19,7 @@ async fn leg_events(stream: bool, events: Vec<Result<Gen, GatewayError>>) -> Vec
     let gen: wire::GenStream = Box::pin(futures_util::stream::iter(events));
     let (tx, rx) = mpsc::channel(EVENT_BUFFER);
     let sh = shape(Route::Completions, stream, &[], 1);
-    let (_, events) = tokio::join!(pump(Arc::new(tok()), sh, "served".into(), gen, tx, Leg::Decode), stream_of(rx).collect::<Vec<_>>());
+    let (_, events) = tokio::join!(pump(Arc::new(tok()), sh, "served".into(), gen, tx, Leg::Decode, None), stream_of(rx).collect::<Vec<_>>());
     events
 }
 

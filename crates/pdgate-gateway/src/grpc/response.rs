@@ -6,9 +6,12 @@
 //! Both wires (SGLang's scheduler, vLLM's engine) are read into the same [`Gen`] events first;
 //! a leg of several calls (calls.rs) has its events' `index` already made answer-wide.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use pdgate_core::{GatewayError, Leg};
-use pdgate_tokenizer::{IncrementalDecoder, ModelTokenizer, StopMatcher, StreamDecoder};
+use pdgate_protocol::resume::TokenLedger;
+use pdgate_tokenizer::{ModelTokenizer, StopMatcher, StreamDecoder};
 use serde_json::{json, Map, Value};
 
 use super::logprobs::{self, LogprobAsk, LpPart, TokenLp};
@@ -81,6 +84,8 @@ pub struct Writer<'t> {
     /// A completions / chat stream's chunk envelope, written once (sse_chunk.rs).
     frame: Option<ChunkFrame>,
     kv_transfer_params: Option<Value>,
+    /// Where a stream's ids go instead of its bytes when only the resume tracker wants them.
+    ledger: Option<Arc<TokenLedger>>,
 }
 
 fn sse(v: &Value) -> Bytes {
@@ -120,7 +125,21 @@ impl<'t> Writer<'t> {
         let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let model = shape.model.clone().unwrap_or_else(|| served.to_string());
         let frame = (shape.stream && shape.route != Route::Generate).then(|| ChunkFrame::new(&shape.id, created, &model, shape.route == Route::Chat));
-        Writer { shape, tok, choices, created, model, frame, kv_transfer_params: None }
+        Writer { shape, tok, choices, created, model, frame, kv_transfer_params: None, ledger: None }
+    }
+
+    /// Keeps a completions or chat stream's token ids in `ledger` instead of writing them as
+    /// `token_ids` / `prompt_token_ids` (the client did not ask for them; the resume tracker
+    /// reads the ledger). Other answers are written as they were.
+    pub fn with_ledger(mut self, ledger: Option<Arc<TokenLedger>>) -> Self {
+        let Some(ledger) = ledger.filter(|_| self.shape.stream && self.shape.route != Route::Generate && self.choices.len() == 1) else { return self };
+        let object = if self.shape.route == Route::Chat { "chat.completion.chunk" } else { "text_completion" };
+        let head = json!({"id": self.shape.id, "object": object, "created": self.created, "model": self.model});
+        let Value::Object(head) = head else { return self };
+        ledger.open(self.shape.prompt_of(0), head);
+        self.shape.return_token_ids = false;
+        self.ledger = Some(ledger);
+        self
     }
 
     /// Choice `c`'s decoder. A resume's continuation replays the answer's own ids (the
@@ -131,9 +150,7 @@ impl<'t> Writer<'t> {
     fn decoder(tok: &'t ModelTokenizer, shape: &Shape, c: usize, stop_ids: Vec<u32>) -> StreamDecoder<'t> {
         let s = &shape.sampling;
         let prompt = shape.prompt_of(c);
-        let fresh = |prompt: &[u32], stop_ids| {
-            StreamDecoder::new(IncrementalDecoder::with_prompt(tok.tokenizer(), s.skip_special_tokens, prompt), StopMatcher::new(s.stop.clone()), stop_ids)
-        };
+        let fresh = |prompt: &[u32], stop_ids| StreamDecoder::new(tok.incremental_decoder(s.skip_special_tokens, prompt), StopMatcher::new(s.stop.clone()), stop_ids);
         // Only a single answer is ever resumed (the resumer refuses n > 1 and batches).
         let own = if shape.choices() == 1 { shape.resumed_ids.min(prompt.len()) } else { 0 };
         let (asked, answered) = prompt.split_at(prompt.len() - own);
@@ -223,6 +240,9 @@ impl<'t> Writer<'t> {
         choice.counts.completion = choice.counts.completion.max(u32::try_from(choice.ids.len()).unwrap_or(u32::MAX));
         let reason = done.as_ref().map(|(r, _)| r.clone());
         choice.done = done;
+        if let Some(ledger) = &self.ledger {
+            ledger.wrote(&ids, reason.is_some());
+        }
         if !stream {
             // A whole answer is written once, at the end (`whole`).
             return Ok(None);

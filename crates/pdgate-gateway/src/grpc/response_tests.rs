@@ -35,7 +35,11 @@ pub(crate) fn counts(c: u32) -> Counts {
 
 /// Streams `ids` one token a chunk; returns every SSE event and the writer.
 fn stream_one_by_one<'t>(tok: &'t ModelTokenizer, sh: Shape, ids: &[u32], reason: &str, matched: Option<Matched>) -> (Vec<Value>, Writer<'t>) {
-    let mut w = Writer::new(sh, tok, "served");
+    stream_through(Writer::new(sh, tok, "served"), ids, reason, matched)
+}
+
+/// Streams `ids` one token a chunk through `w`.
+fn stream_through<'t>(mut w: Writer<'t>, ids: &[u32], reason: &str, matched: Option<Matched>) -> (Vec<Value>, Writer<'t>) {
     let mut out = vec![];
     let (last, body) = ids.split_last().unwrap();
     for (k, id) in body.iter().enumerate() {
@@ -272,6 +276,35 @@ fn a_stream_with_return_token_ids_carries_the_prompt_ids_once_where_resume_reads
     // Without return_token_ids, no ids at all.
     let (events, _) = stream_one_by_one(&tok, shape(Route::Completions, true, &[], 1), &ids, "length", None);
     assert!(events.iter().all(|e| !e.to_string().contains("token_ids")));
+}
+
+#[test]
+fn ids_only_the_resume_tracker_wants_go_to_the_ledger_not_the_bytes() {
+    let tok = tok();
+    let ids = tok.encode("ids for resume", false).unwrap();
+    for route in [Route::Completions, Route::Chat] {
+        let mut sh = shape(route, true, &[], 1);
+        sh.return_token_ids = true;
+        sh.prompts = vec![vec![7, 8, 9]];
+        let ledger = Arc::new(TokenLedger::default());
+        let w = Writer::new(sh.clone(), &tok, "served").with_ledger(Some(ledger.clone()));
+        let (events, _) = stream_through(w, &ids, "length", None);
+        assert!(events.iter().all(|e| !e.to_string().contains("token_ids")), "{route:?}: {events:?}");
+        let (with_ids, _) = stream_one_by_one(&tok, sh, &ids, "length", None);
+        assert_eq!(text(&events), text(&with_ids), "{route:?}: the same text");
+        let e = ledger.entries();
+        assert_eq!((e.prompt, e.generated, e.finished), (vec![7, 8, 9], ids.clone(), true), "{route:?}");
+        let object = if route == Route::Chat { "chat.completion.chunk" } else { "text_completion" };
+        assert_eq!((e.head["id"].as_str(), e.head["object"].as_str(), e.head["model"].as_str()), (Some("cmpl-1"), Some(object), Some("m")));
+        assert_eq!(e.head["created"], events[0]["created"], "the envelope the chunks carry");
+    }
+    // A whole answer, or `/generate` (its ids are in every event anyway), ignores the ledger.
+    for (route, stream) in [(Route::Completions, false), (Route::Generate, true)] {
+        let ledger = Arc::new(TokenLedger::default());
+        let w = Writer::new(shape(route, stream, &[], 1), &tok, "served").with_ledger(Some(ledger.clone()));
+        let _ = stream_through(w, &ids, "length", None);
+        assert!(ledger.entries().generated.is_empty(), "{route:?}");
+    }
 }
 
 #[test]
