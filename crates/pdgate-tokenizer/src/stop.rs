@@ -4,7 +4,6 @@
 
 use std::collections::HashSet;
 
-
 use crate::detok::IncrementalDecoder;
 use crate::error::TokenizerError;
 
