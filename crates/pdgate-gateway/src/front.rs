@@ -165,6 +165,7 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
             usage: Default::default(),
             prompt_ids: Default::default(),
             ids_to_ledger: false,
+            prompt_memo: Default::default(),
         }),
     )
     .await;

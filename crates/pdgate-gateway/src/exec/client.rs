@@ -45,6 +45,9 @@ pub struct LegRequest {
     /// the answer from ids (gRPC) keeps them in the answer's [`TokenLedger`] instead of writing
     /// them into its bytes; HTTP workers are asked for them in the body and ignore this.
     pub ids_to_ledger: bool,
+    /// The request's prompts as its first tokenized leg found them (`Ctx::prompt_memo`): a client
+    /// that tokenizes (gRPC) does so once per request, not once per leg.
+    pub prompts: crate::grpc::PromptMemo,
 }
 
 /// A worker accepted the leg (a 2xx head): the status and content type to relay.

@@ -205,6 +205,7 @@ async fn commit_and_relay(
         deadline,
         resumed_ids: ctx.req.resumed_ids,
         ids_to_ledger: ctx.ids_to_ledger,
+        prompts: ctx.prompt_memo.clone(),
     };
     let answer = race(&mut watched, client.send(req)).await.inspect_err(|e| {
         if e.kind == ErrorKind::BadWorkerResponse {

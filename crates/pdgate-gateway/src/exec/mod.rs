@@ -74,6 +74,9 @@ pub struct Ctx {
     /// The resumer asked for the stream's token ids, the client did not: a worker client that
     /// writes the answer from ids keeps them in a ledger instead of the bytes (`LegRequest`).
     pub ids_to_ledger: bool,
+    /// The prompts as the first leg to a tokenizing worker client found them, for the other leg
+    /// and retries; `Default` for a new prompt (a resume's continuation).
+    pub prompt_memo: crate::grpc::PromptMemo,
 }
 
 impl Ctx {

@@ -186,7 +186,7 @@ impl Resumer {
         };
         // A new rendezvous: the dead pair may still hold the old id.
         let request_id = crate::request_id::mint(ctx.client_request_id.as_deref());
-        let cont = Ctx { req, raw: Bytes::new(), request_id, prompt_ids: Default::default(), ..ctx.clone() };
+        let cont = Ctx { req, raw: Bytes::new(), request_id, prompt_ids: Default::default(), prompt_memo: Default::default(), ..ctx.clone() };
         let mut record = Record::default();
         let metrics = &ctx.state.metrics;
         match super::transaction::attempt(&cont, &self.failed, None, &mut record).await {

@@ -296,6 +296,7 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
         deadline: ctx.deadline,
         resumed_ids: ctx.req.resumed_ids,
         ids_to_ledger: false,
+        prompts: ctx.prompt_memo.clone(),
     };
     let call = client.call(req, ctx.state.upstream.limits.max_response_bytes);
     let mut abort = AbortGuard::new(client, &leg.url, &leg.abort);

@@ -43,6 +43,7 @@ use tokio::time::{timeout_at, Instant};
 use crate::exec::client::{LegAnswer, LegEvent, LegFuture, LegHead, LegRequest, WorkerClient};
 use crate::exec::leg::{answering_deadline_error, deadline_error, whose};
 use crate::registry::EngineInfo;
+pub use prompts::PromptMemo;
 use request::Route;
 use response::Writer;
 pub use wire::Wire;
@@ -175,7 +176,7 @@ impl GrpcClient {
         let route = Route::of_path(r.path).ok_or_else(|| GatewayError::invalid(None, format!("{} is not served by gRPC workers", r.path)))?;
         let wire = timeout_at(r.deadline, self.wire(&r.url, r.leg)).await.map_err(|_| deadline_error(r.leg))??;
         let tok = timeout_at(r.deadline, self.tokenizer(&wire, &r.url, r.leg)).await.map_err(|_| deadline_error(r.leg))??;
-        let mut parsed = request::parse(&tok, route, &r.body, &r.request_id)?;
+        let mut parsed = request::parse_shared(&tok, route, &r.body, &r.request_id, &r.prompts)?;
         parsed.shape.resumed_ids = r.resumed_ids;
         // Every call of the leg at once; their events merged, numbered answer-wide.
         let started = futures_util::future::try_join_all(parsed.calls.iter().map(|c| wire.generate(c, &parsed.shape, r.leg)));

@@ -3,6 +3,8 @@
 //! chat's `messages` (through the chat template), `/generate`'s `text` (a string or a list) or
 //! `input_ids` (ids or a list of id lists).
 
+use std::sync::{Arc, OnceLock};
+
 use pdgate_core::GatewayError;
 use pdgate_tokenizer::ModelTokenizer;
 use serde_json::{Map, Value};
@@ -16,6 +18,32 @@ use crate::prompt_ids::{prompt_token_ids, PromptKind};
 pub struct Prompts {
     pub ids: Vec<Vec<u32>>,
     pub batch: bool,
+}
+
+/// The prompts of one request as the first of its legs tokenized them, for its other legs (a PD
+/// pair's legs carry the same prompt; a retry too): a prompt is tokenized, and a chat template
+/// rendered, once per request instead of once per leg. Kept with the tokenizer that made it,
+/// by address: a leg to another model's workers tokenizes its own (tokenizers live as long as
+/// the gateway, configured or fetched once per model, so an address is never reused while a
+/// request runs).
+#[derive(Debug, Clone, Default)]
+pub struct PromptMemo(Arc<OnceLock<(usize, Prompts)>>);
+
+impl PromptMemo {
+    /// The memo's prompts if `tok` made them, else `make`'s (kept for the next leg when the
+    /// memo is empty).
+    pub fn get_or(&self, tok: &ModelTokenizer, make: impl FnOnce() -> Result<Prompts, GatewayError>) -> Result<Prompts, GatewayError> {
+        let key = std::ptr::from_ref(tok) as usize;
+        if let Some((k, p)) = self.0.get() {
+            if *k == key {
+                return Ok(p.clone());
+            }
+        }
+        // Concurrent legs may both tokenize (no wait on each other); the first to finish is kept.
+        let p = make()?;
+        let _ = self.0.set((key, p.clone()));
+        Ok(p)
+    }
 }
 
 fn bad(param: &str, message: impl Into<String>) -> GatewayError {
@@ -109,6 +137,23 @@ mod tests {
         assert_eq!(of(Route::Completions, r#"{"prompt":[[1],[2,3]]}"#).unwrap(), Prompts { ids: vec![vec![1], vec![2, 3]], batch: true });
         assert_eq!(of(Route::Generate, r#"{"text":["hi"]}"#).unwrap(), Prompts { ids: vec![hi], batch: true });
         assert_eq!(of(Route::Generate, r#"{"input_ids":[[4],[5]]}"#).unwrap().ids, vec![vec![4], vec![5]]);
+    }
+
+    #[test]
+    fn a_request_tokenizes_once_across_its_legs_and_only_with_the_same_tokenizer() {
+        let (t, other) = (tok(), tok());
+        let memo = PromptMemo::default();
+        let made = std::cell::Cell::new(0);
+        let make = |ids: Vec<u32>| {
+            made.set(made.get() + 1);
+            Ok(Prompts { ids: vec![ids], batch: false })
+        };
+        assert!(memo.get_or(&t, || Err(GatewayError::invalid(Some("prompt"), "bad"))).is_err());
+        assert_eq!(memo.get_or(&t, || make(vec![1])).unwrap().ids, vec![vec![1]], "an error is not kept");
+        assert_eq!(memo.get_or(&t, || make(vec![2])).unwrap().ids, vec![vec![1]], "the second leg reuses the first's");
+        assert_eq!(made.get(), 1);
+        assert_eq!(memo.get_or(&other, || make(vec![3])).unwrap().ids, vec![vec![3]], "another tokenizer tokenizes its own");
+        assert_eq!(memo.clone().get_or(&t, || make(vec![4])).unwrap().ids, vec![vec![1]], "clones share the memo");
     }
 
     #[test]

@@ -7,6 +7,7 @@ use pdgate_tokenizer::ModelTokenizer;
 use serde_json::{Map, Value};
 
 use super::logprobs::{self, LogprobAsk};
+use super::prompts::PromptMemo;
 use super::{calls, prompts};
 
 /// The reference engine's and SGLang's defaults when a body gives no `max_tokens`.
@@ -236,13 +237,18 @@ fn logprob_ask(route: Route, body: &Map<String, Value>) -> Result<Option<Logprob
 /// Parses a leg body for `route` with the gateway's tokenizer. Bad input is the client's (400),
 /// named by field, never sent on to the engine.
 pub fn parse(tok: &ModelTokenizer, route: Route, raw: &[u8], request_id: &str) -> Result<Parsed, GatewayError> {
+    parse_shared(tok, route, raw, request_id, &PromptMemo::default())
+}
+
+/// [`parse`], the prompts taken from `memo` when another leg of the request tokenized them.
+pub fn parse_shared(tok: &ModelTokenizer, route: Route, raw: &[u8], request_id: &str, memo: &PromptMemo) -> Result<Parsed, GatewayError> {
     let value: Value = serde_json::from_slice(raw).map_err(|e| GatewayError::invalid(None, format!("request body is not JSON: {e}")))?;
     let Value::Object(body) = &value else { return Err(GatewayError::invalid(None, "request body must be a JSON object")) };
     if route == Route::Completions && body.get("echo").and_then(Value::as_bool).unwrap_or(false) {
         // The engine's HTTP completions refuse it too (the prompt's logprobs are not written).
         return Err(bad("echo", "'echo' is not supported"));
     }
-    let given = prompts::prompts(tok, route, &value, body)?;
+    let given = memo.get_or(tok, || prompts::prompts(tok, route, &value, body))?;
     let ask = logprob_ask(route, body)?;
     let rid = body.get("rid").and_then(Value::as_str).filter(|r| !r.is_empty()).map(str::to_string);
     let flag = |k: &str| body.get(k).and_then(Value::as_bool).unwrap_or(false);
