@@ -190,7 +190,8 @@ impl GrpcClient {
         let head = LegHead { status: StatusCode::OK, content_type: Some(HeaderValue::from_static(ct)) };
         let (tx, rx) = mpsc::channel(EVENT_BUFFER);
         let served = wire.served_model().to_string();
-        let ledger = r.ids_to_ledger.then(|| Arc::new(TokenLedger::default()));
+        // The relay skips reading the bytes for ids only when the writer really keeps them aside.
+        let ledger = (r.ids_to_ledger && parsed.shape.ledger_fits()).then(|| Arc::new(TokenLedger::default()));
         tokio::spawn(pump(tok, parsed.shape, served, stream, tx, r.leg, ledger.clone()));
         Ok((head, rx, ledger))
     }

@@ -93,6 +93,13 @@ impl Shape {
         self.prompts.len() * self.sampling.n.max(1) as usize
     }
 
+    /// Whether the answer's ids can be kept in a ledger instead of its bytes: a completions or
+    /// chat stream of one choice (the only answers resume continues; `/generate` writes its
+    /// cumulative ids anyway).
+    pub fn ledger_fits(&self) -> bool {
+        self.stream && self.route != Route::Generate && self.choices() == 1
+    }
+
     /// Choice `c`'s prompt.
     pub fn prompt_of(&self, c: usize) -> &[u32] {
         &self.prompts[c / self.sampling.n.max(1) as usize]

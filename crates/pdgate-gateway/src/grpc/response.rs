@@ -128,11 +128,11 @@ impl<'t> Writer<'t> {
         Writer { shape, tok, choices, created, model, frame, kv_transfer_params: None, ledger: None }
     }
 
-    /// Keeps a completions or chat stream's token ids in `ledger` instead of writing them as
-    /// `token_ids` / `prompt_token_ids` (the client did not ask for them; the resume tracker
-    /// reads the ledger). Other answers are written as they were.
+    /// Keeps the stream's token ids in `ledger` instead of writing them as `token_ids` /
+    /// `prompt_token_ids` (the client did not ask for them; the resume tracker reads the
+    /// ledger). Only for answers that `Shape::ledger_fits`; others are written as they were.
     pub fn with_ledger(mut self, ledger: Option<Arc<TokenLedger>>) -> Self {
-        let Some(ledger) = ledger.filter(|_| self.shape.stream && self.shape.route != Route::Generate && self.choices.len() == 1) else { return self };
+        let Some(ledger) = ledger.filter(|_| self.shape.ledger_fits()) else { return self };
         let object = if self.shape.route == Route::Chat { "chat.completion.chunk" } else { "text_completion" };
         let head = json!({"id": self.shape.id, "object": object, "created": self.created, "model": self.model});
         let Value::Object(head) = head else { return self };

@@ -248,14 +248,20 @@ fn per_chunk_counts_as_vllm_sends_them_still_sum_to_every_token() {
     assert_eq!(usage["completion_tokens"], ids.len() as u64);
 }
 
+/// A stream of one choice to the prompt [7, 8, 9] whose token ids were asked for.
+fn ids_stream_shape(route: Route) -> Shape {
+    let mut sh = shape(route, true, &[], 1);
+    sh.return_token_ids = true;
+    sh.prompts = vec![vec![7, 8, 9]];
+    sh
+}
+
 #[test]
 fn a_stream_with_return_token_ids_carries_the_prompt_ids_once_where_resume_reads_them() {
     let tok = tok();
     let ids = tok.encode("ids for resume", false).unwrap();
     for route in [Route::Completions, Route::Chat] {
-        let mut sh = shape(route, true, &[], 1);
-        sh.return_token_ids = true;
-        sh.prompts = vec![vec![7, 8, 9]];
+        let sh = ids_stream_shape(route);
         let (events, _) = stream_one_by_one(&tok, sh, &ids, "length", None);
         // Chat: on the role chunk (top level); completions: on the first choice.
         let carriers: Vec<&Value> = events.iter().filter(|e| e.to_string().contains("prompt_token_ids")).collect();
@@ -283,9 +289,7 @@ fn ids_only_the_resume_tracker_wants_go_to_the_ledger_not_the_bytes() {
     let tok = tok();
     let ids = tok.encode("ids for resume", false).unwrap();
     for route in [Route::Completions, Route::Chat] {
-        let mut sh = shape(route, true, &[], 1);
-        sh.return_token_ids = true;
-        sh.prompts = vec![vec![7, 8, 9]];
+        let sh = ids_stream_shape(route);
         let ledger = Arc::new(TokenLedger::default());
         let w = Writer::new(sh.clone(), &tok, "served").with_ledger(Some(ledger.clone()));
         let (events, _) = stream_through(w, &ids, "length", None);
