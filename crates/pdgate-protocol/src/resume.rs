@@ -312,14 +312,17 @@ impl Progress {
     /// its bytes: the first stream's prompt and envelope, and the running stream's generated ids
     /// after those generated before it began.
     pub fn absorb(&mut self, ledger: &TokenLedger) {
-        let e = ledger.entries();
-        self.prompt_ids.get_or_insert(e.prompt);
-        for (k, v) in e.head {
-            self.head.entry(k).or_insert(v);
-        }
-        self.generated.truncate(self.resumed_at.unwrap_or(0));
-        self.generated.extend_from_slice(&e.generated);
-        self.finished |= e.finished;
+        ledger.read(|e| {
+            self.prompt_ids.get_or_insert_with(|| e.prompt.clone());
+            for (k, v) in &e.head {
+                if !self.head.contains_key(k) {
+                    self.head.insert(k.clone(), v.clone());
+                }
+            }
+            self.generated.truncate(self.resumed_at.unwrap_or(0));
+            self.generated.extend_from_slice(&e.generated);
+            self.finished |= e.finished;
+        });
     }
 
     /// Whether this is a `/generate` stream (its continuation goes to `/generate`).

@@ -52,4 +52,9 @@ impl TokenLedger {
     pub fn entries(&self) -> Entries {
         self.lock().clone()
     }
+
+    /// Reads what was written so far in place (no copy of the ids).
+    pub fn read<R>(&self, f: impl FnOnce(&Entries) -> R) -> R {
+        f(&self.lock())
+    }
 }

@@ -56,10 +56,11 @@ impl<'t> IncrementalDecoder<'t> {
 
     /// Adds generated tokens; returns the text they complete (possibly empty).
     pub fn push(&mut self, new_ids: &[u32]) -> Result<String, TokenizerError> {
-        self.ids.extend_from_slice(new_ids);
+        // The table path keeps bytes, not ids (it never decodes a window again).
         if let Some((table, pending)) = self.bytes.as_mut() {
             return Ok(pending.push(table, new_ids, self.skip_special_tokens));
         }
+        self.ids.extend_from_slice(new_ids);
         let prefix = self.decode(&self.ids[self.prefix_offset..self.read_offset])?;
         let full = self.decode(&self.ids[self.prefix_offset..])?;
         if full.len() <= prefix.len() || full.ends_with(REPLACEMENT) || !full.is_char_boundary(prefix.len()) {
@@ -82,10 +83,5 @@ impl<'t> IncrementalDecoder<'t> {
         self.prefix_offset = self.read_offset;
         self.read_offset = self.ids.len();
         Ok(full.get(prefix.len()..).unwrap_or_default().to_owned())
-    }
-
-    /// Every token id seen so far (the prompt context, where one was taken, included).
-    pub fn ids(&self) -> &[u32] {
-        &self.ids
     }
 }
