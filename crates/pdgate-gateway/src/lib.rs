@@ -12,6 +12,7 @@ mod exec;
 mod front;
 mod goodput;
 pub mod grpc;
+mod h1_client;
 mod health;
 pub mod kv_sub;
 mod load;

@@ -1,15 +1,19 @@
-//! The HTTP client that talks to workers: one pooled hyper client, TCP_NODELAY, a connect
-//! timeout, `http://` and `https://` (rustls, see worker_tls.rs), and the worker key.
+//! The HTTP clients that talk to workers: the gateway's own HTTP/1.1 client for POSTs to
+//! `http://` workers (`h1_client`: the relay reads the worker's socket itself), and one pooled
+//! hyper client for `https://` workers (rustls, see worker_tls.rs) and for GETs; both with
+//! TCP_NODELAY, the connect timeout and the worker key.
 //!
 //! Every request to a worker is built here from scratch: nothing of the client's request but
 //! the body is forwarded, so the client's `Authorization` never reaches a worker; the worker
 //! key (`--worker-api-key`) does.
 
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
-use hyper::body::Incoming;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::header::HeaderValue;
 use hyper::{header, Method, Request, Response};
 use hyper_rustls::HttpsConnector;
@@ -19,11 +23,19 @@ use hyper_util::rt::TokioExecutor;
 
 use pdgate_core::{GatewayConfig, GatewayError, Leg};
 
+use crate::h1_client::{H1Body, H1Client, H1Error};
+
+/// How long an idle worker connection is kept, and how many per worker.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+const POOL_MAX_IDLE_PER_HOST: usize = 256;
+
 #[derive(Clone)]
 pub struct Upstream {
     /// Bounds on what a worker may send back (`--max-response-bytes`, `--max-sse-event-bytes`).
     pub limits: AnswerLimits,
     client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
+    /// POSTs to `http://` workers.
+    h1: H1Client,
     /// `Bearer KEY` from `--worker-api-key`, marked sensitive (kept out of debug output).
     worker_key: Option<HeaderValue>,
 }
@@ -55,12 +67,52 @@ impl Upstream {
                 Some(value)
             }
         };
-        let client = client(Duration::from_millis(config.worker_connect_timeout_ms), tls);
-        Ok(Upstream { limits: AnswerLimits::from_config(config), client, worker_key })
+        let connect_timeout = Duration::from_millis(config.worker_connect_timeout_ms);
+        let client = client(connect_timeout, tls);
+        let h1 = H1Client::new(connect_timeout, POOL_MAX_IDLE_PER_HOST, POOL_IDLE_TIMEOUT);
+        Ok(Upstream { limits: AnswerLimits::from_config(config), client, h1, worker_key })
     }
 
     /// POSTs a JSON body to `base` + `path`; returns once the response head arrived.
-    pub async fn post_json(&self, base: &str, path: &str, body: Bytes, request_id: &str, leg: Leg) -> Result<Response<Incoming>, GatewayError> {
+    pub async fn post_json(&self, base: &str, path: &str, body: Bytes, request_id: &str, leg: Leg) -> Result<Response<WorkerBody>, GatewayError> {
+        if base.starts_with("http://") {
+            return self.post_own(base, path, body, request_id, leg).await;
+        }
+        self.post_pooled(base, path, body, request_id, leg).await.map(|r| r.map(WorkerBody::Pooled))
+    }
+
+    /// [`Self::post_json`] over the own client: the same headers as the hyper request below.
+    async fn post_own(&self, base: &str, path: &str, body: Bytes, request_id: &str, leg: Leg) -> Result<Response<WorkerBody>, GatewayError> {
+        static IDENTITY: HeaderValue = HeaderValue::from_static("identity");
+        static JSON: HeaderValue = HeaderValue::from_static("application/json");
+        let url = format!("{base}{path}");
+        let id = HeaderValue::from_str(request_id).map_err(|e| GatewayError::internal(format!("cannot build request to {url}: {e}")))?;
+        let via = crate::edge::scope::via();
+        let trace = crate::edge::scope::worker_trace_headers();
+        let mut headers: Vec<(&'static str, &HeaderValue)> = vec![("accept-encoding", &IDENTITY), ("content-type", &JSON), ("x-request-id", &id)];
+        if let Some(key) = &self.worker_key {
+            headers.push(("authorization", key));
+        }
+        if let Some(via) = &via {
+            headers.push(("via", via));
+        }
+        if let Some((parent, state)) = &trace {
+            headers.push(("traceparent", parent));
+            if let Some(state) = state {
+                headers.push(("tracestate", state));
+            }
+        }
+        match self.h1.post(&url, &headers, body).await {
+            Ok(resp) => Ok(resp.map(WorkerBody::Own)),
+            Err(e) => {
+                let err = GatewayError::unreachable(leg, format!("{} worker {base} unreachable: {e}", leg.as_str()));
+                // A refused or failed connect: the worker never saw the request.
+                Err(if e.is_connect() { err.not_sent() } else { err })
+            }
+        }
+    }
+
+    async fn post_pooled(&self, base: &str, path: &str, body: Bytes, request_id: &str, leg: Leg) -> Result<Response<Incoming>, GatewayError> {
         let req = Request::builder()
             .method(Method::POST)
             // Content encodings are not relayed: ask for none (a worker that encodes anyway is refused).
@@ -106,6 +158,47 @@ impl Upstream {
         match &self.worker_key {
             Some(key) => req.header(header::AUTHORIZATION, key.clone()),
             None => req,
+        }
+    }
+}
+
+/// A worker's answer body, from either client.
+pub enum WorkerBody {
+    Pooled(Incoming),
+    Own(H1Body),
+}
+
+/// Why a worker's answer body broke off.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    #[error(transparent)]
+    Pooled(#[from] hyper::Error),
+    #[error(transparent)]
+    Own(#[from] H1Error),
+}
+
+impl Body for WorkerBody {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        match self.get_mut() {
+            WorkerBody::Pooled(b) => Pin::new(b).poll_frame(cx).map(|f| f.map(|r| r.map_err(BodyError::from))),
+            WorkerBody::Own(b) => Pin::new(b).poll_frame(cx).map(|f| f.map(|r| r.map_err(BodyError::from))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            WorkerBody::Pooled(b) => b.is_end_stream(),
+            WorkerBody::Own(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            WorkerBody::Pooled(b) => b.size_hint(),
+            WorkerBody::Own(b) => b.size_hint(),
         }
     }
 }

@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use pdgate_core::plan::AbortStyle;
 use pdgate_core::{GatewayError, Leg};
 use pdgate_protocol::kv_transfer;
@@ -14,7 +13,7 @@ use tokio::time::{timeout_at, Instant};
 
 use super::client::{LegAnswer, LegEvent, LegEvents, LegFuture, LegHead, LegRequest, WorkerClient};
 use super::leg::{self, deadline_error, whose, RESPONSE_LIMIT};
-use crate::upstream::Upstream;
+use crate::upstream::{Upstream, WorkerBody};
 
 /// Longest an abort may take: it runs off the request path and is best effort.
 const ABORT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -32,7 +31,7 @@ impl HttpClient {
 }
 
 /// A response body as leg events: data frames pass through as they came, without a copy.
-fn events(body: Incoming, leg: Leg) -> LegEvents {
+fn events(body: WorkerBody, leg: Leg) -> LegEvents {
     Box::pin(futures_util::stream::unfold(Some(body), move |body| async move {
         let mut body = body?;
         loop {

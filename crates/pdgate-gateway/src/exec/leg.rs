@@ -3,13 +3,12 @@
 
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use hyper::Response;
 use pdgate_core::{GatewayError, Leg};
 use pdgate_protocol::answer::check_encoding;
 use tokio::time::{timeout_at, Instant};
 
-use crate::upstream::Upstream;
+use crate::upstream::{Upstream, WorkerBody};
 
 /// Error bodies from workers are kept for the client up to this size.
 const ERROR_BODY_LIMIT: usize = 64 * 1024;
@@ -32,7 +31,7 @@ pub fn answering_deadline_error(leg: Leg) -> GatewayError {
 
 /// Sends one leg and waits for a 2xx response head. A non-2xx answer becomes an error carrying
 /// the worker's error body (read within the deadline).
-pub async fn send(upstream: &Upstream, url: &str, path: &str, body: Bytes, request_id: &str, leg: Leg, deadline: Instant) -> Result<Response<Incoming>, GatewayError> {
+pub async fn send(upstream: &Upstream, url: &str, path: &str, body: Bytes, request_id: &str, leg: Leg, deadline: Instant) -> Result<Response<WorkerBody>, GatewayError> {
     let resp = timeout_at(deadline, upstream.post_json(url, path, body, request_id, leg)).await.map_err(|_| deadline_error(leg))??;
     let status = resp.status();
     if status.is_success() {
@@ -45,13 +44,13 @@ pub async fn send(upstream: &Upstream, url: &str, path: &str, body: Bytes, reque
 
 /// Reads a whole body, failing on a broken connection, the size limit or the deadline. The
 /// head has arrived, so a deadline here is one the worker met while answering.
-pub async fn read_limited(body: Incoming, limit: usize, leg: Leg, deadline: Instant) -> Result<Bytes, GatewayError> {
+pub async fn read_limited(body: WorkerBody, limit: usize, leg: Leg, deadline: Instant) -> Result<Bytes, GatewayError> {
     // One timer for the whole body, not one per frame: a timer registration per frame was a
     // measurable share of the gateway's CPU per request.
     timeout_at(deadline, read_all(body, limit, leg)).await.map_err(|_| answering_deadline_error(leg))?
 }
 
-async fn read_all(mut body: Incoming, limit: usize, leg: Leg) -> Result<Bytes, GatewayError> {
+async fn read_all(mut body: WorkerBody, limit: usize, leg: Leg) -> Result<Bytes, GatewayError> {
     let mut first: Option<Bytes> = None;
     let mut buf = BytesMut::new();
     loop {
@@ -81,7 +80,7 @@ async fn read_all(mut body: Incoming, limit: usize, leg: Leg) -> Result<Bytes, G
 }
 
 /// Refuses an answer in a content encoding the gateway did not ask for.
-pub fn check_head_encoding(resp: &Response<Incoming>, leg: Leg) -> Result<(), GatewayError> {
+pub fn check_head_encoding(resp: &Response<WorkerBody>, leg: Leg) -> Result<(), GatewayError> {
     let encoding = resp.headers().get(hyper::header::CONTENT_ENCODING).map(|v| v.to_str().unwrap_or("(not text)"));
     check_encoding(encoding).map_err(|b| GatewayError::bad_worker_response(leg, format!("{} {}", whose(leg), b.message)))
 }

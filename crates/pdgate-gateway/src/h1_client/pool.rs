@@ -1,0 +1,69 @@
+//! Idle keep-alive connections, per worker address. A connection is checked before it is
+//! handed out (a worker closes idle connections on its own timer: uvicorn after 5 s), and the
+//! most recently used goes first (its socket buffers are warm).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use tokio::net::TcpStream;
+
+pub struct Pool {
+    idle: Mutex<Idle>,
+    max_per_host: usize,
+    idle_timeout: Duration,
+}
+
+struct Idle {
+    by_host: HashMap<String, Vec<(TcpStream, Instant)>>,
+    last_sweep: Instant,
+}
+
+impl Pool {
+    pub fn new(max_per_host: usize, idle_timeout: Duration) -> Self {
+        Pool { idle: Mutex::new(Idle { by_host: HashMap::new(), last_sweep: Instant::now() }), max_per_host, idle_timeout }
+    }
+
+    /// An open idle connection to `authority`, if there is one.
+    pub fn take(&self, authority: &str) -> Option<TcpStream> {
+        let now = Instant::now();
+        loop {
+            let (conn, since) = {
+                let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+                idle.by_host.get_mut(authority)?.pop()?
+            };
+            if now.duration_since(since) < self.idle_timeout && still_open(&conn) {
+                return Some(conn);
+            }
+        }
+    }
+
+    /// Keeps `conn` for the next request to `authority` (up to the per-host bound); idle
+    /// connections past their timeout are closed on the way, at most once per timeout.
+    pub fn put(&self, authority: &str, conn: TcpStream) {
+        let now = Instant::now();
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if now.duration_since(idle.last_sweep) >= self.idle_timeout {
+            idle.last_sweep = now;
+            let timeout = self.idle_timeout;
+            idle.by_host.retain(|_, conns| {
+                conns.retain(|(_, since)| now.duration_since(*since) < timeout);
+                !conns.is_empty()
+            });
+        }
+        let conns = match idle.by_host.get_mut(authority) {
+            Some(conns) => conns,
+            None => idle.by_host.entry(authority.to_string()).or_default(),
+        };
+        if conns.len() < self.max_per_host {
+            conns.push((conn, now));
+        }
+    }
+}
+
+/// An idle connection is usable if reading it would block: end of stream means the worker
+/// closed it, and bytes nobody asked for mean it cannot be trusted with a new answer.
+fn still_open(conn: &TcpStream) -> bool {
+    let mut probe = [0u8; 1];
+    matches!(conn.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+}
