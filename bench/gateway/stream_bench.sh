@@ -18,7 +18,10 @@
 # the same body to each) or nixl (vLLM PD: the prefill first, max_tokens 1, then the decode);
 # KIND is stream (8 chunks) or whole (non-streamed). A gateway is run only in the modes it
 # speaks: pdgate all three, vllm-router regular and nixl (its --vllm-pd-disaggregation), smg
-# regular and bootstrap. Every gateway routes round robin.
+# regular and bootstrap. Every gateway routes round robin. `nginx-proxy` (regular mode only, not
+# in the default list) is a floor: nginx, one process, relaying the stream unbuffered over
+# keep-alive connections, with no parsing, routing or accounting: what two loopback hops per
+# chunk cost in a lean C event loop (`apt-get install nginx-light`).
 #
 # Peers: `pip install vllm-router smg==1.13.0` (VLLM_ROUTER and SMG name their commands).
 # MEMORY=1: the decode (and regular) mock waits SLOW_MS (default 1000) between 30 chunks, wrk
@@ -68,7 +71,7 @@ sleep 0.5
 
 speaks() {  # speaks GATEWAY MODE
     case "$1:$2" in
-        vllm-router:bootstrap|smg:nixl) return 1 ;;
+        vllm-router:bootstrap|smg:nixl|nginx-proxy:bootstrap|nginx-proxy:nixl) return 1 ;;
         *) return 0 ;;
     esac
 }
@@ -96,7 +99,27 @@ start() {  # start GATEWAY MODE PORT; sets GW
                 bootstrap) args=(--pd-disaggregation --prefill "$P" 8998 --decode "$DE") ;;
             esac
             $SMG launch --host 127.0.0.1 --port "$3" --log-level warn --policy round_robin "${args[@]}" > "$D/$1-$2.log" 2>&1 & GW=$! ;;
+        nginx-proxy)
+            nginx_proxy_conf "$3" > "$D/proxy.conf"
+            nginx -p "$D" -c "$D/proxy.conf" -g 'daemon off;' > "$D/$1-$2.log" 2>&1 & GW=$! ;;
     esac
+}
+
+# nginx as an unbuffered streaming reverse proxy to the regular mock, one process (master_process
+# off: its CPU is all in the one pid the script reads).
+nginx_proxy_conf() {
+    cat <<EOF
+worker_processes 1; master_process off; pid $D/proxy.pid; error_log $D/proxy-error.log warn;
+events { worker_connections 4096; }
+http {
+    access_log off; keepalive_requests 1000000; keepalive_timeout 300s;
+    upstream w { server 127.0.0.1:$RP; keepalive 64; }
+    server {
+        listen 127.0.0.1:$1;
+        location / { proxy_pass http://w; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; }
+    }
+}
+EOF
 }
 
 # Waits until the gateway routes a request (at most ~60 s).

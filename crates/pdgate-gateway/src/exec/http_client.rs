@@ -1,10 +1,14 @@
 //! The HTTP [`WorkerClient`]: JSON bodies over the pooled hyper client (`upstream.rs`), answers
 //! relayed as the worker's bytes, SGLang's `POST /abort_request` for aborts.
 
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::Stream;
 use http_body_util::BodyExt;
+use hyper::body::Body;
 use pdgate_core::plan::AbortStyle;
 use pdgate_core::{GatewayError, Leg};
 use pdgate_protocol::kv_transfer;
@@ -32,24 +36,41 @@ impl HttpClient {
 
 /// A response body as leg events: data frames pass through as they came, without a copy.
 fn events(body: WorkerBody, leg: Leg) -> LegEvents {
-    Box::pin(futures_util::stream::unfold(Some(body), move |body| async move {
-        let mut body = body?;
+    Box::pin(Events { body: Some(body), leg })
+}
+
+/// The body's frames as [`LegEvent`]s, polled in place (no future per frame).
+struct Events {
+    body: Option<WorkerBody>,
+    leg: Leg,
+}
+
+impl Stream for Events {
+    type Item = LegEvent;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<LegEvent>> {
+        let leg = self.leg;
         loop {
-            match body.frame().await {
-                None => return None,
+            let Some(body) = self.body.as_mut() else { return Poll::Ready(None) };
+            match ready!(Pin::new(body).poll_frame(cx)) {
+                None => {
+                    self.body = None;
+                    return Poll::Ready(None);
+                }
                 Some(Err(e)) => {
+                    self.body = None;
                     let err = GatewayError::unreachable(leg, format!("{} stream broke off: {e}", whose(leg)));
-                    return Some((LegEvent::Error(err), None));
+                    return Poll::Ready(Some(LegEvent::Error(err)));
                 }
                 Some(Ok(frame)) => {
                     // Trailers carry nothing the relay needs.
                     if let Ok(data) = frame.into_data() {
-                        return Some((LegEvent::Chunk(data), Some(body)));
+                        return Poll::Ready(Some(LegEvent::Chunk(data)));
                     }
                 }
             }
         }
-    }))
+    }
 }
 
 impl WorkerClient for HttpClient {

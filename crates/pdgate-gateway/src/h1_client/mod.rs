@@ -174,18 +174,14 @@ async fn read_more(conn: &mut TcpStream, buf: &mut BytesMut) -> std::io::Result<
     std::future::poll_fn(|cx| poll_read_buf(conn, buf, cx)).await
 }
 
-/// Reads what the socket has into `buf`, registering for readiness when it has nothing.
-fn poll_read_buf(conn: &TcpStream, buf: &mut BytesMut, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
+/// Reads what the socket has into `buf`, registering for readiness when it has nothing. Through
+/// `AsyncRead`, which takes a short read as the socket drained: the next poll waits for
+/// readiness instead of spending a `recv` to learn that nothing came (one syscall per chunk).
+fn poll_read_buf(conn: &mut TcpStream, buf: &mut BytesMut, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
     if buf.capacity() - buf.len() < 1024 {
         buf.reserve(READ_BUF);
     }
-    loop {
-        match conn.try_read_buf(buf) {
-            Ok(n) => return Poll::Ready(Ok(n)),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => ready!(conn.poll_read_ready(cx))?,
-            Err(e) => return Poll::Ready(Err(e)),
-        }
-    }
+    tokio_util::io::poll_read_buf(Pin::new(conn), cx, buf)
 }
 
 /// An answer's body, read from the worker's socket by whoever polls it.
@@ -232,7 +228,7 @@ impl Body for H1Body {
                     return Poll::Ready(Some(Err(H1Error::Malformed(e.0.to_string()))));
                 }
             }
-            let Some(conn) = this.conn.as_ref() else { return Poll::Ready(None) };
+            let Some(conn) = this.conn.as_mut() else { return Poll::Ready(None) };
             match ready!(poll_read_buf(conn, &mut this.buf, cx)) {
                 Ok(0) if this.framing == Framing::UntilClose => {
                     this.conn = None;
