@@ -3,7 +3,9 @@
 
 mod common;
 
-use common::mocks::{spawn, Fault, Rendezvous};
+use std::sync::atomic::Ordering;
+
+use common::mocks::{spawn, Fault, Rendezvous, HELD_BODIES_ENDED};
 use common::{client, gateway, wait_ready};
 use serde_json::{json, Value};
 
@@ -32,6 +34,23 @@ async fn streams_are_relayed_chunk_by_chunk_with_done() {
     let text = r.text().await.unwrap();
     assert!(text.contains("tok0") && text.contains("tok2"), "{text}");
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+}
+
+#[tokio::test]
+async fn a_stream_ends_for_the_client_at_its_done_event_not_at_the_workers_end_of_the_body() {
+    // The worker keeps its body open 5 s after `[DONE]`: the client's response ends at `[DONE]`,
+    // with the worker's body still open (its end is read off the client's path).
+    let w = spawn("regular", Default::default(), Fault::HoldAfterDone(5000)).await;
+    let (_gw, url) = gateway(json!({"worker_urls": [w.url]})).await;
+    wait_ready(&url).await;
+    let r = client().post(format!("{url}/v1/completions")).json(&json!({"prompt": "hi", "stream": true})).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    assert!(text.contains("tok2") && text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert!(!text.contains("error"), "{text}");
+    assert_eq!(HELD_BODIES_ENDED.load(Ordering::SeqCst), 0, "the client's response ended before the worker's body did");
+    let metrics = client().get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(!metrics.lines().any(|l| l.starts_with("pdgate_worker_streams_truncated_total") && !l.ends_with(" 0")), "a stream complete at [DONE] is not a truncation");
 }
 
 #[tokio::test]

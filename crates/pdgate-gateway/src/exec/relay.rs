@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use bytes::Bytes;
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use pdgate_core::breaker::Outcome;
 use pdgate_core::{GatewayError, Leg};
 use pdgate_protocol::logprobs::{merge_into, PrefillLogprobs};
@@ -32,6 +32,9 @@ use super::resume::Resumer;
 use super::spans::RelayTrace;
 use crate::metrics::InflightGuard;
 use crate::state::AppState;
+
+/// How long the worker's end of a body may follow its `[DONE]` event.
+const TAIL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The prefill leg still running: resolves to its whole answer. Its worker hears a success
 /// when the answer is complete (the leg's real end); an error is judged by whoever receives it
@@ -484,6 +487,23 @@ impl StreamRelay {
         }
     }
 
+    /// The relayed answer's `data: [DONE]` event is complete: nothing the worker sends after
+    /// it is relayed.
+    fn answer_complete(&self) -> bool {
+        self.relayed.scanner.at_boundary() && self.relayed.scanner.saw_done()
+    }
+
+    /// Reads the rest of a complete answer's body (the worker's end of it, usually an empty
+    /// last chunk) in a task of its own, so its connection goes back to the pool; a worker
+    /// that does not end the body within [`TAIL_TIMEOUT`] loses the connection instead.
+    fn drain_tail(&mut self) {
+        let mut events = std::mem::replace(&mut self.events, Box::pin(futures_util::stream::empty()));
+        let until = self.deadline.min(Instant::now() + TAIL_TIMEOUT);
+        tokio::spawn(async move {
+            let _ = timeout_at(until, async { while events.next().await.is_some() {} }).await;
+        });
+    }
+
     async fn next_chunk(&mut self) -> Option<Bytes> {
         while !self.done {
             // The first chunk of the stream, or of a continuation (already read: the commit point).
@@ -495,13 +515,26 @@ impl StreamRelay {
                 }
                 continue;
             }
-            // Biased (no random pick per chunk); the deadline first, so a worker that always
-            // has the next chunk ready cannot outrun it.
-            let event = tokio::select! {
-                biased;
-                () = &mut self.expiry => Ok(Err(())),
-                p = wait_prefill(&mut self.prefill) => Err(p),
-                e = self.events.next() => Ok(Ok(e)),
+            let event = if self.answer_complete() {
+                // The `[DONE]` event went out: if the worker's end of the body is not here yet,
+                // the client's response ends now (its last event and the body's end go out in
+                // one write) and the worker's end is read off the client's path.
+                match self.events.next().now_or_never() {
+                    Some(e) => Ok(Ok(e)),
+                    None => {
+                        self.drain_tail();
+                        Ok(Ok(None))
+                    }
+                }
+            } else {
+                // Biased (no random pick per chunk); the deadline first, so a worker that
+                // always has the next chunk ready cannot outrun it.
+                tokio::select! {
+                    biased;
+                    () = &mut self.expiry => Ok(Err(())),
+                    p = wait_prefill(&mut self.prefill) => Err(p),
+                    e = self.events.next() => Ok(Ok(e)),
+                }
             };
             let event = match event {
                 Ok(e) => e,

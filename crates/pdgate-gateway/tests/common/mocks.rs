@@ -57,10 +57,16 @@ pub enum Fault {
     NoDone,
     /// One endless line (`data: xxxx...` without a newline), or an endless JSON body.
     Endless,
+    /// Streams normally, `data: [DONE]` included, then keeps the body open this many
+    /// milliseconds before ending it (counted in [`HELD_BODIES_ENDED`] when it does).
+    HoldAfterDone(u64),
     /// Keeps producing, never finishing: a token event (stream) or a byte of JSON whitespace
     /// (non-stream, after the head and `{"choices":[`) every this many milliseconds.
     Trickle(u64),
 }
+
+/// Bodies a [`Fault::HoldAfterDone`] worker ended (after its hold).
+pub static HELD_BODIES_ENDED: AtomicU32 = AtomicU32::new(0);
 
 #[derive(Default)]
 pub struct Log {
@@ -401,6 +407,15 @@ fn answer(body: &Value, stream: bool, fault: Fault, meta: Value, usage: Option<(
     }
     if let Fault::SlowStream(ms) = fault {
         return sse_every(chunks, ms);
+    }
+    if let Fault::HoldAfterDone(ms) = fault {
+        let events = futures_util::stream::iter(chunks).map(Ok::<_, std::io::Error>);
+        let end = futures_util::stream::once(async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            HELD_BODIES_ENDED.fetch_add(1, Ordering::SeqCst);
+            Ok(String::new())
+        });
+        return Response::builder().header("content-type", "text/event-stream").body(Body::from_stream(events.chain(end))).unwrap();
     }
     sse(chunks)
 }
