@@ -79,7 +79,7 @@ fn framing(status: StatusCode, headers: &HeaderMap) -> Result<Framing, String> {
     if status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
         return Ok(Framing::Length(0));
     }
-    if let Some(te) = headers.get_all(hyper::header::TRANSFER_ENCODING).iter().last() {
+    if let Some(te) = headers.get_all(hyper::header::TRANSFER_ENCODING).iter().next_back() {
         let last = te.to_str().ok().and_then(|t| t.rsplit(',').next()).map(str::trim);
         return match last {
             Some(c) if c.eq_ignore_ascii_case("chunked") => Ok(Framing::Chunked(Chunk::Size)),
