@@ -32,22 +32,8 @@ GW=
 trap 'kill $GW $NG 2>/dev/null || true' EXIT
 WORKER="http://127.0.0.1:$RP"
 
-# nginx as a plain keep-alive reverse proxy, one process (master_process off: its CPU is all in
-# the one pid we account).
-nginx_proxy_conf() {
-    cat <<EOF
-worker_processes 1; master_process off; pid $D/proxy.pid; error_log $D/proxy-error.log warn;
-events { worker_connections 4096; }
-http {
-    access_log off; keepalive_requests 1000000; keepalive_timeout 300s;
-    upstream w { server 127.0.0.1:$RP; keepalive 64; }
-    server {
-        listen 127.0.0.1:$1;
-        location / { proxy_pass http://w; proxy_http_version 1.1; proxy_set_header Connection ""; }
-    }
-}
-EOF
-}
+# nginx-proxy: bench/gateway/nginx_proxy.sh
+source bench/gateway/nginx_proxy.sh  # the cwd is the repo root
 
 start() {  # $1 gateway name, $2 port; sets GW
     case $1 in
@@ -55,7 +41,7 @@ start() {  # $1 gateway name, $2 port; sets GW
         pdgate-pd) "$BIN" --port "$2" --log-level warn --pd-disaggregation --prefill "http://127.0.0.1:$PP" 8998 \
                        --decode "http://127.0.0.1:$DP" > "$D/$1.log" 2>&1 & GW=$! ;;
         hyper-floor) "$FLOOR" "$2" "$WORKER" > "$D/$1.log" 2>&1 & GW=$! ;;
-        nginx-proxy) nginx_proxy_conf "$2" > "$D/proxy.conf"
+        nginx-proxy) nginx_proxy_conf "$D" "$2" "$RP" > "$D/proxy.conf"
                      nginx -p "$D" -c "$D/proxy.conf" -g 'daemon off;' > "$D/$1.log" 2>&1 & GW=$! ;;
         custom) PORT=$2 WORKER=$WORKER bash -c "exec $GATEWAY_CMD" > "$D/$1.log" 2>&1 & GW=$! ;;
         *) echo "unknown gateway $1" >&2; exit 2 ;;

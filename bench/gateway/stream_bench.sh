@@ -100,27 +100,13 @@ start() {  # start GATEWAY MODE PORT; sets GW
             esac
             $SMG launch --host 127.0.0.1 --port "$3" --log-level warn --policy round_robin "${args[@]}" > "$D/$1-$2.log" 2>&1 & GW=$! ;;
         nginx-proxy)
-            nginx_proxy_conf "$3" > "$D/proxy.conf"
+            nginx_proxy_conf "$D" "$3" "$RP" "proxy_buffering off;" > "$D/proxy.conf"
             nginx -p "$D" -c "$D/proxy.conf" -g 'daemon off;' > "$D/$1-$2.log" 2>&1 & GW=$! ;;
     esac
 }
 
-# nginx as an unbuffered streaming reverse proxy to the regular mock, one process (master_process
-# off: its CPU is all in the one pid the script reads).
-nginx_proxy_conf() {
-    cat <<EOF
-worker_processes 1; master_process off; pid $D/proxy.pid; error_log $D/proxy-error.log warn;
-events { worker_connections 4096; }
-http {
-    access_log off; keepalive_requests 1000000; keepalive_timeout 300s;
-    upstream w { server 127.0.0.1:$RP; keepalive 64; }
-    server {
-        listen 127.0.0.1:$1;
-        location / { proxy_pass http://w; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; }
-    }
-}
-EOF
-}
+# nginx-proxy: bench/gateway/nginx_proxy.sh
+source bench/gateway/nginx_proxy.sh  # the cwd is the repo root
 
 # Waits until the gateway routes a request (at most ~60 s).
 wait_routing() {

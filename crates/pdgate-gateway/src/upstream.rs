@@ -75,70 +75,52 @@ impl Upstream {
 
     /// POSTs a JSON body to `base` + `path`; returns once the response head arrived.
     pub async fn post_json(&self, base: &str, path: &str, body: Bytes, request_id: &str, leg: Leg) -> Result<Response<WorkerBody>, GatewayError> {
+        let url = format!("{base}{path}");
+        let headers = self.post_headers(request_id).map_err(|e| GatewayError::internal(format!("cannot build request to {url}: {e}")))?;
         if base.starts_with("http://") {
-            return self.post_own(base, path, body, request_id, leg).await;
+            let headers: Vec<(&'static str, &HeaderValue)> = headers.iter().map(|(n, v)| (*n, v)).collect();
+            return match self.h1.post(&url, &headers, body).await {
+                Ok(resp) => Ok(resp.map(WorkerBody::Own)),
+                Err(e) => {
+                    let err = GatewayError::unreachable(leg, format!("{} worker {base} unreachable: {e}", leg.as_str()));
+                    // A refused or failed connect: the worker never saw the request.
+                    Err(if e.is_connect() { err.not_sent() } else { err })
+                }
+            };
         }
-        self.post_pooled(base, path, body, request_id, leg).await.map(|r| r.map(WorkerBody::Pooled))
+        let mut req = Request::builder().method(Method::POST).uri(&url);
+        for (name, value) in headers {
+            req = req.header(name, value);
+        }
+        let req = req.body(Full::new(body)).map_err(|e| GatewayError::internal(format!("cannot build request to {url}: {e}")))?;
+        let resp = self.client.request(req).await.map_err(|e| unreachable(leg, base, &e))?;
+        Ok(resp.map(WorkerBody::Pooled))
     }
 
-    /// [`Self::post_json`] over the own client: the same headers as the hyper request below.
-    async fn post_own(&self, base: &str, path: &str, body: Bytes, request_id: &str, leg: Leg) -> Result<Response<WorkerBody>, GatewayError> {
-        static IDENTITY: HeaderValue = HeaderValue::from_static("identity");
-        static JSON: HeaderValue = HeaderValue::from_static("application/json");
-        let url = format!("{base}{path}");
-        let id = HeaderValue::from_str(request_id).map_err(|e| GatewayError::internal(format!("cannot build request to {url}: {e}")))?;
-        let via = crate::edge::scope::via();
-        let trace = crate::edge::scope::worker_trace_headers();
-        let mut headers: Vec<(&'static str, &HeaderValue)> = vec![("accept-encoding", &IDENTITY), ("content-type", &JSON), ("x-request-id", &id)];
+    /// The headers of a POST to a worker, for either client (the own client adds host and
+    /// content-length, hyper its own).
+    fn post_headers(&self, request_id: &str) -> Result<Vec<(&'static str, HeaderValue)>, hyper::header::InvalidHeaderValue> {
+        // Content encodings are not relayed: ask for none (a worker that encodes anyway is refused).
+        let mut headers = vec![
+            ("accept-encoding", HeaderValue::from_static("identity")),
+            ("content-type", HeaderValue::from_static("application/json")),
+            ("x-request-id", HeaderValue::from_str(request_id)?),
+        ];
         if let Some(key) = &self.worker_key {
-            headers.push(("authorization", key));
+            headers.push(("authorization", key.clone()));
         }
-        if let Some(via) = &via {
+        // The hop header (edge/hops.rs): a request that comes back to this gateway is cut.
+        if let Some(via) = crate::edge::scope::via() {
             headers.push(("via", via));
         }
-        if let Some((parent, state)) = &trace {
+        // W3C trace context: the leg's span with --enable-trace, else the client's as it came.
+        if let Some((parent, state)) = crate::edge::scope::worker_trace_headers() {
             headers.push(("traceparent", parent));
             if let Some(state) = state {
                 headers.push(("tracestate", state));
             }
         }
-        match self.h1.post(&url, &headers, body).await {
-            Ok(resp) => Ok(resp.map(WorkerBody::Own)),
-            Err(e) => {
-                let err = GatewayError::unreachable(leg, format!("{} worker {base} unreachable: {e}", leg.as_str()));
-                // A refused or failed connect: the worker never saw the request.
-                Err(if e.is_connect() { err.not_sent() } else { err })
-            }
-        }
-    }
-
-    async fn post_pooled(&self, base: &str, path: &str, body: Bytes, request_id: &str, leg: Leg) -> Result<Response<Incoming>, GatewayError> {
-        let req = Request::builder()
-            .method(Method::POST)
-            // Content encodings are not relayed: ask for none (a worker that encodes anyway is refused).
-            .header(header::ACCEPT_ENCODING, "identity")
-            .uri(format!("{base}{path}"))
-            .header(header::CONTENT_TYPE, "application/json")
-            .header("x-request-id", request_id);
-        let req = self.with_key(req);
-        // The hop header (edge/hops.rs): a request that comes back to this gateway is cut.
-        let req = match crate::edge::scope::via() {
-            Some(via) => req.header(header::VIA, via),
-            None => req,
-        };
-        // W3C trace context: the leg's span with --enable-trace, else the client's as it came.
-        let req = match crate::edge::scope::worker_trace_headers() {
-            Some((parent, state)) => {
-                let req = req.header("traceparent", parent);
-                match state {
-                    Some(state) => req.header("tracestate", state),
-                    None => req,
-                }
-            }
-            None => req,
-        };
-        let req = req.body(Full::new(body)).map_err(|e| GatewayError::internal(format!("cannot build request to {base}{path}: {e}")))?;
-        self.client.request(req).await.map_err(|e| unreachable(leg, base, &e))
+        Ok(headers)
     }
 
     /// GETs `url` (health, loads, model cards, `/server_info`, bootstrap query) with the worker key.

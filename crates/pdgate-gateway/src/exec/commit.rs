@@ -267,7 +267,7 @@ async fn commit_and_relay(
     };
     trace.sent(out.len());
     trace.ended(None);
-    finish.done(rewriter.and_then(|r| r.cache), None, None, usage, None);
+    finish.done(rewriter.and_then(|r| r.cache), None, None, usage);
     let ct = head.content_type.unwrap_or_else(|| HeaderValue::from_static("application/json"));
     Ok(Committed::Whole(build(head.status, ct, Body::from(out))))
 }

@@ -171,12 +171,10 @@ pub struct Finish {
 
 impl Finish {
     /// The response ended: `error` names how, when it did not end complete; `first_content`
-    /// and `usage` are what the accounting saw of it; `ended` when the answer's last event went
-    /// to the client, if that was before now (a stream's `[DONE]`, relayed before its worker
-    /// closed the body).
-    pub fn done(mut self, cache: Option<CacheReport>, error: Option<String>, first_content: Option<std::time::Instant>, usage: Usage, ended: Option<std::time::Instant>) {
+    /// and `usage` are what the accounting saw of it.
+    pub fn done(mut self, cache: Option<CacheReport>, error: Option<String>, first_content: Option<std::time::Instant>, usage: Usage) {
         if let Some(account) = self.account.take() {
-            account.finish(&self.state, Ending { status: self.status, error, first_content, usage }, ended.unwrap_or_else(std::time::Instant::now));
+            account.finish(&self.state, Ending { status: self.status, error, first_content, usage }, std::time::Instant::now());
         }
         let m = &self.state.metrics;
         m.duration.with_label_values(&[self.route]).observe(self.started.elapsed().as_secs_f64());
@@ -229,29 +227,12 @@ pub struct StreamRelay {
     held: Vec<Finish>,
     /// Why the stream ended early, for the accounting.
     error: Option<String>,
-    /// When `data: [DONE]` was handed to the client: the answer's end (E2E), which the
-    /// worker's end of the body may follow.
-    done_at: Option<std::time::Instant>,
 }
 
 impl StreamRelay {
     pub fn new(first: Bytes, events: LegEvents, deadline: Instant, prefill: Option<PrefillLeg>, rewriter: Option<Rewriter>, finish: Finish, relayed: Relayed) -> Self {
         let expiry = Box::pin(tokio::time::sleep_until(deadline));
-        StreamRelay {
-            first: Some(first),
-            events,
-            deadline,
-            expiry,
-            prefill,
-            rewriter,
-            finish: Some(finish),
-            relayed,
-            done: false,
-            resumer: None,
-            held: Vec::new(),
-            error: None,
-            done_at: None,
-        }
+        StreamRelay { first: Some(first), events, deadline, expiry, prefill, rewriter, finish: Some(finish), relayed, done: false, resumer: None, held: Vec::new(), error: None }
     }
 
     pub fn with_resumer(mut self, resumer: Option<Resumer>) -> Self {
@@ -313,9 +294,6 @@ impl StreamRelay {
     }
 
     fn process(&mut self, chunk: Bytes) -> Bytes {
-        if self.done_at.is_none() && self.relayed.scanner.saw_done() {
-            self.done_at = Some(std::time::Instant::now());
-        }
         let chunk = self.relayed.tally.process(chunk, std::time::Instant::now());
         let chunk = match self.rewriter.as_mut() {
             Some(r) => r.process_sse(chunk),
@@ -365,8 +343,7 @@ impl StreamRelay {
         if let Some(f) = self.finish.take() {
             let first = self.relayed.tally.first_content;
             let usage = self.usage();
-            let ended = self.done_at.filter(|_| self.error.is_none());
-            f.done(self.cache_report(usage), self.error.take(), first, usage, ended);
+            f.done(self.cache_report(usage), self.error.take(), first, usage);
         }
         match (held, tail) {
             (Some(h), Some(t)) => Some([h, t].concat().into()),
@@ -588,7 +565,7 @@ impl Drop for StreamRelay {
             // worker closed its stream.
             let error = (!self.relayed.scanner.saw_done()).then(|| "client_disconnected".to_string());
             let usage = self.usage();
-            f.done(None, error, first, usage, self.done_at);
+            f.done(None, error, first, usage);
         }
     }
 }
