@@ -54,6 +54,24 @@ async fn a_stream_ends_for_the_client_at_its_done_event_not_at_the_workers_end_o
 }
 
 #[tokio::test]
+async fn a_plain_http_worker_gets_the_worker_key_never_the_clients() {
+    // Plain http:// workers are reached over the own HTTP/1.1 client (h1_client), https:// ones
+    // over hyper's (tests/worker_tls.rs): both carry the same headers.
+    let w = spawn("regular", Default::default(), Fault::None).await;
+    let (_gw, url) = gateway(json!({"worker_urls": [w.url], "api_key": "client-key", "worker_api_key": "worker-key"})).await;
+    wait_ready(&url).await;
+    for stream in [false, true] {
+        let r = client().post(format!("{url}/v1/completions")).bearer_auth("client-key").json(&json!({"prompt": "hi", "stream": stream})).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        r.text().await.unwrap();
+    }
+    let log = w.log();
+    assert_eq!(log.authorizations.lock().unwrap().as_slice(), ["Bearer worker-key", "Bearer worker-key"]);
+    assert_eq!(log.accept_encodings.lock().unwrap().as_slice(), ["identity", "identity"]);
+    assert_eq!(log.request_ids.lock().unwrap().len(), 2, "each leg carries the gateway's request id");
+}
+
+#[tokio::test]
 async fn a_failing_worker_is_retried_on_another() {
     let bad = spawn("regular", Default::default(), Fault::Status(503)).await;
     let good = spawn("regular", Default::default(), Fault::None).await;

@@ -76,6 +76,8 @@ pub struct Log {
     pub accept_encodings: Mutex<Vec<String>>,
     /// The `traceparent` and `tracestate` headers of each request ("" when absent).
     pub trace_headers: Mutex<Vec<(String, String)>>,
+    /// The `authorization` header of each request ("" when absent).
+    pub authorizations: Mutex<Vec<String>>,
     /// Requests being handled right now (decremented when the handler ends or is dropped).
     pub active: AtomicI64,
     pub count: AtomicU32,
@@ -116,6 +118,7 @@ fn enter(log: &Arc<Log>, body: &Value, headers: &HeaderMap) -> ActiveGuard {
     log.accept_encodings.lock().unwrap().push(enc.to_string());
     let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
     log.trace_headers.lock().unwrap().push((header("traceparent"), header("tracestate")));
+    log.authorizations.lock().unwrap().push(header("authorization"));
     ActiveGuard(log.clone())
 }
 
