@@ -161,6 +161,8 @@ class GatewayOptions(TypedDict, total=False):
     """--idle-timeout-secs: Seconds a keep-alive connection may sit idle between requests before it is closed (the header-read timeout bounds idle connections too). Default: 5. Range: 0 to 18446744073709551615."""
     max_connections: int
     """--max-connections: Most client connections open at once; a connection beyond it is closed at once. Default: 4096. Range: 0 to 18446744073709551615."""
+    connection_threads: int
+    """--connection-threads: Threads that serve client connections, each its own event loop: a connection, its requests and their worker legs stay on the thread it was handed to, so no relayed chunk wakes another thread. 0: one per CPU (a gateway embedded in a single-threaded tokio runtime serves on that runtime instead). Range: 0 to 18446744073709551615."""
     service_discovery: bool
     """--service-discovery: Find workers among Kubernetes pods by label (see docs/kubernetes.md)."""
     selector: list[str] | tuple[str, ...]

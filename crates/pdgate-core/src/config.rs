@@ -357,6 +357,13 @@ pub struct GatewayConfig {
     #[arg(long, default_value_t = 4096)]
     pub max_connections: usize,
 
+    /// Threads that serve client connections, each its own event loop: a connection, its
+    /// requests and their worker legs stay on the thread it was handed to, so no relayed chunk
+    /// wakes another thread. 0: one per CPU (a gateway embedded in a single-threaded tokio
+    /// runtime serves on that runtime instead).
+    #[arg(long, default_value_t = 0)]
+    pub connection_threads: usize,
+
     // --- Kubernetes service discovery (crates/pdgate-gateway/src/discovery) ---
     /// Find workers among Kubernetes pods by label (see docs/kubernetes.md).
     #[arg(long)]
@@ -578,6 +585,9 @@ impl Default for GatewayConfig {
 }
 
 /// Level names `--log-level` accepts, alone or per target (`pdgate_gateway=debug`).
+/// A bound on `--connection-threads` that no machine needs to exceed (a typo guard).
+pub const MAX_CONNECTION_THREADS: usize = 1024;
+
 pub const LOG_LEVELS: [&str; 7] = ["trace", "debug", "info", "warn", "warning", "error", "off"];
 
 /// `--log-level`: a level name, or comma-separated `target=level` directives with level names.
@@ -744,6 +754,9 @@ impl GatewayConfig {
         }
         if !(1..=1_000_000).contains(&self.max_connections) {
             return bad(format!("--max-connections must be between 1 and 1000000, not {}", self.max_connections));
+        }
+        if self.connection_threads > MAX_CONNECTION_THREADS {
+            return bad(format!("--connection-threads must be between 0 (one per CPU) and {MAX_CONNECTION_THREADS}, not {}", self.connection_threads));
         }
         self.validate_discovery()?;
         self.validate_smg_options()?;

@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
 use pdgate_core::error::{worker_error_codes, RETRY_REASONS};
 use pdgate_core::{GatewayConfig, KvConnector, Leg};
@@ -75,6 +75,10 @@ pub struct EdgeMetrics {
     /// worker at this gateway's own address refused).
     pub loops: IntCounterVec,
     pub log_suppressed: IntCounter,
+    /// Per connection thread (`thread`: 1..=N): share of one CPU it used in the last 250 ms.
+    pub thread_cpu: GaugeVec,
+    /// Keep-alive connections closed after a response to move load off a busy thread.
+    pub connections_shed: IntCounter,
 }
 
 impl EdgeMetrics {
@@ -105,6 +109,14 @@ impl EdgeMetrics {
             panics: single("pdgate_request_panics_total", "Request handlers that panicked (answered 500)"),
             loops,
             log_suppressed: single("pdgate_log_lines_suppressed_total", "Repeated identical warnings left out of the log by the rate limit"),
+            thread_cpu: {
+                let name = "pdgate_connection_thread_cpu_ratio";
+                let g =
+                    GaugeVec::new(Opts::new(name, "Share of one CPU each connection thread used in the last 250 ms"), &["thread"]).unwrap_or_else(|e| panic!("metric {name}: {e}"));
+                r.register(Box::new(g.clone())).unwrap_or_else(|e| panic!("metric {name}: {e}"));
+                g
+            },
+            connections_shed: single("pdgate_connections_shed_total", "Keep-alive connections answered with Connection: close to move load off a busy connection thread"),
         }
     }
 }

@@ -13,6 +13,7 @@ use tokio::task::JoinHandle;
 
 use crate::edge::conn::{self, Limits};
 use crate::edge::own_addr::OwnListener;
+use crate::edge::threads::ConnThreads;
 use crate::membership::{self, Change};
 use crate::registry::{Registry, Source};
 use crate::state::AppState;
@@ -41,6 +42,9 @@ pub enum StartError {
     /// `--model-path` / `--tokenizer-path` cannot be loaded.
     #[error("{0}")]
     Tokenizer(String),
+    /// `--connection-threads`: a thread or its event loop cannot be created.
+    #[error("cannot start {n} connection threads: {source}")]
+    Threads { n: usize, source: std::io::Error },
 }
 
 pub struct RunningGateway {
@@ -144,6 +148,10 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         let _ = membership::apply(&state, Change::Add(Box::new(spec), Source::Static));
     }
     let edge_metrics = state.metrics.edge.clone();
+    let threads = match connection_threads(state.config.connection_threads) {
+        0 => None,
+        n => Some(ConnThreads::start(n, edge_metrics.clone()).map_err(|source| StartError::Threads { n, source })?),
+    };
     let (tx, rx) = watch::channel(false);
     health::spawn_supervisor(&state, rx.clone());
     load::spawn_poller(&state, rx.clone());
@@ -157,9 +165,24 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         }
     };
     let app = front::router(state.clone());
-    let task = tokio::spawn(conn::serve(listener, app, limits, edge_metrics, rx));
+    match &threads {
+        Some(t) => tracing::info!(threads = t.len(), "client connections are served on connection threads (--connection-threads)"),
+        None => tracing::info!("client connections are served on the runtime that started the gateway"),
+    }
+    let task = tokio::spawn(conn::serve(listener, app, limits, edge_metrics, rx, threads));
     tracing::info!(%addr, "pdgate listening");
     Ok(RunningGateway { addr, metrics_addr, shutdown: tx, task, state })
+}
+
+/// How many connection threads `--connection-threads` asks for (0 = serve on this runtime):
+/// 0 means one per CPU, except inside a single-threaded runtime (a test on tokio's paused
+/// clock, an embedding that chose one thread), whose wish is kept.
+fn connection_threads(asked: usize) -> usize {
+    match asked {
+        0 if tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread => 0,
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    }
 }
 
 /// Says at start-up who may use the worker API: an open one is a loud warning.

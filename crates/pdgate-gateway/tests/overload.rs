@@ -113,7 +113,18 @@ async fn a_half_open_breaker_lets_one_probe_through_at_a_time() {
 // jump to the HTTP client's own timeout and fail a request that is still being answered.
 #[tokio::test]
 async fn shutdown_refuses_new_requests_and_lets_streams_in_flight_finish() {
-    let (gw, url, workers) = regular_pool(1, json!({"shutdown_grace_period_secs": 60})).await;
+    shutdown_lets_streams_finish(json!({"shutdown_grace_period_secs": 60})).await;
+}
+
+/// The same with the streams served on connection threads (edge/threads.rs, the default of a
+/// multi-thread runtime): the shutdown waits for their connections too.
+#[tokio::test]
+async fn shutdown_lets_streams_on_connection_threads_finish() {
+    shutdown_lets_streams_finish(json!({"shutdown_grace_period_secs": 60, "connection_threads": 2})).await;
+}
+
+async fn shutdown_lets_streams_finish(extra: Value) {
+    let (gw, url, workers) = regular_pool(1, extra).await;
     workers[0].set_fault(Fault::SlowStream(500));
     let body = json!({"prompt": "x", "stream": true, "max_tokens": 8});
     let streams = join_all((0..5).map(|_| post(&url, &body)));
@@ -162,4 +173,24 @@ async fn shutdown_cuts_what_outlives_the_grace_period() {
     let took = started.elapsed();
     assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(4), "shutdown took {took:?}");
     let _ = stream.await;
+}
+
+/// On connection threads, a stream that outlives the grace period is cut too: the threads stop
+/// with the server (real time: the threads' clocks are not the test's paused one).
+#[tokio::test]
+async fn shutdown_cuts_a_stream_on_a_connection_thread_that_outlives_the_grace_period() {
+    let (gw, url, workers) = regular_pool(1, json!({"shutdown_grace_period_secs": 1, "connection_threads": 2})).await;
+    workers[0].set_fault(Fault::Trickle(100));
+    let stream = tokio::spawn({
+        let url = url.clone();
+        async move { client().post(format!("{url}/v1/completions")).json(&json!({"prompt": "x", "stream": true})).send().await.unwrap().text().await }
+    });
+    while workers[0].log().count() < 1 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::timeout(Duration::from_secs(10), gw.shutdown()).await.expect("shutdown did not return");
+    let cut = tokio::time::timeout(Duration::from_secs(10), stream).await.expect("the stream was not cut").unwrap();
+    if let Ok(text) = cut {
+        assert!(!text.contains("[DONE]"), "a trickle never finishes: {text:.300}");
+    }
 }

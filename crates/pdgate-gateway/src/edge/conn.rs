@@ -33,6 +33,7 @@ use tower_service::Service;
 
 use super::log_limit::{truncate, MAX_VALUE_CHARS};
 use super::scope::{self, RequestScope};
+use super::threads::{self, ConnThreads};
 use crate::metrics::EdgeMetrics;
 use crate::render::error_response;
 
@@ -54,8 +55,9 @@ impl Limits {
 }
 
 /// Accepts and serves until `shutdown` turns true, then lets open connections finish their
-/// requests (idle ones close at once) and returns when all are gone.
-pub async fn serve(listener: TcpListener, app: Router, limits: Limits, metrics: Arc<EdgeMetrics>, mut shutdown: watch::Receiver<bool>) {
+/// requests (idle ones close at once) and returns when all are gone. With `threads`, each
+/// connection is served on one of those threads (edge/threads.rs); without, on this runtime.
+pub async fn serve(listener: TcpListener, app: Router, limits: Limits, metrics: Arc<EdgeMetrics>, mut shutdown: watch::Receiver<bool>, mut threads: Option<ConnThreads>) {
     let mut builder = http1::Builder::new();
     builder.timer(TokioTimer::new()).header_read_timeout(limits.header_read).keep_alive(true);
     let builder = Arc::new(builder);
@@ -87,14 +89,23 @@ pub async fn serve(listener: TcpListener, app: Router, limits: Limits, metrics: 
         // A peer gateway without TCP_NODELAY loses 40 ms per streamed response to Nagle + delayed ACK.
         let _ = stream.set_nodelay(true);
         let (app, builder, metrics, shutdown) = (app.clone(), builder.clone(), metrics.clone(), shutdown.clone());
-        conns.spawn(async move {
+        let serve = move |stream: TcpStream| async move {
             let _open = OpenGuard::new(&metrics);
             serve_one(stream, app, &builder, limits.idle, &metrics, shutdown).await;
             drop(permit);
-        });
+        };
+        match threads.as_mut() {
+            Some(threads) => threads.spawn(stream, serve),
+            None => {
+                conns.spawn(serve(stream));
+            }
+        }
     }
     drop(listener);
     while conns.join_next().await.is_some() {}
+    if let Some(threads) = &threads {
+        threads.wait().await;
+    }
 }
 
 /// One connection: hyper drives it; the idle timer and the shutdown signal only ask it to close
@@ -149,6 +160,12 @@ async fn handle(mut app: Router, req: Request<Incoming>, activity: Arc<Activity>
         Err(payload) => panic_response(&metrics, client_id.as_ref(), path.path(), payload.as_ref()),
     };
     let scope = resp.extensions_mut().remove::<Arc<RequestScope>>();
+    // A busy connection thread moves this connection: the client reconnects for its next
+    // request and is placed again (edge/lanes.rs). hyper closes after this response.
+    if threads::shed_one() {
+        resp.headers_mut().insert(axum::http::header::CONNECTION, HeaderValue::from_static("close"));
+        metrics.connections_shed.inc();
+    }
     Ok(resp.map(|inner| Tracked { inner, scope, _busy: busy }))
 }
 
@@ -287,13 +304,23 @@ mod tests {
 
     #[tokio::test]
     async fn a_panicking_handler_is_answered_500_and_the_server_keeps_serving() {
+        panics_are_answered_500(0).await;
+    }
+
+    #[tokio::test]
+    async fn a_panicking_handler_on_a_connection_thread_is_answered_500_and_that_thread_keeps_serving() {
+        panics_are_answered_500(2).await;
+    }
+
+    async fn panics_are_answered_500(threads: usize) {
         let app = Router::new().route("/panic", get(boom)).route("/ok", get(|| async { "fine" }));
         let metrics = crate::metrics::Metrics::new().edge;
+        let threads = (threads > 0).then(|| ConnThreads::start(threads, metrics.clone()).unwrap());
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (_stop, rx) = watch::channel(false);
         let limits = Limits { header_read: Duration::from_secs(10), idle: Duration::from_secs(5), max_connections: 16 };
-        tokio::spawn(serve(listener, app, limits, metrics.clone(), rx));
+        tokio::spawn(serve(listener, app, limits, metrics.clone(), rx, threads));
         for i in 0..3 {
             let answer = get_raw(addr, "/panic", Some(&format!("req-{i}"))).await;
             assert!(answer.starts_with("HTTP/1.1 500"), "{answer}");
@@ -307,5 +334,48 @@ mod tests {
         assert!(answer.contains("x-request-id: pdgate-"), "{answer}");
         assert_eq!(metrics.panics.get(), 4);
         assert!(get_raw(addr, "/ok", None).await.ends_with("fine"));
+    }
+
+    /// Sends one keep-alive GET on `s`; the response head and body, read to the body's end.
+    async fn get_keep_alive(s: &mut TcpStream) -> String {
+        s.write_all(b"GET /ok HTTP/1.1\r\nHost: t\r\n\r\n").await.unwrap();
+        let mut out = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !out.ends_with(b"fine") {
+            let n = s.read(&mut buf).await.unwrap();
+            assert!(n > 0, "closed before the response ended: {}", String::from_utf8_lossy(&out));
+            out.extend_from_slice(&buf[..n]);
+        }
+        String::from_utf8(out).unwrap().to_ascii_lowercase()
+    }
+
+    #[tokio::test]
+    async fn a_shedding_thread_says_connection_close_in_a_response_then_closes_after_it() {
+        let app = Router::new().route("/ok", get(|| async { "fine" }));
+        let metrics = crate::metrics::Metrics::new().edge;
+        let threads = ConnThreads::start(1, metrics.clone()).unwrap();
+        let shed = threads.shedder();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (_stop, rx) = watch::channel(false);
+        let limits = Limits { header_read: Duration::from_secs(10), idle: Duration::from_secs(5), max_connections: 16 };
+        tokio::spawn(serve(listener, app, limits, metrics.clone(), rx, Some(threads)));
+
+        let mut first = TcpStream::connect(addr).await.unwrap();
+        assert!(!get_keep_alive(&mut first).await.contains("connection: close"), "nothing to shed yet");
+        shed(0, 1);
+        let answer = get_keep_alive(&mut first).await;
+        assert!(answer.starts_with("http/1.1 200") && answer.contains("connection: close"), "{answer}");
+        let mut rest = Vec::new();
+        let n = tokio::time::timeout(Duration::from_secs(5), first.read_to_end(&mut rest)).await.expect("closed after the response").unwrap();
+        assert_eq!(n, 0, "nothing after the shed response");
+        assert_eq!(metrics.connections_shed.get(), 1);
+
+        // The budget was one connection: the next keeps its keep-alive.
+        let mut second = TcpStream::connect(addr).await.unwrap();
+        for _ in 0..2 {
+            assert!(!get_keep_alive(&mut second).await.contains("connection: close"));
+        }
+        assert_eq!(metrics.connections_shed.get(), 1);
     }
 }

@@ -1,6 +1,11 @@
-//! Idle keep-alive connections, per worker address. A connection is checked before it is
-//! handed out (a worker closes idle connections on its own timer: uvicorn after 5 s), and the
-//! most recently used goes first (its socket buffers are warm).
+//! Idle keep-alive connections, per worker address and per connection thread. A connection is
+//! checked before it is handed out (a worker closes idle connections on its own timer: uvicorn
+//! after 5 s), and the most recently used goes first (its socket buffers are warm).
+//!
+//! A socket is registered with the event loop of the thread that opened it: one taken by
+//! another connection thread (edge/threads.rs) would have every read woken across threads. So
+//! each thread keeps its own idle list (`lane`; every thread of a multi-thread runtime shares
+//! lane 0, one event loop).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -8,20 +13,35 @@ use std::time::{Duration, Instant};
 
 use tokio::net::TcpStream;
 
+use crate::edge::threads::lane;
+
 pub struct Pool {
     idle: Mutex<Idle>,
     max_per_host: usize,
     idle_timeout: Duration,
 }
 
+type ByHost = HashMap<String, Vec<(TcpStream, Instant)>>;
+
 struct Idle {
-    by_host: HashMap<String, Vec<(TcpStream, Instant)>>,
+    /// Indexed by lane.
+    lanes: Vec<ByHost>,
     last_sweep: Instant,
+}
+
+impl Idle {
+    fn lane(&mut self) -> &mut ByHost {
+        let lane = lane();
+        if self.lanes.len() <= lane {
+            self.lanes.resize_with(lane + 1, ByHost::new);
+        }
+        &mut self.lanes[lane]
+    }
 }
 
 impl Pool {
     pub fn new(max_per_host: usize, idle_timeout: Duration) -> Self {
-        Pool { idle: Mutex::new(Idle { by_host: HashMap::new(), last_sweep: Instant::now() }), max_per_host, idle_timeout }
+        Pool { idle: Mutex::new(Idle { lanes: Vec::new(), last_sweep: Instant::now() }), max_per_host, idle_timeout }
     }
 
     /// An open idle connection to `authority`, if there is one.
@@ -30,7 +50,7 @@ impl Pool {
         loop {
             let (conn, since) = {
                 let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-                idle.by_host.get_mut(authority)?.pop()?
+                idle.lane().get_mut(authority)?.pop()?
             };
             if now.duration_since(since) < self.idle_timeout && still_open(&conn) {
                 return Some(conn);
@@ -46,14 +66,17 @@ impl Pool {
         if now.duration_since(idle.last_sweep) >= self.idle_timeout {
             idle.last_sweep = now;
             let timeout = self.idle_timeout;
-            idle.by_host.retain(|_, conns| {
-                conns.retain(|(_, since)| now.duration_since(*since) < timeout);
-                !conns.is_empty()
-            });
+            for by_host in &mut idle.lanes {
+                by_host.retain(|_, conns| {
+                    conns.retain(|(_, since)| now.duration_since(*since) < timeout);
+                    !conns.is_empty()
+                });
+            }
         }
-        let conns = match idle.by_host.get_mut(authority) {
+        let by_host = idle.lane();
+        let conns = match by_host.get_mut(authority) {
             Some(conns) => conns,
-            None => idle.by_host.entry(authority.to_string()).or_default(),
+            None => by_host.entry(authority.to_string()).or_default(),
         };
         if conns.len() < self.max_per_host {
             conns.push((conn, now));
