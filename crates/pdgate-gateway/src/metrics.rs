@@ -109,13 +109,7 @@ impl EdgeMetrics {
             panics: single("pdgate_request_panics_total", "Request handlers that panicked (answered 500)"),
             loops,
             log_suppressed: single("pdgate_log_lines_suppressed_total", "Repeated identical warnings left out of the log by the rate limit"),
-            thread_cpu: {
-                let name = "pdgate_connection_thread_cpu_ratio";
-                let g =
-                    GaugeVec::new(Opts::new(name, "Share of one CPU each connection thread used in the last 250 ms"), &["thread"]).unwrap_or_else(|e| panic!("metric {name}: {e}"));
-                r.register(Box::new(g.clone())).unwrap_or_else(|e| panic!("metric {name}: {e}"));
-                g
-            },
+            thread_cpu: float_gauge(r, "pdgate_connection_thread_cpu_ratio", "Share of one CPU each connection thread used in the last 250 ms", &["thread"]),
             connections_shed: single("pdgate_connections_shed_total", "Keep-alive connections answered with Connection: close to move load off a busy connection thread"),
         }
     }
@@ -129,6 +123,12 @@ fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterV
 
 fn gauge(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
     let g = IntGaugeVec::new(Opts::new(name, help), labels).unwrap_or_else(|e| panic!("metric {name}: {e}"));
+    r.register(Box::new(g.clone())).unwrap_or_else(|e| panic!("metric {name}: {e}"));
+    g
+}
+
+fn float_gauge(r: &Registry, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+    let g = GaugeVec::new(Opts::new(name, help), labels).unwrap_or_else(|e| panic!("metric {name}: {e}"));
     r.register(Box::new(g.clone())).unwrap_or_else(|e| panic!("metric {name}: {e}"));
     g
 }
