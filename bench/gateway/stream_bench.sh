@@ -13,6 +13,11 @@
 #   BASE=/tmp/base/pdgate-gateway bench/gateway/stream_bench.sh   # also "pdgate-base": a previous build
 #   GATEWAYS="pdgate smg" SCENARIOS="bootstrap:stream" bench/gateway/stream_bench.sh
 #   MEMORY=1 GATEWAYS="pdgate smg" bench/gateway/stream_bench.sh  # RSS idle and with 1,000 slow streams
+#   ROUNDS=5 bench/gateway/stream_bench.sh                # 5 interleaved rounds, then medians
+#
+# ROUNDS=N runs every scenario and gateway N times, round after round (so a noisy minute hits
+# every gateway alike), prints each round, then the median of each column per gateway and
+# scenario: on a shared machine one run's ratios move by 20 % or more.
 #
 # Scenarios (MODE:KIND): MODE is regular (one worker), bootstrap (SGLang PD: both legs at once,
 # the same body to each) or nixl (vLLM PD: the prefill first, max_tokens 1, then the decode);
@@ -155,29 +160,46 @@ if [ -n "${MEMORY:-}" ]; then
 fi
 
 printf '%-12s %-18s %9s %14s %14s %8s  %s\n' gateway scenario req/s 'router us/req' 'workers us/req' errors 'prefill posts/streamed'
-for scenario in $SCENARIOS; do
-    mode=${scenario%%:*}; kind=${scenario##*:}
-    for name in $GATEWAYS; do
-        speaks "$name" "$mode" || continue
-        port=$(free_port); start "$name" "$mode" "$port"
-        URL="http://127.0.0.1:$port/v1/completions"
-        wait_routing "$URL" || { stop; continue; }
-        pid=$(gw_pid)
-        wrk -t2 -c32 -d2s -s "$D/$kind.lua" "$URL" > /dev/null
-        s0=$(curl -s "$P/stats")
-        g0=$(ticks "$pid"); w0=$(( $(ticks $MR) + $(ticks $MP) + $(ticks $MD) ))
-        wrk -t2 -c32 -d"$DURATION" -s "$D/$kind.lua" "$URL" > "$D/$name-$scenario.wrk"
-        g1=$(ticks "$pid"); w1=$(( $(ticks $MR) + $(ticks $MP) + $(ticks $MD) ))
-        s1=$(curl -s "$P/stats")
-        n=$(awk '/requests in/ {print $1}' "$D/$name-$scenario.wrk")
-        rps=$(awk '/Requests\/sec/ {printf "%d", $2}' "$D/$name-$scenario.wrk")
-        errors=$(grep -E 'Non-2xx|Socket errors' "$D/$name-$scenario.wrk" | tr -s ' ' | tr '\n' ';' || true)
-        tick=$(( 1000000 / $(getconf CLK_TCK) ))
-        printf '%-12s %-18s %9s %14s %14s %8s  %s -> %s\n' "$name" "$scenario" "$rps" \
-            "$(awk -v t=$((g1 - g0)) -v us=$tick -v n="$n" 'BEGIN {printf "%.1f", t * us / n}')" \
-            "$(awk -v t=$((w1 - w0)) -v us=$tick -v n="$n" 'BEGIN {printf "%.1f", t * us / n}')" \
-            "${errors:-none}" "$s0" "$s1"
-        stop
+ROWS="$D/rows.txt"
+for round in $(seq "${ROUNDS:-1}"); do
+    [ "${ROUNDS:-1}" -gt 1 ] && echo "-- round $round"
+    for scenario in $SCENARIOS; do
+        mode=${scenario%%:*}; kind=${scenario##*:}
+        for name in $GATEWAYS; do
+            speaks "$name" "$mode" || continue
+            port=$(free_port); start "$name" "$mode" "$port"
+            URL="http://127.0.0.1:$port/v1/completions"
+            wait_routing "$URL" || { stop; continue; }
+            pid=$(gw_pid)
+            wrk -t2 -c32 -d2s -s "$D/$kind.lua" "$URL" > /dev/null
+            s0=$(curl -s "$P/stats")
+            g0=$(ticks "$pid"); w0=$(( $(ticks $MR) + $(ticks $MP) + $(ticks $MD) ))
+            wrk -t2 -c32 -d"$DURATION" -s "$D/$kind.lua" "$URL" > "$D/$name-$scenario.wrk"
+            g1=$(ticks "$pid"); w1=$(( $(ticks $MR) + $(ticks $MP) + $(ticks $MD) ))
+            s1=$(curl -s "$P/stats")
+            n=$(awk '/requests in/ {print $1}' "$D/$name-$scenario.wrk")
+            rps=$(awk '/Requests\/sec/ {printf "%d", $2}' "$D/$name-$scenario.wrk")
+            errors=$(grep -E 'Non-2xx|Socket errors' "$D/$name-$scenario.wrk" | tr -s ' ' | tr '\n' ';' || true)
+            tick=$(( 1000000 / $(getconf CLK_TCK) ))
+            printf '%-12s %-18s %9s %14s %14s %8s  %s -> %s\n' "$name" "$scenario" "$rps" \
+                "$(awk -v t=$((g1 - g0)) -v us=$tick -v n="$n" 'BEGIN {printf "%.1f", t * us / n}')" \
+                "$(awk -v t=$((w1 - w0)) -v us=$tick -v n="$n" 'BEGIN {printf "%.1f", t * us / n}')" \
+                "${errors:-none}" "$s0" "$s1" | tee -a "$ROWS"
+            stop
+        done
     done
 done
+if [ "${ROUNDS:-1}" -gt 1 ]; then
+    echo "-- medians over $ROUNDS rounds"
+    printf '%-12s %-18s %9s %14s %14s\n' gateway scenario req/s 'router us/req' 'workers us/req'
+    # Rows in first-seen order; for each, the median of each numeric column.
+    awk '{ k = $1 " " $2; if (!(k in n)) order[++m] = k; n[k]++; r[k, n[k]] = $3; g[k, n[k]] = $4; w[k, n[k]] = $5 }
+        function med(a, k, c,    i, j, t, v) {
+            for (i = 1; i <= c; i++) v[i] = a[k, i]
+            for (i = 2; i <= c; i++) { t = v[i]; for (j = i - 1; j >= 1 && v[j] > t; j--) v[j + 1] = v[j]; v[j + 1] = t }
+            return c % 2 ? v[(c + 1) / 2] : (v[c / 2] + v[c / 2 + 1]) / 2
+        }
+        END { for (i = 1; i <= m; i++) { k = order[i]; split(k, p, " ")
+            printf "%-12s %-18s %9d %14.1f %14.1f\n", p[1], p[2], med(r, k, n[k]), med(g, k, n[k]), med(w, k, n[k]) } }' "$ROWS"
+fi
 echo "raw wrk output and gateway logs in $D"
