@@ -67,7 +67,7 @@ pub struct ConnThreads {
 }
 
 impl ConnThreads {
-    /// Starts `n` (at least 1) connection threads; `metrics` gets their busy shares and sheds.
+    /// Starts `n` (at least 1) connection threads; `metrics` gets their CPU shares and sheds.
     pub fn start(n: usize, metrics: Arc<EdgeMetrics>) -> io::Result<Self> {
         let n = n.max(1);
         let states: Vec<Arc<LaneState>> = (0..n).map(|_| Arc::default()).collect();
