@@ -132,16 +132,23 @@ gw_pid() {
 
 stop() { kill "$GW" 2>/dev/null || true; wait "$GW" 2>/dev/null || true; GW=; }
 
+# up GATEWAY MODE KIND: starts the gateway, waits until it routes, warms it up for 2 s with
+# KIND requests; sets URL and pid. Fails (gateway stopped) when it never routes.
+up() {
+    local port
+    port=$(free_port); start "$1" "$2" "$port"
+    URL="http://127.0.0.1:$port/v1/completions"
+    wait_routing "$URL" || { stop; return 1; }
+    pid=$(gw_pid)
+    wrk -t2 -c32 -d2s -s "$D/$3.lua" "$URL" > /dev/null
+}
+
 if [ -n "${MEMORY:-}" ]; then
     printf '%-12s %-10s %10s %12s %12s %14s\n' gateway mode idle_MiB loaded_MiB streams KiB/stream
     for name in $GATEWAYS; do
         for mode in ${MEMORY_MODES:-regular bootstrap}; do
             speaks "$name" "$mode" || continue
-            port=$(free_port); start "$name" "$mode" "$port"
-            URL="http://127.0.0.1:$port/v1/completions"
-            wait_routing "$URL" || { stop; continue; }
-            pid=$(gw_pid)
-            wrk -t2 -c32 -d2s -s "$D/whole.lua" "$URL" > /dev/null
+            up "$name" "$mode" whole || continue
             sleep 1
             idle=$(rss_kb "$pid")
             wrk -t2 -c"${STREAMS:-1000}" -d25s --timeout 60s -s "$D/stream.lua" "$URL" > "$D/$name-$mode-mem.wrk" &
@@ -167,11 +174,7 @@ for round in $(seq "${ROUNDS:-1}"); do
         mode=${scenario%%:*}; kind=${scenario##*:}
         for name in $GATEWAYS; do
             speaks "$name" "$mode" || continue
-            port=$(free_port); start "$name" "$mode" "$port"
-            URL="http://127.0.0.1:$port/v1/completions"
-            wait_routing "$URL" || { stop; continue; }
-            pid=$(gw_pid)
-            wrk -t2 -c32 -d2s -s "$D/$kind.lua" "$URL" > /dev/null
+            up "$name" "$mode" "$kind" || continue
             s0=$(curl -s "$P/stats")
             g0=$(ticks "$pid"); w0=$(( $(ticks $MR) + $(ticks $MP) + $(ticks $MD) ))
             wrk -t2 -c32 -d"$DURATION" -s "$D/$kind.lua" "$URL" > "$D/$name-$scenario.wrk"

@@ -1,11 +1,11 @@
 //! Where client connections go among the connection threads (edge/threads.rs), as pure
-//! functions of each thread's busy share over the last sampling window (permille of wall
-//! time its event loop was not parked).
+//! functions of each thread's load: the share of one CPU it used over the last sampling
+//! window, in permille (edge/threads.rs, `measure_self`).
 //!
 //! Fill first: a new connection goes to the first thread with room, not round robin. An event
 //! loop that wakes for many ready sockets at once spends less per event than several loops
-//! that each wake for a few: on a 2-core machine one loop served a stream for 20-25 % less CPU
-//! than two (docs/performance.md, run 5). More loops are used as the load needs them.
+//! that each wake for a few: on a 2-core machine one loop served a regular stream for 13-27 %
+//! less CPU than two dealt round robin (docs/performance.md, run 5). More loops are used as the load needs them.
 //!
 //! Keep-alive connections stay where they were placed, so a burst of connections opened while
 //! the gateway was idle all lands on the first thread. When a thread is nearly always busy
@@ -13,9 +13,9 @@
 //! response with `Connection: close`, and the client's next connection is placed again. The
 //! client learns it from the response itself, so no request races a close.
 
-/// Below this busy share (permille) a thread takes new connections.
+/// Below this load (permille of a CPU) a thread takes new connections.
 pub const FILL: u32 = 600;
-/// At or above this busy share in each of the last `SUSTAIN` windows a thread sheds
+/// At or above this load in each of the last `SUSTAIN` windows a thread sheds
 /// connections, if another is below `FILL`. Sustained, so a burst (or a thread preempted by
 /// other processes for a moment) moves nothing.
 pub const HOT: u32 = 900;
@@ -24,13 +24,13 @@ pub const SUSTAIN: usize = 4;
 const SHED_DIVISOR: usize = 4;
 
 /// The thread (index into `loads`) a new connection goes to: the first below `FILL`, or the
-/// least busy when none is. `loads` is never empty.
+/// least loaded when none is. `loads` is never empty.
 pub fn place(loads: &[u32]) -> usize {
     loads.iter().position(|&l| l < FILL).unwrap_or_else(|| (0..loads.len()).min_by_key(|&i| loads[i]).unwrap_or(0))
 }
 
 /// How many connections each thread should close at their next response: a quarter of a
-/// thread's open connections (at least one) when its busy share was at least `HOT` in every
+/// thread's open connections (at least one) when its load was at least `HOT` in every
 /// recent window (`lowest`: the lowest share of the last `SUSTAIN` windows) while some thread
 /// is below `FILL` now (`loads`); none otherwise.
 pub fn shed_plan(lowest: &[u32], loads: &[u32], open: &[usize]) -> Vec<usize> {
@@ -38,7 +38,7 @@ pub fn shed_plan(lowest: &[u32], loads: &[u32], open: &[usize]) -> Vec<usize> {
     lowest.iter().zip(open).map(|(&l, &n)| if room && l >= HOT && n > 1 { (n / SHED_DIVISOR).max(1) } else { 0 }).collect()
 }
 
-/// The last `SUSTAIN` busy shares of one thread.
+/// The last `SUSTAIN` loads of one thread.
 #[derive(Default)]
 pub struct Recent {
     shares: [u32; SUSTAIN],
@@ -64,12 +64,12 @@ impl Recent {
     }
 }
 
-/// The busy share in permille of `busy` over `wall` (clamped: clocks are read apart).
-pub fn permille(busy: std::time::Duration, wall: std::time::Duration) -> u32 {
+/// `used` (CPU or busy time) as permille of `wall` (clamped: the clocks are read apart).
+pub fn permille(used: std::time::Duration, wall: std::time::Duration) -> u32 {
     if wall.is_zero() {
         return 0;
     }
-    ((busy.as_secs_f64() / wall.as_secs_f64()) * 1000.0).round().clamp(0.0, 1000.0) as u32
+    ((used.as_secs_f64() / wall.as_secs_f64()) * 1000.0).round().clamp(0.0, 1000.0) as u32
 }
 
 #[cfg(test)]
@@ -120,7 +120,7 @@ mod tests {
     }
 
     #[test]
-    fn busy_share_is_permille_of_wall_time_clamped() {
+    fn load_is_permille_of_wall_time_clamped() {
         assert_eq!(permille(Duration::from_millis(125), Duration::from_millis(250)), 500);
         assert_eq!(permille(Duration::from_millis(300), Duration::from_millis(250)), 1000);
         assert_eq!(permille(Duration::ZERO, Duration::from_millis(250)), 0);

@@ -26,7 +26,7 @@ use tokio_util::task::TaskTracker;
 use super::lanes;
 use crate::metrics::EdgeMetrics;
 
-/// How often each thread's busy share is read and shedding decided.
+/// How often each thread's load is read and shedding decided.
 const WINDOW: Duration = Duration::from_millis(250);
 
 thread_local! {
