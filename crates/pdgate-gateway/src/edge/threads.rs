@@ -35,6 +35,15 @@ thread_local! {
     static STATE: OnceCell<Arc<LaneState>> = const { OnceCell::new() };
 }
 
+/// Tests: runs `f` as if on connection thread `lane`.
+#[cfg(test)]
+pub fn as_lane<R>(lane: usize, f: impl FnOnce() -> R) -> R {
+    let before = LANE.with(|l| l.replace(lane));
+    let r = f();
+    LANE.with(|l| l.set(before));
+    r
+}
+
 /// The connection thread the caller runs on (1..=N), or 0 off them. Per-thread state that
 /// must not be shared across event loops (idle worker sockets: h1_client/pool.rs) keys on it.
 pub fn lane() -> usize {
@@ -196,5 +205,32 @@ async fn balance(states: Vec<Arc<LaneState>>) {
                 recent.clear();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Spins until this thread has used `cpu` more CPU time (bounded by 10 s of wall time).
+    fn spin_for_cpu(cpu: Duration) -> Duration {
+        let start = thread_cpu().expect("Linux has /proc/thread-self/schedstat");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while thread_cpu().unwrap() < start + cpu {
+            assert!(std::time::Instant::now() < deadline, "this thread's CPU time does not move");
+            std::hint::black_box((0..1000u64).sum::<u64>());
+        }
+        thread_cpu().unwrap() - start
+    }
+
+    #[test]
+    fn a_threads_load_is_its_own_cpu_time_not_the_processes() {
+        let mine = thread_cpu().unwrap();
+        let theirs = std::thread::spawn(|| spin_for_cpu(Duration::from_millis(50))).join().unwrap();
+        assert!(theirs >= Duration::from_millis(50));
+        let mine_after = thread_cpu().unwrap();
+        // Joining costs a little CPU here, never the other thread's 50 ms.
+        assert!(mine_after - mine < Duration::from_millis(25), "{:?}", mine_after - mine);
+        assert!(spin_for_cpu(Duration::from_millis(20)) >= Duration::from_millis(20));
     }
 }

@@ -90,3 +90,22 @@ fn still_open(conn: &TcpStream) -> bool {
     let mut probe = [0u8; 1];
     matches!(conn.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::edge::threads::as_lane;
+
+    #[tokio::test]
+    async fn an_idle_connection_is_handed_out_only_on_the_thread_that_put_it_back() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let conn = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        let _peer = listener.accept().await.unwrap();
+        let pool = Pool::new(4, Duration::from_secs(60));
+        as_lane(1, || pool.put("w:1", conn));
+        assert!(as_lane(2, || pool.take("w:1")).is_none(), "another connection thread's socket");
+        assert!(as_lane(0, || pool.take("w:1")).is_none(), "nor the caller's runtime's");
+        assert!(as_lane(1, || pool.take("w:1")).is_some());
+        assert!(as_lane(1, || pool.take("w:1")).is_none(), "handed out once");
+    }
+}
