@@ -8,7 +8,9 @@
 
 pub mod answer;
 pub mod bootstrap;
+pub mod content;
 pub mod engine_load;
+mod json_scan;
 pub mod kv_transfer;
 pub mod limits;
 pub mod logprobs;

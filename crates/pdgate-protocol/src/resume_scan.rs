@@ -4,143 +4,54 @@
 //! are cut out of the bytes; everything else goes out as the engine wrote it.
 //!
 //! The scan only handles the common shape: one `data:` line holding an object whose keys are
-//! plain (no escapes), `choices` an array of objects, no `prompt_token_ids` (the first event
-//! carries them: it takes the slow path, and so does anything this scan does not recognise).
-//! It never guesses: `None` sends the event down the slow path.
+//! plain (no escapes), `choices` an array of objects, each key once. The first event is read
+//! this way too: its `prompt_token_ids` (at the top for chat, on the choice for completions)
+//! and its envelope (`id`, `created`, `model`, `object`: small values, parsed once a stream).
+//! It never guesses: `None` sends the event down the slow path, which reads anything else.
 
 use serde_json::Value;
 
 use super::{set, Progress};
+use crate::json_scan::Scan;
 
-/// What one event taught, and the byte ranges (of its payload) to cut.
+/// The envelope keys a continuation's chunks are rewritten to (`Progress::head` holds only
+/// these): bit `i` of a mask is `HEAD_KEYS[i]`.
+const HEAD_KEYS: [&str; 4] = ["id", "created", "model", "object"];
+
+/// Byte ranges (of the payload) to cut: an event has at most a few (`token_ids` per choice,
+/// `prompt_token_ids`); one with more takes the slow path.
+#[derive(Default)]
+struct Cuts {
+    ranges: [(usize, usize); 4],
+    n: usize,
+}
+
+impl Cuts {
+    fn push(&mut self, r: (usize, usize)) -> Option<()> {
+        *self.ranges.get_mut(self.n)? = r;
+        self.n += 1;
+        Some(())
+    }
+
+    fn as_slice(&self) -> &[(usize, usize)] {
+        &self.ranges[..self.n]
+    }
+}
+
+/// What one event taught (its generated ids went straight into the caller's list), and the
+/// byte ranges (of its payload) to cut.
 #[derive(Default)]
 struct Learned {
-    ids: Vec<u32>,
     text_without_ids: bool,
     finished: bool,
     had_usage: bool,
     all_empty: bool,
-    cuts: Vec<(usize, usize)>,
-}
-
-struct Scan<'a> {
-    b: &'a [u8],
-    i: usize,
-}
-
-impl<'a> Scan<'a> {
-    fn ws(&mut self) {
-        while self.i < self.b.len() && matches!(self.b[self.i], b' ' | b'\t' | b'\n' | b'\r') {
-            self.i += 1;
-        }
-    }
-
-    fn peek(&self) -> Option<u8> {
-        self.b.get(self.i).copied()
-    }
-
-    fn eat(&mut self, c: u8) -> Option<()> {
-        self.ws();
-        (self.peek()? == c).then(|| self.i += 1)
-    }
-
-    /// A string at the cursor: its raw content (escapes left as they are).
-    fn string(&mut self) -> Option<&'a [u8]> {
-        self.ws();
-        if self.peek()? != b'"' {
-            return None;
-        }
-        let start = self.i + 1;
-        let mut j = start;
-        while j < self.b.len() {
-            match self.b[j] {
-                b'\\' => j += 2,
-                b'"' => {
-                    self.i = j + 1;
-                    return Some(&self.b[start..j]);
-                }
-                _ => j += 1,
-            }
-        }
-        None
-    }
-
-    /// Skips one value; returns its range.
-    fn value(&mut self) -> Option<(usize, usize)> {
-        self.ws();
-        let start = self.i;
-        match self.peek()? {
-            b'"' => {
-                self.string()?;
-            }
-            b'{' | b'[' => {
-                let mut depth = 0usize;
-                while self.i < self.b.len() {
-                    match self.b[self.i] {
-                        b'"' => {
-                            self.string()?;
-                            continue;
-                        }
-                        b'{' | b'[' => depth += 1,
-                        b'}' | b']' => {
-                            depth -= 1;
-                            if depth == 0 {
-                                self.i += 1;
-                                return Some((start, self.i));
-                            }
-                        }
-                        _ => {}
-                    }
-                    self.i += 1;
-                }
-                return None;
-            }
-            _ => {
-                while self.i < self.b.len() && !matches!(self.b[self.i], b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r') {
-                    self.i += 1;
-                }
-                if self.i == start {
-                    return None;
-                }
-            }
-        }
-        Some((start, self.i))
-    }
-
-    /// Walks the object at the cursor: `f(scan, key, key_start, before)` is called with the
-    /// cursor at the member's value and must consume it; `before` is the comma that precedes
-    /// the member, if any. Keys with escapes are refused.
-    fn object(&mut self, mut f: impl FnMut(&mut Self, &'a [u8], usize, Option<usize>) -> Option<()>) -> Option<()> {
-        self.eat(b'{')?;
-        self.ws();
-        if self.peek()? == b'}' {
-            self.i += 1;
-            return Some(());
-        }
-        let mut before = None;
-        loop {
-            self.ws();
-            let key_start = self.i;
-            let key = self.string()?;
-            if key.contains(&b'\\') {
-                return None;
-            }
-            self.eat(b':')?;
-            f(self, key, key_start, before)?;
-            self.ws();
-            match self.peek()? {
-                b',' => {
-                    before = Some(self.i);
-                    self.i += 1;
-                }
-                b'}' => {
-                    self.i += 1;
-                    return Some(());
-                }
-                _ => return None,
-            }
-        }
-    }
+    cuts: Cuts,
+    /// `prompt_token_ids` (the first event's: at the top for chat, on the choice otherwise).
+    prompt_ids: Option<Vec<u32>>,
+    choice_prompt_ids: Option<Vec<u32>>,
+    /// Envelope values the head does not have yet: their raw ranges, by `HEAD_KEYS` index.
+    head: [Option<(usize, usize)>; 4],
 }
 
 fn raw_set(raw: &[u8]) -> bool {
@@ -169,19 +80,73 @@ fn member_cut(b: &[u8], key_start: usize, end: usize, before: Option<usize>) -> 
     }
 }
 
-/// One choice object: its ids, whether it has text without ids, and whether it is empty once
-/// the ids are gone.
-fn choice(s: &mut Scan<'_>, keep: bool, out: &mut Learned) -> Option<bool> {
+/// A JSON array of token ids, appended to `to`; `false` (nothing appended) for anything else,
+/// as `serde_json` would judge it (an id over `u32::MAX` included).
+fn parse_ids(raw: &[u8], to: &mut Vec<u32>) -> bool {
+    let before = to.len();
+    if plain_ids(raw, to).is_some() {
+        return true;
+    }
+    to.truncate(before);
+    // Not digits and commas only (an exponent, a leading zero, ...): serde_json decides.
+    match serde_json::from_slice::<Vec<u32>>(raw) {
+        Ok(ids) => {
+            to.extend(ids);
+            true
+        }
+        Err(_) => false,
+    }
+}
+
+/// `[1, 2, 3]`: plain decimal ids, no leading zeros, each within `u32`.
+fn plain_ids(raw: &[u8], to: &mut Vec<u32>) -> Option<()> {
+    let mut s = Scan { b: raw, i: 0 };
+    s.eat(b'[')?;
+    if s.peek_after_ws()? == b']' {
+        s.i += 1;
+    } else {
+        loop {
+            s.ws();
+            let start = s.i;
+            let mut n: u64 = 0;
+            while let Some(d @ b'0'..=b'9') = s.peek() {
+                n = n * 10 + u64::from(d - b'0');
+                s.i += 1;
+                if s.i - start > 10 {
+                    return None;
+                }
+            }
+            if s.i == start || (raw[start] == b'0' && s.i - start > 1) {
+                return None;
+            }
+            to.push(u32::try_from(n).ok()?);
+            match s.peek_after_ws()? {
+                b',' => s.i += 1,
+                b']' => {
+                    s.i += 1;
+                    break;
+                }
+                _ => return None,
+            }
+        }
+    }
+    s.ws();
+    (s.i == raw.len()).then_some(())
+}
+
+/// One choice object: its ids (appended to `generated`), its prompt's ids, whether it has text
+/// without ids, and whether it is empty once the ids are gone.
+fn choice(s: &mut Scan<'_>, keep: bool, out: &mut Learned, generated: &mut Vec<u32>) -> Option<bool> {
     let (mut ids, mut text, mut content, mut delta, mut finish, mut logprobs) = (None, None, None, None, false, false);
     let mut seen = 0u8;
     s.object(|s, key, key_start, before| {
         let bit = match key {
-            b"prompt_token_ids" => return None,
             b"token_ids" => 1,
             b"text" => 2,
             b"delta" => 4,
             b"finish_reason" => 8,
             b"logprobs" => 16,
+            b"prompt_token_ids" => 32,
             _ => 0,
         };
         if seen & bit != 0 {
@@ -208,9 +173,19 @@ fn choice(s: &mut Scan<'_>, keep: bool, out: &mut Learned) -> Option<bool> {
         let raw = &s.b[a..z];
         match key {
             b"token_ids" => {
-                ids = Some(serde_json::from_slice::<Vec<u32>>(raw).ok());
+                ids = Some(parse_ids(raw, generated));
                 if !keep {
-                    out.cuts.push(member_cut(s.b, key_start, z, before));
+                    out.cuts.push(member_cut(s.b, key_start, z, before))?;
+                }
+            }
+            b"prompt_token_ids" => {
+                let mut prompt = Vec::new();
+                if !parse_ids(raw, &mut prompt) {
+                    return None; // not ids: the slow path decides
+                }
+                out.choice_prompt_ids.get_or_insert(prompt);
+                if !keep {
+                    out.cuts.push(member_cut(s.b, key_start, z, before))?;
                 }
             }
             b"text" => text = Some((a, z)),
@@ -224,9 +199,7 @@ fn choice(s: &mut Scan<'_>, keep: bool, out: &mut Learned) -> Option<bool> {
     let nonempty_str = |r: Option<(usize, usize)>| r.is_some_and(|(a, z)| s.b[a] == b'"' && z - a > 2);
     // As the slow path: `text`, else the delta's `content`.
     let has_text = if text.is_some() { nonempty_str(text) } else { nonempty_str(content) };
-    let ids = ids.flatten();
-    out.text_without_ids |= ids.is_none() && has_text;
-    out.ids.extend(ids.unwrap_or_default());
+    out.text_without_ids |= ids != Some(true) && has_text;
     out.finished |= finish;
     let no_text = match delta {
         Some(empty) => empty,
@@ -235,26 +208,36 @@ fn choice(s: &mut Scan<'_>, keep: bool, out: &mut Learned) -> Option<bool> {
     Some(no_text && !finish && !logprobs)
 }
 
-impl Scan<'_> {
-    fn peek_after_ws(&mut self) -> Option<u8> {
-        self.ws();
-        self.peek()
-    }
-
-    fn i_after_ws(&mut self) -> usize {
-        self.ws();
-        self.i
-    }
-}
-
-fn learn(payload: &[u8], head_has: impl Fn(&str) -> bool, keep: bool) -> Option<Learned> {
+/// `known`: the `HEAD_KEYS` (bits) the head has already; the event's generated ids are
+/// appended to `generated` (the caller takes them back when this returns `None`).
+fn learn(payload: &[u8], known: u8, keep: bool, generated: &mut Vec<u32>) -> Option<Learned> {
     let mut s = Scan { b: payload, i: 0 };
     let mut out = Learned::default();
     let mut choices_seen = false;
-    s.object(|s, key, _, _| {
+    let mut top_prompt_ids = None;
+    s.object(|s, key, key_start, before| {
         match key {
-            b"prompt_token_ids" => return None,
-            b"id" | b"created" | b"model" | b"object" if !head_has(std::str::from_utf8(key).ok()?) => return None,
+            b"prompt_token_ids" => {
+                let (a, z) = s.value()?;
+                let mut prompt = Vec::new();
+                if top_prompt_ids.is_some() || !parse_ids(&s.b[a..z], &mut prompt) {
+                    return None; // repeated, or not ids: the slow path decides
+                }
+                top_prompt_ids = Some(prompt);
+                if !keep {
+                    out.cuts.push(member_cut(s.b, key_start, z, before))?;
+                }
+            }
+            b"id" | b"created" | b"model" | b"object" => {
+                let k = HEAD_KEYS.iter().position(|h| h.as_bytes() == key)?;
+                let r = s.value()?;
+                if known & (1 << k) == 0 {
+                    if out.head[k].is_some() {
+                        return None; // repeated before the head knew it
+                    }
+                    out.head[k] = Some(r);
+                }
+            }
             b"usage" => {
                 let (a, z) = s.value()?;
                 out.had_usage = raw_set(&s.b[a..z]);
@@ -278,7 +261,7 @@ fn learn(payload: &[u8], head_has: impl Fn(&str) -> bool, keep: bool) -> Option<
                     }
                     n += 1;
                     if s.peek_after_ws()? == b'{' {
-                        empty &= choice(s, keep, &mut out)?;
+                        empty &= choice(s, keep, &mut out, generated)?;
                     } else {
                         s.value()?;
                     }
@@ -293,6 +276,8 @@ fn learn(payload: &[u8], head_has: impl Fn(&str) -> bool, keep: bool) -> Option<
         Some(())
     })?;
     s.ws();
+    // As the slow path: the chunk's own ids (chat) before a choice's (completions).
+    out.prompt_ids = top_prompt_ids.or(out.choice_prompt_ids.take());
     (s.i == payload.len()).then_some(out)
 }
 
@@ -307,41 +292,57 @@ pub(super) enum Fast {
 }
 
 impl Progress {
+    /// The `HEAD_KEYS` the head has, as bits.
+    fn head_mask(&self) -> u8 {
+        HEAD_KEYS.iter().enumerate().filter(|(_, k)| self.head.contains_key(**k)).fold(0, |m, (i, _)| m | 1 << i)
+    }
+
     /// Learns from one raw event (`data: {...}`, its separator excluded) of the first stream
     /// without parsing it into a `Value`; `None` when the slow path must read it. A cut event
     /// is written straight into `out` (no buffer of its own per chunk).
     pub(super) fn observe_raw(&mut self, raw: &[u8], out: &mut Vec<u8>) -> Option<Fast> {
-        if self.native || self.head.is_empty() {
+        if self.native {
             return None;
         }
         let rest = raw.strip_prefix(b"data:")?;
         let payload = rest.strip_prefix(b" ").unwrap_or(rest);
-        if payload.first() != Some(&b'{') || memchr_any(payload, b'\n', b'\r') {
+        if payload.first() != Some(&b'{') || memchr::memchr2(b'\n', b'\r', payload).is_some() {
             return None;
         }
         let keep = self.client_wants_ids;
-        let learned = learn(payload, |k| self.head.contains_key(k), keep)?;
-        self.generated.extend(learned.ids);
+        // Four map lookups per event only until the head is whole (it holds nothing else).
+        let known = if self.head.len() == HEAD_KEYS.len() { 0b1111 } else { self.head_mask() };
+        let before = self.generated.len();
+        let learned = learn(payload, known, keep, &mut self.generated);
+        // The envelope, once per stream: small values, parsed as the slow path keeps them.
+        let head: Option<Vec<(usize, Value)>> =
+            learned.as_ref().and_then(|l| l.head.iter().enumerate().filter_map(|(k, r)| r.map(|(a, z)| serde_json::from_slice(&payload[a..z]).ok().map(|v| (k, v)))).collect());
+        let (Some(learned), Some(head)) = (learned, head) else {
+            self.generated.truncate(before);
+            return None;
+        };
+        for (k, v) in head {
+            self.head.insert(HEAD_KEYS[k].to_string(), v);
+        }
+        if let Some(ids) = learned.prompt_ids {
+            self.prompt_ids.get_or_insert(ids);
+        }
         self.ids_unknown |= learned.text_without_ids;
         self.finished |= learned.finished;
         if !(keep || learned.had_usage || !learned.all_empty) {
             return Some(Fast::Drop);
         }
-        if learned.cuts.is_empty() {
+        if learned.cuts.n == 0 {
             return Some(Fast::Same);
         }
         let offset = raw.len() - payload.len();
         out.extend_from_slice(&raw[..offset]);
         let mut at = 0;
-        for (a, z) in learned.cuts {
+        for &(a, z) in learned.cuts.as_slice() {
             out.extend_from_slice(&payload[at..a]);
             at = z;
         }
         out.extend_from_slice(&payload[at..]);
         Some(Fast::Cut)
     }
-}
-
-fn memchr_any(b: &[u8], x: u8, y: u8) -> bool {
-    b.iter().any(|&c| c == x || c == y)
 }

@@ -93,25 +93,31 @@ impl SseScanner {
 
     /// Looks at the next bytes of the stream; fails once an event grows past the limit.
     pub fn scan(&mut self, chunk: &[u8]) -> Result<(), EventTooLong> {
-        for &b in chunk {
-            match b {
-                b'\n' if self.prev_cr => self.prev_cr = false,
-                b'\n' | b'\r' => {
-                    self.prev_cr = b == b'\r';
-                    self.end_line();
+        let mut i = 0;
+        while i < chunk.len() {
+            // The bytes up to the next line break extend the line in progress, as a run.
+            let end = memchr::memchr2(b'\n', b'\r', &chunk[i..]).map_or(chunk.len(), |j| i + j);
+            let run = &chunk[i..end];
+            if !run.is_empty() {
+                self.prev_cr = false;
+                if self.line_len < LINE_HEAD {
+                    let n = run.len().min(LINE_HEAD - self.line_len);
+                    self.line_head[self.line_len..self.line_len + n].copy_from_slice(&run[..n]);
                 }
-                _ => {
-                    self.prev_cr = false;
-                    if self.line_len < LINE_HEAD {
-                        self.line_head[self.line_len] = b;
-                    }
-                    self.line_len += 1;
-                    self.event_len += 1;
-                    if self.event_len > self.limit {
-                        return Err(EventTooLong { limit: self.limit });
-                    }
+                self.line_len += run.len();
+                self.event_len += run.len();
+                if self.event_len > self.limit {
+                    return Err(EventTooLong { limit: self.limit });
                 }
             }
+            let Some(&b) = chunk.get(end) else { break };
+            if b == b'\n' && self.prev_cr {
+                self.prev_cr = false;
+            } else {
+                self.prev_cr = b == b'\r';
+                self.end_line();
+            }
+            i = end + 1;
         }
         Ok(())
     }
@@ -162,16 +168,18 @@ pub fn looks_like_sse(first: &[u8]) -> bool {
 }
 
 /// Position of the first blank line (`\n\n` or `\r\n\r\n`) at or after `from`, and its length.
-pub(crate) fn find_boundary(buf: &[u8], from: usize) -> Option<(usize, usize)> {
+pub fn find_boundary(buf: &[u8], from: usize) -> Option<(usize, usize)> {
     let mut i = from;
-    while i + 1 < buf.len() {
-        if buf[i] == b'\n' && buf[i + 1] == b'\n' {
-            return Some((i, 2));
+    while let Some(j) = memchr::memchr2(b'\n', b'\r', buf.get(i..)?) {
+        let at = i + j;
+        if buf[at] == b'\n' {
+            if buf.get(at + 1) == Some(&b'\n') {
+                return Some((at, 2));
+            }
+        } else if buf[at..].starts_with(b"\r\n\r\n") {
+            return Some((at, 4));
         }
-        if buf[i] == b'\r' && buf[i..].starts_with(b"\r\n\r\n") {
-            return Some((i, 4));
-        }
-        i += 1;
+        i = at + 1;
     }
     None
 }

@@ -14,7 +14,8 @@ use std::time::Instant;
 use bytes::{Bytes, BytesMut};
 use memchr::memmem;
 use pdgate_core::slo::{RequestFigures, SloResult, SloTargets};
-use pdgate_protocol::sse::frame;
+use pdgate_protocol::content::{carries_output, has_content};
+use pdgate_protocol::sse::{find_boundary, frame};
 use pdgate_protocol::{Endpoint, ParsedRequest};
 use serde_json::{Map, Value};
 
@@ -60,29 +61,6 @@ pub fn usage_of(v: &Value) -> Option<Usage> {
     }
     let m = v.get("meta_info").filter(|m| m.is_object())?;
     Some(Usage { prompt: num(m, "prompt_tokens"), output: num(m, "completion_tokens"), cached: num(m, "cached_tokens") })
-}
-
-fn non_empty(v: Option<&Value>) -> bool {
-    match v {
-        Some(Value::String(s)) => !s.is_empty(),
-        Some(Value::Array(a)) => !a.is_empty(),
-        _ => false,
-    }
-}
-
-/// Whether a stream event carries output for the client: chat `delta.content` (or reasoning,
-/// or tool calls), completion `text`, `/generate` `text` or `output_ids`. The role-only first
-/// chat chunk and empty deltas do not count.
-pub fn has_content(endpoint: Endpoint, v: &Value) -> bool {
-    let choices = || v.get("choices").and_then(Value::as_array).into_iter().flatten();
-    match endpoint {
-        Endpoint::ChatCompletions => choices().any(|c| {
-            let d = c.get("delta");
-            ["content", "reasoning_content", "tool_calls"].iter().any(|k| non_empty(d.and_then(|d| d.get(*k))))
-        }),
-        Endpoint::Completions => choices().any(|c| non_empty(c.get("text"))),
-        Endpoint::Generate => non_empty(v.get("text")) || non_empty(v.get("output_ids")),
-    }
 }
 
 /// How the gateway learns a stream's token counts when its client did not ask for the usage
@@ -142,8 +120,6 @@ pub fn ask_for_usage(req: &mut ParsedRequest) -> bool {
 }
 
 // Searchers built once: `memmem::find` builds one per call, which showed in per-chunk profiles.
-static LF2: LazyLock<memmem::Finder<'static>> = LazyLock::new(|| memmem::Finder::new(b"\n\n"));
-static CRLF2: LazyLock<memmem::Finder<'static>> = LazyLock::new(|| memmem::Finder::new(b"\r\n\r\n"));
 static DATA: LazyLock<memmem::Finder<'static>> = LazyLock::new(|| memmem::Finder::new(b"data:"));
 static DONE: LazyLock<memmem::Finder<'static>> = LazyLock::new(|| memmem::Finder::new(b"[DONE]"));
 static USAGE: LazyLock<memmem::Finder<'static>> = LazyLock::new(|| memmem::Finder::new(b"\"usage\""));
@@ -179,12 +155,7 @@ pub fn usage_ask(req: &mut ParsedRequest, pd: bool, tracks_ids: bool) -> UsageAs
 
 /// The end of the first event in `data` and the length of its separator.
 fn boundary(data: &[u8]) -> Option<(usize, usize)> {
-    let lf = LF2.find(data).map(|i| (i, 2));
-    let crlf = CRLF2.find(data).map(|i| (i, 4));
-    match (lf, crlf) {
-        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
-        (a, b) => a.or(b),
-    }
+    find_boundary(data, 0)
 }
 
 /// Data events in whole events, `[DONE]` left out.
@@ -305,6 +276,17 @@ impl StreamTally {
                 self.last = Some(Bytes::copy_from_slice(raw));
             }
             return Verdict::Keep;
+        }
+        if self.endpoint != Endpoint::Generate && !self.every_event && USAGE.find(raw).is_none() {
+            // Before the first content: whether this event is it, read from its bytes (no
+            // usage in it, so nothing else to learn or change).
+            if let Some(output) = carries_output(self.endpoint == Endpoint::ChatCompletions, raw) {
+                if output {
+                    self.first_content.get_or_insert(now);
+                }
+                self.events += u64::from(self.first_content.is_some());
+                return Verdict::Keep;
+            }
         }
         let Some(text) = event_data(raw) else { return Verdict::Keep };
         if text.trim() == "[DONE]" {

@@ -1,0 +1,132 @@
+//! A structural walk over JSON bytes without building values: keys and value ranges, strings
+//! found by `memchr`, nothing allocated. The relay's fast paths (`resume_scan.rs`,
+//! `content.rs`) read stream events with it; anything it does not recognise is `None`, and
+//! the caller parses instead.
+
+pub(crate) struct Scan<'a> {
+    pub(crate) b: &'a [u8],
+    pub(crate) i: usize,
+}
+
+impl<'a> Scan<'a> {
+    pub(crate) fn ws(&mut self) {
+        while self.i < self.b.len() && matches!(self.b[self.i], b' ' | b'\t' | b'\n' | b'\r') {
+            self.i += 1;
+        }
+    }
+
+    pub(crate) fn peek(&self) -> Option<u8> {
+        self.b.get(self.i).copied()
+    }
+
+    pub(crate) fn eat(&mut self, c: u8) -> Option<()> {
+        self.ws();
+        (self.peek()? == c).then(|| self.i += 1)
+    }
+
+    /// A string at the cursor: its raw content (escapes left as they are).
+    pub(crate) fn string(&mut self) -> Option<&'a [u8]> {
+        self.ws();
+        if self.peek()? != b'"' {
+            return None;
+        }
+        let start = self.i + 1;
+        let mut j = start;
+        while let Some(k) = memchr::memchr2(b'\\', b'"', self.b.get(j..)?) {
+            j += k;
+            if self.b[j] == b'"' {
+                self.i = j + 1;
+                return Some(&self.b[start..j]);
+            }
+            j += 2; // an escape: the next byte is never the string's end
+        }
+        None
+    }
+
+    /// Skips one value; returns its range.
+    pub(crate) fn value(&mut self) -> Option<(usize, usize)> {
+        self.ws();
+        let start = self.i;
+        match self.peek()? {
+            b'"' => {
+                self.string()?;
+            }
+            b'{' | b'[' => {
+                let mut depth = 0usize;
+                while self.i < self.b.len() {
+                    match self.b[self.i] {
+                        b'"' => {
+                            self.string()?;
+                            continue;
+                        }
+                        b'{' | b'[' => depth += 1,
+                        b'}' | b']' => {
+                            depth -= 1;
+                            if depth == 0 {
+                                self.i += 1;
+                                return Some((start, self.i));
+                            }
+                        }
+                        _ => {}
+                    }
+                    self.i += 1;
+                }
+                return None;
+            }
+            _ => {
+                while self.i < self.b.len() && !matches!(self.b[self.i], b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r') {
+                    self.i += 1;
+                }
+                if self.i == start {
+                    return None;
+                }
+            }
+        }
+        Some((start, self.i))
+    }
+
+    /// Walks the object at the cursor: `f(scan, key, key_start, before)` is called with the
+    /// cursor at the member's value and must consume it; `before` is the comma that precedes
+    /// the member, if any. Keys with escapes are refused.
+    pub(crate) fn object(&mut self, mut f: impl FnMut(&mut Self, &'a [u8], usize, Option<usize>) -> Option<()>) -> Option<()> {
+        self.eat(b'{')?;
+        self.ws();
+        if self.peek()? == b'}' {
+            self.i += 1;
+            return Some(());
+        }
+        let mut before = None;
+        loop {
+            self.ws();
+            let key_start = self.i;
+            let key = self.string()?;
+            if key.contains(&b'\\') {
+                return None;
+            }
+            self.eat(b':')?;
+            f(self, key, key_start, before)?;
+            self.ws();
+            match self.peek()? {
+                b',' => {
+                    before = Some(self.i);
+                    self.i += 1;
+                }
+                b'}' => {
+                    self.i += 1;
+                    return Some(());
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    pub(crate) fn peek_after_ws(&mut self) -> Option<u8> {
+        self.ws();
+        self.peek()
+    }
+
+    pub(crate) fn i_after_ws(&mut self) -> usize {
+        self.ws();
+        self.i
+    }
+}
