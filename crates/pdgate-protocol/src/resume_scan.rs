@@ -82,7 +82,7 @@ fn member_cut(b: &[u8], key_start: usize, end: usize, before: Option<usize>) -> 
 
 /// A JSON array of token ids, appended to `to`; `false` (nothing appended) for anything else,
 /// as `serde_json` would judge it (an id over `u32::MAX` included).
-fn parse_ids(raw: &[u8], to: &mut Vec<u32>) -> bool {
+pub(super) fn parse_ids(raw: &[u8], to: &mut Vec<u32>) -> bool {
     let before = to.len();
     if plain_ids(raw, to).is_some() {
         return true;

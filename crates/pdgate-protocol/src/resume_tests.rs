@@ -265,6 +265,31 @@ fn an_event_of_the_usual_shape_goes_out_as_the_engine_wrote_it() {
 }
 
 #[test]
+fn the_first_event_with_the_prompts_ids_is_read_in_place_too() {
+    // Keys not in serde_json's order: a parsed and re-framed event would read differently.
+    let first = br#"data: {"id":"cmpl-a","object":"text_completion","created":7,"model":"m","choices":[{"index":0,"text":"a","logprobs":null,"finish_reason":null,"token_ids":[97],"prompt_token_ids":[1,2,3]}]}
+
+"#;
+    let mut t = ResumeTracker::new(&completions(json!({"return_token_ids": true})));
+    assert_eq!(t.process_raw(first), None, "asked for ids: the event goes out as it came");
+    assert_eq!((t.progress.prompt_ids.as_deref(), t.progress.generated()), (Some(&[1, 2, 3][..]), 1));
+    assert_eq!(t.progress.head.get("created"), Some(&json!(7)));
+    let mut t = ResumeTracker::new(&completions(json!({})));
+    let out = String::from_utf8(t.process_raw(first).unwrap()).unwrap();
+    assert_eq!(out, "data: {\"id\":\"cmpl-a\",\"object\":\"text_completion\",\"created\":7,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"a\",\"logprobs\":null,\"finish_reason\":null}]}\n\n");
+    assert_eq!(t.progress.counts(), Some((3, 1)));
+    // Chat: the prompt's ids at the top of the chunk, cut with the comma before them.
+    let chat = req(Endpoint::ChatCompletions, json!({"messages": [{"role": "user", "content": "x"}], "stream": true}));
+    let mut t = ResumeTracker::new(&chat);
+    let role = br#"data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}],"prompt_token_ids":[5,6]}
+
+"#;
+    let out = String::from_utf8(t.process_raw(role).unwrap()).unwrap();
+    assert_eq!(out, "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"finish_reason\":null}]}\n\n");
+    assert_eq!(t.progress.prompt_ids.as_deref(), Some(&[5, 6][..]));
+}
+
+#[test]
 fn the_ids_seen_count_the_prompt_and_the_answer_and_say_whether_the_engine_sends_them() {
     let r = completions(json!({}));
     let mut first = chunk("a", &[97], None);
@@ -344,4 +369,36 @@ fn a_ledger_tells_what_the_bytes_would_have_across_a_continuation() {
     let out = out.unwrap();
     assert_eq!((out["id"].as_str(), out["created"].as_u64()), (Some("cmpl-a"), Some(7)), "the envelope the ledger told");
     assert_eq!(p.generated(), 5, "a continuation's chunk without ids adds none");
+}
+
+#[test]
+fn token_ids_are_read_by_hand_as_serde_json_would_read_them() {
+    for raw in [
+        "[]",
+        "[ ]",
+        "[0]",
+        "[1,2,3]",
+        " [ 4 , 5 ] ",
+        "[4294967295]",
+        "[4294967296]",
+        "[01]",
+        "[1e2]",
+        "[1.0]",
+        "[-1]",
+        "[1,]",
+        "[,1]",
+        "[1 2]",
+        "[\"1\"]",
+        "[1]x",
+        "",
+        "[",
+        "[99999999999999999999]",
+    ] {
+        let mut ids = vec![7];
+        let by_hand = super::scan::parse_ids(raw.as_bytes(), &mut ids);
+        let serde = serde_json::from_str::<Vec<u32>>(raw).ok();
+        assert_eq!(by_hand, serde.is_some(), "{raw:?}");
+        let expected: Vec<u32> = std::iter::once(7).chain(serde.unwrap_or_default()).collect();
+        assert_eq!(ids, expected, "{raw:?}: appended, or nothing");
+    }
 }
