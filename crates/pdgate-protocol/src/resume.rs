@@ -519,6 +519,8 @@ impl ResumeTracker {
                     changed = true;
                 }
                 Some(scan::Fast::Drop) => changed = true,
+                // The end goes out as it came (the slow path would re-frame it to the same).
+                None if matches!(raw, b"data: [DONE]" | b"data:[DONE]") => out.extend_from_slice(whole),
                 None => {
                     let slow = self.first_stream_event(raw);
                     changed |= slow.as_bytes() != whole;
