@@ -17,7 +17,9 @@
 #
 # ROUNDS=N runs every scenario and gateway N times, round after round (so a noisy minute hits
 # every gateway alike), prints each round, then the median of each column per gateway and
-# scenario: on a shared machine one run's ratios move by 20 % or more.
+# scenario, then for each peer the median over rounds of pdgate's ratio to it in the same round
+# (req/s, router CPU and workers' CPU per request): on a shared machine one run's ratios move by
+# 20 % or more.
 #
 # Scenarios (MODE:KIND): MODE is regular (one worker), bootstrap (SGLang PD: both legs at once,
 # the same body to each) or nixl (vLLM PD: the prefill first, max_tokens 1, then the decode);
@@ -204,5 +206,22 @@ if [ "${ROUNDS:-1}" -gt 1 ]; then
         }
         END { for (i = 1; i <= m; i++) { k = order[i]; split(k, p, " ")
             printf "%-12s %-18s %9d %14.1f %14.1f\n", p[1], p[2], med(r, k, n[k]), med(g, k, n[k]), med(w, k, n[k]) } }' "$ROWS"
+    echo "-- pdgate / peer, each round's pair (run seconds apart), then the median of those ratios"
+    printf '%-12s %-18s %9s %14s %14s  %s\n' peer scenario req/s 'router CPU' 'workers CPU' 'per round (req/s, router CPU)'
+    # Round i's pdgate row of a scenario over round i's peer row: slow drifts of a shared
+    # machine hit both alike, so the ratio moves less than either.
+    awk '{ k = $1 " " $2; n[k]++; r[k, n[k]] = $3; g[k, n[k]] = $4; w[k, n[k]] = $5; if (!($2 in seen)) { seen[$2] = 1; sc[++ns] = $2 }
+           if (!(($2, $1) in has)) { has[$2, $1] = 1; peers[$2] = peers[$2] " " $1 } }
+        function med(a, c,    i, j, t) {
+            for (i = 2; i <= c; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] > t; j--) a[j + 1] = a[j]; a[j + 1] = t }
+            return c % 2 ? a[(c + 1) / 2] : (a[c / 2] + a[c / 2 + 1]) / 2
+        }
+        END { for (s = 1; s <= ns; s++) { q = split(peers[sc[s]], list, " ")
+            for (x = 1; x <= q; x++) { peer = list[x]; if (peer ~ /^pdgate/) continue
+                a = "pdgate " sc[s]; b = peer " " sc[s]; c = n[a] < n[b] ? n[a] : n[b]; if (c == 0) continue
+                detail = ""
+                for (i = 1; i <= c; i++) { rr[i] = r[a, i] / r[b, i]; gg[i] = g[a, i] / g[b, i]; ww[i] = w[a, i] / w[b, i]
+                    detail = detail sprintf(" %.2f/%.2f", rr[i], gg[i]) }
+                printf "%-12s %-18s %8.2fx %13.2fx %13.2fx %s\n", peer, sc[s], med(rr, c), med(gg, c), med(ww, c), detail } } }' "$ROWS"
 fi
 echo "raw wrk output and gateway logs in $D"
