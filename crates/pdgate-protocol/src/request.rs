@@ -59,9 +59,15 @@ pub struct ParsedRequest {
     /// text's UTF-8 bytes / `Limits::chars_per_token`, rounded up (chat: the messages' content,
     /// without the chat template's own tokens). Token-based load counts this.
     pub prompt_tokens: u64,
-    /// Gateway-owned fields were removed: `body` differs from the bytes received, so a leg that
-    /// would forward those bytes must encode `body` instead.
+    /// Gateway-owned fields were removed, or a field the client sent was changed: `body`
+    /// differs from the bytes received, so a leg that would forward those bytes must encode
+    /// `body` instead.
     pub rewritten: bool,
+    /// Top-level fields the gateway added that the client's body did not have (their values are
+    /// in `body`): a forwarding leg sends the received bytes with these appended
+    /// ([`ParsedRequest::forward_bytes`]) instead of encoding `body`, which for a long prompt
+    /// cost more than the rest of the request.
+    pub added: Vec<&'static str>,
     /// A resumed stream's continuation: the prompt's last `resumed_ids` ids are the answer's
     /// own, generated before its decode died (0 for a client's request). A gateway that
     /// detokenizes (gRPC workers) replays them, so the text it held back at the death (an
@@ -70,6 +76,52 @@ pub struct ParsedRequest {
 }
 
 impl ParsedRequest {
+    /// Sets a top-level field the gateway asks of the engine (e.g. `return_token_ids`). One the
+    /// client's body did not have is appended to its bytes when forwarded; changing one it had
+    /// means encoding the body.
+    pub fn add_field(&mut self, key: &'static str, value: Value) {
+        let had = self.body.insert(key.to_string(), value).is_some();
+        if self.added.contains(&key) {
+            // Added before: still appended, with its new value.
+        } else if had {
+            self.rewritten = true;
+        } else {
+            self.added.push(key);
+        }
+    }
+
+    /// Whether a forwarding leg sends something other than the bytes received.
+    pub fn differs(&self) -> bool {
+        self.rewritten || !self.added.is_empty()
+    }
+
+    /// What a leg that forwards the client's body sends, given the bytes received: `None` for
+    /// those bytes as they are; else the bytes with the added fields before the closing brace,
+    /// or `body` encoded (fields removed or changed, or bytes that do not end in `}`).
+    pub fn forward_bytes(&self, raw: &[u8]) -> serde_json::Result<Option<Vec<u8>>> {
+        if !self.differs() {
+            return Ok(None);
+        }
+        let end = raw.iter().rposition(|b| !b.is_ascii_whitespace());
+        let (false, Some(end)) = (self.rewritten, end.filter(|&e| raw[e] == b'}')) else {
+            return serde_json::to_vec(&self.body).map(Some);
+        };
+        // `body` is the received object plus the added fields (nothing removed: not rewritten).
+        let received = self.body.len() - self.added.len();
+        let mut out = Vec::with_capacity(raw.len() + 32 * self.added.len());
+        out.extend_from_slice(&raw[..end]);
+        for (i, key) in self.added.iter().enumerate() {
+            if received + i > 0 {
+                out.push(b',');
+            }
+            serde_json::to_writer(&mut out, key)?;
+            out.push(b':');
+            serde_json::to_writer(&mut out, &self.body[*key])?;
+        }
+        out.extend_from_slice(&raw[end..]);
+        Ok(Some(out))
+    }
+
     /// Text a cache-aware policy would key on: the prompt, or the concatenated messages.
     pub fn routing_text(&self) -> Option<String> {
         let key = match self.endpoint {
@@ -124,7 +176,7 @@ pub fn parse_request(endpoint: Endpoint, bytes: &[u8], limits: &Limits) -> Resul
     if rewritten {
         rendezvous::strip_gateway_fields(&mut body);
     }
-    Ok(ParsedRequest { endpoint, body, stream, batch_items, wants_input_logprobs, model, max_tokens, prompt_tokens, rewritten, resumed_ids: 0 })
+    Ok(ParsedRequest { endpoint, body, stream, batch_items, wants_input_logprobs, model, max_tokens, prompt_tokens, rewritten, added: Vec::new(), resumed_ids: 0 })
 }
 
 /// See `ParsedRequest::prompt_tokens`. Runs on a validated body.
@@ -424,5 +476,37 @@ mod tests {
         assert!(!r.body.contains_key("kv_transfer_params") && !r.body.contains_key("bootstrap_room"));
         let g = parse(Endpoint::Generate, r#"{"text":"a","sampling_params":{"bootstrap_host":"evil","max_new_tokens":2}}"#).unwrap();
         assert!(g.rewritten && !g.body["sampling_params"].as_object().unwrap().contains_key("bootstrap_host"));
+    }
+
+    #[test]
+    fn added_fields_are_appended_to_the_bytes_received_and_anything_else_is_encoded() {
+        let sent = |req: &ParsedRequest, raw: &str| req.forward_bytes(raw.as_bytes()).unwrap().map(|b| String::from_utf8(b).unwrap());
+        let raw = "{ \"prompt\": \"a \\\"quoted\\\" prompt\" ,\"stream\":true } \n";
+        let mut r = parse(Endpoint::Completions, raw).unwrap();
+        assert_eq!(sent(&r, raw), None, "nothing added: the bytes as they came");
+        r.add_field("return_token_ids", Value::Bool(true));
+        r.add_field("stream_options", serde_json::json!({"include_usage": true}));
+        r.add_field("return_token_ids", Value::Bool(true)); // again: still one member
+        let out = sent(&r, raw).unwrap();
+        assert_eq!(out, "{ \"prompt\": \"a \\\"quoted\\\" prompt\" ,\"stream\":true ,\"return_token_ids\":true,\"stream_options\":{\"include_usage\":true}} \n");
+        assert_eq!(serde_json::from_str::<Map<String, Value>>(&out).unwrap(), r.body, "what is sent is the body");
+        assert!(!r.rewritten && r.differs());
+        // An empty object gets no leading comma.
+        let mut e = parse(Endpoint::Generate, r#"{"input_ids":[1]}"#).unwrap();
+        e.body.clear(); // as if the client had sent `{}`
+        e.add_field("stream", Value::Bool(true));
+        assert_eq!(sent(&e, "{}").unwrap(), r#"{"stream":true}"#);
+        // A field the client sent, changed: encoded, never a duplicate key.
+        let mut c = parse(Endpoint::Completions, r#"{"prompt":"x","return_token_ids":false}"#).unwrap();
+        c.add_field("return_token_ids", Value::Bool(true));
+        assert!(c.rewritten);
+        let out = sent(&c, r#"{"prompt":"x","return_token_ids":false}"#).unwrap();
+        assert_eq!(serde_json::from_str::<Value>(&out).unwrap(), serde_json::json!({"prompt": "x", "return_token_ids": true}));
+        // Gateway fields removed by the parser: encoded (the added field included).
+        let smuggled = r#"{"prompt":"x","bootstrap_room":1}"#;
+        let mut g = parse(Endpoint::Completions, smuggled).unwrap();
+        g.add_field("return_token_ids", Value::Bool(true));
+        let out = sent(&g, smuggled).unwrap();
+        assert_eq!(serde_json::from_str::<Value>(&out).unwrap(), serde_json::json!({"prompt": "x", "return_token_ids": true}));
     }
 }

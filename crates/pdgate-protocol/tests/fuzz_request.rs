@@ -127,6 +127,13 @@ proptest! {
                 strip_gateway_fields(&mut sent);
                 prop_assert_eq!(&req.body, &sent);
                 prop_assert!(!has_gateway_fields(&req.body));
+                // Fields the gateway adds reach the worker as the body says, whether appended to
+                // the bytes or encoded (a client that sent the field has it changed, not twice).
+                let mut asked = req.clone();
+                asked.add_field("return_token_ids", Value::Bool(true));
+                asked.add_field("stream_options", serde_json::json!({"include_usage": true}));
+                let forwarded = asked.forward_bytes(&bytes).unwrap().unwrap();
+                prop_assert_eq!(&serde_json::from_slice::<Map<String, Value>>(&forwarded).unwrap(), &asked.body);
                 prop_assert_eq!(req.stream, b.get("stream") == Some(&Value::Bool(true)));
                 prop_assert_eq!(req.model.as_deref(), b.get("model").and_then(Value::as_str));
                 if let Some(items) = req.batch_items {

@@ -114,8 +114,12 @@ pub fn ask_for_usage(req: &mut ParsedRequest) -> bool {
     if !client_left_out_usage(req) {
         return false;
     }
-    insert_include_usage(&mut req.body);
-    req.rewritten = true;
+    if req.body.contains_key("stream_options") {
+        insert_include_usage(&mut req.body);
+        req.rewritten = true;
+    } else {
+        req.add_field("stream_options", serde_json::json!({"include_usage": true}));
+    }
     true
 }
 

@@ -122,10 +122,12 @@ fn usage_is_asked_for_only_where_the_client_did_not() {
     let limits = Limits::default();
     let parse = |e, v: serde_json::Value| parse_request(e, v.to_string().as_bytes(), &limits).unwrap();
     let mut r = parse(Endpoint::ChatCompletions, json!({"messages": [{"role": "user", "content": "hi"}], "stream": true}));
-    assert!(ask_for_usage(&mut r) && r.rewritten);
+    // Absent: added (appended to the client's bytes when forwarded, not encoded).
+    assert!(ask_for_usage(&mut r) && !r.rewritten && r.added == ["stream_options"]);
     assert_eq!(r.body["stream_options"], json!({"include_usage": true}));
     let mut r = parse(Endpoint::Completions, json!({"prompt": "a", "stream": true, "stream_options": {"include_usage": false, "x": 1}}));
-    assert!(ask_for_usage(&mut r));
+    // The client's own options, changed: the body is encoded.
+    assert!(ask_for_usage(&mut r) && r.rewritten);
     assert_eq!(r.body["stream_options"], json!({"include_usage": true, "x": 1}));
     let mut asked = parse(Endpoint::Completions, json!({"prompt": "a", "stream": true, "stream_options": {"include_usage": true}}));
     assert!(!ask_for_usage(&mut asked) && !asked.rewritten);

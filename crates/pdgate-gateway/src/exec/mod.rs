@@ -80,13 +80,16 @@ pub struct Ctx {
 }
 
 impl Ctx {
-    /// The client's body for a leg that forwards it as it came: the received bytes, unless the
-    /// parser removed gateway-owned fields (rare: then the cleaned body is encoded).
+    /// The client's body for a leg that forwards it as it came: the received bytes, with the
+    /// fields the gateway added appended (token ids, usage), unless the parser removed
+    /// gateway-owned fields or the gateway changed one the client sent (then the body is
+    /// encoded).
     pub fn forward_body(&self) -> Result<Bytes, GatewayError> {
-        if !self.req.rewritten {
-            return Ok(self.raw.clone());
+        match self.req.forward_bytes(&self.raw) {
+            Ok(None) => Ok(self.raw.clone()),
+            Ok(Some(bytes)) => Ok(Bytes::from(bytes)),
+            Err(e) => Err(GatewayError::internal(format!("cannot encode request: {e}"))),
         }
-        serde_json::to_vec(&self.req.body).map(Bytes::from).map_err(|e| GatewayError::internal(format!("cannot encode request: {e}")))
     }
 
     /// What a stream's resumer keeps after commit (`resume.rs`): this context with the parsed

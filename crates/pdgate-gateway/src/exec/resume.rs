@@ -67,8 +67,7 @@ impl Resumer {
         // `/generate` streams give `output_ids` anyway; the OpenAI routes are asked for them.
         let openai = ctx.req.endpoint != Endpoint::Generate;
         if tracker.is_some() && openai && ctx.req.body.get("return_token_ids") != Some(&Value::Bool(true)) {
-            ctx.req.body.insert("return_token_ids".into(), Value::Bool(true));
-            ctx.req.rewritten = true;
+            ctx.req.add_field("return_token_ids", Value::Bool(true));
             ctx.ids_to_ledger = true;
         }
         Some(Resumer { ctx: None, refused, tracker, left, failed: Vec::new(), first_route: Record::default(), why_not: None })
@@ -182,6 +181,7 @@ impl Resumer {
             // The continuation's prompt is the original prompt plus what was generated.
             prompt_tokens: ctx.req.prompt_tokens + generated as u64,
             rewritten: true,
+            added: Vec::new(),
             resumed_ids: generated,
         };
         // A new rendezvous: the dead pair may still hold the old id.

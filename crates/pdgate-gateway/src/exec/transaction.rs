@@ -58,7 +58,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
     // engine send the usage event too (PD does: the decode's cached-token report is in it).
     let tracks_ids = resumer.as_ref().is_some_and(Resumer::tracking);
     ctx.usage = super::accounting::usage_ask(&mut ctx.req, ctx.state.config.pd_disaggregation, tracks_ids);
-    if ctx.req.rewritten {
+    if ctx.req.differs() {
         tracing::debug!(request_id = %ctx.request_id, usage = ?ctx.usage, "the body sent differs from the client's (rendezvous fields removed, token ids or the stream's usage asked for)");
     }
     // Place (PD mode): disaggregated, colocated, or rejected early; then wait for decode room.
