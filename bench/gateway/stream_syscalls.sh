@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# What one regular stream costs a gateway, split (a measurement, not a test): user and kernel
+# CPU per request, syscalls and context switches per request, and the mock worker's CPU per
+# request, for each build given, round after round. Complements stream_bench.sh (which compares
+# gateways): this one says where a build's CPU goes and whether a change moved user or kernel
+# time. Needs `perf` (perf stat on the gateway's threads).
+#
+#   cargo build --release -p pdgate-gateway --bin pdgate-gateway --example stream_mock
+#   bench/gateway/stream_syscalls.sh OLD_BIN NEW_BIN        # 3 rounds, each build once a round
+#   ROUNDS=5 PROMPT_BYTES=16000 bench/gateway/stream_syscalls.sh OLD_BIN NEW_BIN
+#
+# PROMPT_BYTES: the prompt's size (default: a short one), to see costs that grow with the body.
+# CHUNK_DELAY_MS=N paces the mock's events N ms apart (an engine's inter-token gap) and CONNS
+# (default 32) sets wrk's connections: with back-to-back events (the default, 0) a gateway that
+# returns to its event loop sooner reads fewer events per read, so a user-time saving shows up
+# as more syscalls per request; paced events are read one at a time by every build, which
+# measures the per-event cost alone.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+T=${CARGO_TARGET_DIR:-target}
+MOCK=${MOCK:-$T/release/examples/stream_mock}
+[ $# -ge 1 ] || { echo "usage: $0 GATEWAY_BIN..." >&2; exit 2; }
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+D=$(mktemp -d /tmp/pdgate-syscalls.XXXXXX)
+PIDS=()
+cleanup() { kill "${PIDS[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
+trap cleanup EXIT
+prompt=$(python3 -c "import sys; n=int(sys.argv[1]); print(('The capital of France is ' * (n // 25 + 1))[:n] if n else 'The capital of France is')" "${PROMPT_BYTES:-0}")
+cat > "$D/stream.lua" <<LUA
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = '{"model":"mock-model","prompt":"$prompt","max_tokens":8,"stream":true}'
+LUA
+WP=$(free_port)
+"$MOCK" "$WP" decode "${CHUNK_DELAY_MS:-0}" & PIDS+=($!); MOCK_PID=$!
+sleep 0.5
+ticks() { awk '{print $14, $15}' "/proc/$1/stat"; }
+posts() { curl -s "http://127.0.0.1:$WP/stats" | python3 -c 'import json,sys; print(json.load(sys.stdin)["posts"])'; }
+printf '%-40s %8s %10s %10s %10s %12s %12s %10s\n' build req/s 'user us' 'kernel us' 'mock us' 'syscalls' 'switches' '(per req)'
+for round in $(seq "${ROUNDS:-3}"); do
+    for bin in "$@"; do
+        port=$(free_port)
+        "$bin" --port "$port" --log-level warn --policy round_robin --worker-urls "http://127.0.0.1:$WP" > "$D/gw.log" 2>&1 & GW=$!
+        for _ in $(seq 100); do curl -s -o /dev/null "http://127.0.0.1:$port/health" && break; sleep 0.1; done
+        wrk -t2 -c"${CONNS:-32}" -d2s -s "$D/stream.lua" "http://127.0.0.1:$port/v1/completions" > /dev/null
+        wrk -t2 -c"${CONNS:-32}" -d7s -s "$D/stream.lua" "http://127.0.0.1:$port/v1/completions" > "$D/wrk.txt" & WRK=$!
+        sleep 1
+        read -r u0 s0 < <(ticks "$GW"); read -r mu0 ms0 < <(ticks "$MOCK_PID"); n0=$(posts)
+        perf stat -x, -e raw_syscalls:sys_enter,context-switches -p "$GW" -o "$D/stat.csv" -- sleep 5 2>/dev/null
+        read -r u1 s1 < <(ticks "$GW"); read -r mu1 ms1 < <(ticks "$MOCK_PID"); n1=$(posts)
+        wait $WRK
+        kill "$GW"; wait "$GW" 2>/dev/null || true
+        tick=$(( 1000000 / $(getconf CLK_TCK) ))
+        n=$((n1 - n0))
+        sc=$(awk -F, '/raw_syscalls/ {print $1}' "$D/stat.csv"); cs=$(awk -F, '/context-switches/ {print $1}' "$D/stat.csv")
+        printf '%-40s %8d %10.1f %10.1f %10.1f %12.2f %12.2f\n' "$(basename "$(dirname "$bin")")/$(basename "$bin")" "$((n / 5))" \
+            "$(echo "($u1 - $u0) * $tick / $n" | bc -l)" "$(echo "($s1 - $s0) * $tick / $n" | bc -l)" \
+            "$(echo "($mu1 + $ms1 - $mu0 - $ms0) * $tick / $n" | bc -l)" "$(echo "$sc / $n" | bc -l)" "$(echo "$cs / $n" | bc -l)"
+    done
+done
