@@ -135,7 +135,7 @@ impl H1Client {
                 Err(e) => return Err(Exchange::Failed(H1Error::Io(e))),
             }
         };
-        let body = H1Body { conn: Some(conn), buf, framing: head.framing, keep_alive: head.keep_alive, pool: self.pool.clone(), authority: authority.to_string() };
+        let body = H1Body { conn: Some(conn), buf, framing: head.framing, keep_alive: head.keep_alive, pool: self.pool.clone(), authority: authority.to_string(), deferred: None };
         let mut resp = Response::new(body);
         *resp.status_mut() = head.status;
         *resp.headers_mut() = head.headers;
@@ -193,9 +193,47 @@ pub struct H1Body {
     keep_alive: bool,
     pool: Arc<Pool>,
     authority: String,
+    /// The body's end (`Ok`) or bad framing met while gathering the chunks already read
+    /// ([`H1Body::with_ready`]): reported on the next poll, after the data before it.
+    deferred: Option<Result<(), framing::Malformed>>,
 }
 
+/// How many bytes of chunks already read go out as one frame at most.
+const GATHER_LIMIT: usize = 64 * 1024;
+
 impl H1Body {
+    /// `first` and the chunks after it that are already in the buffer, as one frame: events a
+    /// worker wrote one chunk each but that were read together are relayed together (one pass
+    /// of the relay and one chunk to the client instead of one per event). Nothing is waited
+    /// for: a chunk not complete in the buffer ends the frame.
+    fn with_ready(&mut self, first: Bytes) -> Bytes {
+        if self.buf.is_empty() || !matches!(self.framing, Framing::Chunked(_)) {
+            return first;
+        }
+        let mut joined: Option<BytesMut> = None;
+        while joined.as_ref().map_or(first.len(), BytesMut::len) < GATHER_LIMIT {
+            match self.framing.step(&mut self.buf) {
+                Ok(Step::Data(more)) => joined
+                    .get_or_insert_with(|| {
+                        let mut j = BytesMut::with_capacity(first.len() + self.buf.len() + more.len());
+                        j.extend_from_slice(&first);
+                        j
+                    })
+                    .extend_from_slice(&more),
+                Ok(Step::More) => break,
+                Ok(Step::End) => {
+                    self.deferred = Some(Ok(()));
+                    break;
+                }
+                Err(e) => {
+                    self.deferred = Some(Err(e));
+                    break;
+                }
+            }
+        }
+        joined.map_or(first, BytesMut::freeze)
+    }
+
     /// The body is complete: a connection with nothing left over is kept for the next request.
     fn finish(&mut self) {
         if let Some(conn) = self.conn.take() {
@@ -212,12 +250,23 @@ impl Body for H1Body {
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, H1Error>>> {
         let this = self.get_mut();
+        match this.deferred.take() {
+            Some(Ok(())) => {
+                this.finish();
+                return Poll::Ready(None);
+            }
+            Some(Err(e)) => {
+                this.conn = None;
+                return Poll::Ready(Some(Err(H1Error::Malformed(e.0.to_string()))));
+            }
+            None => {}
+        }
         loop {
             if this.conn.is_none() {
                 return Poll::Ready(None);
             }
             match this.framing.step(&mut this.buf) {
-                Ok(Step::Data(data)) => return Poll::Ready(Some(Ok(Frame::data(data)))),
+                Ok(Step::Data(data)) => return Poll::Ready(Some(Ok(Frame::data(this.with_ready(data))))),
                 Ok(Step::End) => {
                     this.finish();
                     return Poll::Ready(None);

@@ -219,6 +219,60 @@ async fn answers_read_to_the_end_reuse_one_connection() {
     assert_eq!(first, format!("POST /v1/completions HTTP/1.1\r\nhost: {authority}\r\ncontent-length: 7\r\nx-request-id: r1\r\n\r\n{{\"a\":1}}"));
 }
 
+async fn frames(c: &H1Client, url: &str) -> Vec<Result<Bytes, String>> {
+    let id = HeaderValue::from_static("r1");
+    let mut body = c.post(&format!("{url}/x"), &[("x-request-id", &id)], Bytes::new()).await.unwrap().into_body();
+    let mut out = Vec::new();
+    while let Some(f) = body.frame().await {
+        out.push(f.map(|f| f.into_data().unwrap()).map_err(|e| e.to_string()));
+    }
+    out
+}
+
+#[tokio::test]
+async fn chunks_read_together_are_one_frame_and_the_end_after_them_still_ends_the_body() {
+    let w = worker(vec![Some(SSE), Some(JSON)]).await;
+    let c = client();
+    // One write of the whole answer: its two chunks are in the buffer together.
+    assert_eq!(frames(&c, &w.url).await, vec![Ok(Bytes::from_static(b"data: hello"))]);
+    assert_eq!(body_of(&c, &w.url).await.unwrap(), "{}");
+    assert_eq!(w.accepts.load(Ordering::SeqCst), 1, "the end found while gathering still pools the connection");
+}
+
+#[tokio::test]
+async fn bad_framing_after_chunks_read_together_comes_after_their_data() {
+    let w = worker(vec![Some("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n"), Some(JSON)]).await;
+    let c = client();
+    let got = frames(&c, &w.url).await;
+    assert_eq!(got.len(), 2, "{got:?}");
+    assert_eq!(got[0], Ok(Bytes::from_static(b"hello")));
+    assert!(got[1].is_err(), "{got:?}");
+    assert_eq!(body_of(&c, &w.url).await.unwrap(), "{}");
+    assert_eq!(w.accepts.load(Ordering::SeqCst), 2, "a badly framed answer's connection is not reused");
+}
+
+#[tokio::test]
+async fn a_chunk_not_yet_read_is_not_waited_for() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (got_first, first_seen) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let (mut conn, _) = listener.accept().await.unwrap();
+        read_request(&mut conn).await.unwrap();
+        conn.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n").await.unwrap();
+        // The second chunk only once the client relayed the first: gathering must not wait.
+        first_seen.await.unwrap();
+        conn.write_all(b"1\r\nb\r\n0\r\n\r\n").await.unwrap();
+    });
+    let c = client();
+    let id = HeaderValue::from_static("r1");
+    let mut body = c.post(&format!("{url}/x"), &[("x-request-id", &id)], Bytes::new()).await.unwrap().into_body();
+    assert_eq!(body.frame().await.unwrap().unwrap().into_data().unwrap(), "a");
+    got_first.send(()).unwrap();
+    assert_eq!(body.frame().await.unwrap().unwrap().into_data().unwrap(), "b");
+    assert!(body.frame().await.is_none());
+}
+
 #[tokio::test]
 async fn a_body_dropped_before_its_end_closes_its_connection() {
     let w = worker(vec![Some("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n"), Some(JSON)]).await;
