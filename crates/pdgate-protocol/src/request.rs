@@ -106,12 +106,12 @@ impl ParsedRequest {
         let (false, Some(end)) = (self.rewritten, end.filter(|&e| raw[e] == b'}')) else {
             return serde_json::to_vec(&self.body).map(Some);
         };
-        // `body` is the received object plus the added fields (nothing removed: not rewritten).
-        let received = self.body.len() - self.added.len();
+        // The received object has members unless `{` comes right before its closing brace.
+        let empty = raw[..end].iter().rev().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
         let mut out = Vec::with_capacity(raw.len() + 32 * self.added.len());
         out.extend_from_slice(&raw[..end]);
         for (i, key) in self.added.iter().enumerate() {
-            if received + i > 0 {
+            if !empty || i > 0 {
                 out.push(b',');
             }
             serde_json::to_writer(&mut out, key)?;
@@ -493,9 +493,10 @@ mod tests {
         assert!(!r.rewritten && r.differs());
         // An empty object gets no leading comma.
         let mut e = parse(Endpoint::Generate, r#"{"input_ids":[1]}"#).unwrap();
-        e.body.clear(); // as if the client had sent `{}`
+        e.body.clear(); // as if the client had sent `{ }`
         e.add_field("stream", Value::Bool(true));
-        assert_eq!(sent(&e, "{}").unwrap(), r#"{"stream":true}"#);
+        e.add_field("rid", Value::from("x"));
+        assert_eq!(sent(&e, "{ }").unwrap(), r#"{ "stream":true,"rid":"x"}"#);
         // A field the client sent, changed: encoded, never a duplicate key.
         let mut c = parse(Endpoint::Completions, r#"{"prompt":"x","return_token_ids":false}"#).unwrap();
         c.add_field("return_token_ids", Value::Bool(true));
