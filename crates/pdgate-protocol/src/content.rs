@@ -8,7 +8,7 @@
 
 use serde_json::Value;
 
-use crate::json_scan::Scan;
+use crate::json_scan::{event_object, Scan};
 use crate::request::Endpoint;
 
 fn non_empty_value(v: Option<&Value>) -> bool {
@@ -39,36 +39,22 @@ pub fn has_content(endpoint: Endpoint, v: &Value) -> bool {
 /// holding an object of the usual shape (a repeated key included: which one counts is the
 /// parser's call).
 pub fn carries_output(chat: bool, raw: &[u8]) -> Option<bool> {
-    let rest = raw.strip_prefix(b"data:")?;
-    let payload = rest.strip_prefix(b" ").unwrap_or(rest);
-    if payload.first() != Some(&b'{') || memchr::memchr2(b'\n', b'\r', payload).is_some() {
-        return None;
-    }
+    let payload = event_object(raw)?;
     let mut s = Scan { b: payload, i: 0 };
     let (mut found, mut choices_seen) = (false, false);
     s.object(|s, key, _, _| {
         if key != b"choices" {
             return s.value().map(drop);
         }
-        if choices_seen || s.peek_after_ws()? != b'[' {
+        if choices_seen {
             return None;
         }
         choices_seen = true;
-        s.i += 1;
-        let mut n = 0;
-        loop {
-            match s.peek_after_ws()? {
-                b']' => {
-                    s.i += 1;
-                    return Some(());
-                }
-                b',' if n > 0 => s.i += 1,
-                _ if n > 0 => return None,
-                _ => {}
-            }
-            n += 1;
+        s.array(|s| {
             found |= choice(s, chat)?;
-        }
+            Some(())
+        })
+        .map(drop)
     })?;
     s.ws();
     (s.i == payload.len()).then_some(found)

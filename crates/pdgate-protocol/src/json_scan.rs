@@ -3,6 +3,14 @@
 //! `content.rs`) read stream events with it; anything it does not recognise is `None`, and
 //! the caller parses instead.
 
+/// The JSON object of an SSE event that is one `data:` line holding an object (`raw` without
+/// its separator); `None` for any other event (those take the callers' parse paths).
+pub(crate) fn event_object(raw: &[u8]) -> Option<&[u8]> {
+    let rest = raw.strip_prefix(b"data:")?;
+    let payload = rest.strip_prefix(b" ").unwrap_or(rest);
+    (payload.first() == Some(&b'{') && memchr::memchr2(b'\n', b'\r', payload).is_none()).then_some(payload)
+}
+
 pub(crate) struct Scan<'a> {
     pub(crate) b: &'a [u8],
     pub(crate) i: usize,
@@ -117,6 +125,26 @@ impl<'a> Scan<'a> {
                 }
                 _ => return None,
             }
+        }
+    }
+
+    /// Walks the array at the cursor: `f(scan)` is called with the cursor at each element and
+    /// must consume it. Returns how many elements there were.
+    pub(crate) fn array(&mut self, mut f: impl FnMut(&mut Self) -> Option<()>) -> Option<usize> {
+        self.eat(b'[')?;
+        let mut n = 0;
+        loop {
+            match self.peek_after_ws()? {
+                b']' => {
+                    self.i += 1;
+                    return Some(n);
+                }
+                b',' if n > 0 => self.i += 1,
+                _ if n > 0 => return None,
+                _ => {}
+            }
+            f(self)?;
+            n += 1;
         }
     }
 

@@ -12,7 +12,7 @@
 use serde_json::Value;
 
 use super::{set, Progress};
-use crate::json_scan::Scan;
+use crate::json_scan::{event_object, Scan};
 
 /// The envelope keys a continuation's chunks are rewritten to (`Progress::head` holds only
 /// these): bit `i` of a mask is `HEAD_KEYS[i]`.
@@ -101,35 +101,23 @@ pub(super) fn parse_ids(raw: &[u8], to: &mut Vec<u32>) -> bool {
 /// `[1, 2, 3]`: plain decimal ids, no leading zeros, each within `u32`.
 fn plain_ids(raw: &[u8], to: &mut Vec<u32>) -> Option<()> {
     let mut s = Scan { b: raw, i: 0 };
-    s.eat(b'[')?;
-    if s.peek_after_ws()? == b']' {
-        s.i += 1;
-    } else {
-        loop {
-            s.ws();
-            let start = s.i;
-            let mut n: u64 = 0;
-            while let Some(d @ b'0'..=b'9') = s.peek() {
-                n = n * 10 + u64::from(d - b'0');
-                s.i += 1;
-                if s.i - start > 10 {
-                    return None;
-                }
-            }
-            if s.i == start || (raw[start] == b'0' && s.i - start > 1) {
+    s.array(|s| {
+        s.ws();
+        let start = s.i;
+        let mut n: u64 = 0;
+        while let Some(d @ b'0'..=b'9') = s.peek() {
+            n = n * 10 + u64::from(d - b'0');
+            s.i += 1;
+            if s.i - start > 10 {
                 return None;
             }
-            to.push(u32::try_from(n).ok()?);
-            match s.peek_after_ws()? {
-                b',' => s.i += 1,
-                b']' => {
-                    s.i += 1;
-                    break;
-                }
-                _ => return None,
-            }
         }
-    }
+        if s.i == start || (raw[start] == b'0' && s.i - start > 1) {
+            return None;
+        }
+        to.push(u32::try_from(n).ok()?);
+        Some(())
+    })?;
     s.ws();
     (s.i == raw.len()).then_some(())
 }
@@ -247,25 +235,15 @@ fn learn(payload: &[u8], known: u8, keep: bool, generated: &mut Vec<u32>) -> Opt
                     return None;
                 }
                 choices_seen = true;
-                s.i += 1;
-                let (mut n, mut empty) = (0, true);
-                loop {
-                    match s.peek_after_ws()? {
-                        b']' => {
-                            s.i += 1;
-                            break;
-                        }
-                        b',' if n > 0 => s.i += 1,
-                        _ if n > 0 => return None,
-                        _ => {}
-                    }
-                    n += 1;
+                let mut empty = true;
+                let n = s.array(|s| {
                     if s.peek_after_ws()? == b'{' {
                         empty &= choice(s, keep, &mut out, generated)?;
                     } else {
                         s.value()?;
                     }
-                }
+                    Some(())
+                })?;
                 out.all_empty = n > 0 && empty;
             }
             b"choices" => return None,
@@ -304,11 +282,7 @@ impl Progress {
         if self.native {
             return None;
         }
-        let rest = raw.strip_prefix(b"data:")?;
-        let payload = rest.strip_prefix(b" ").unwrap_or(rest);
-        if payload.first() != Some(&b'{') || memchr::memchr2(b'\n', b'\r', payload).is_some() {
-            return None;
-        }
+        let payload = event_object(raw)?;
         let keep = self.client_wants_ids;
         // Four map lookups per event only until the head is whole (it holds nothing else).
         let known = if self.head.len() == HEAD_KEYS.len() { 0b1111 } else { self.head_mask() };

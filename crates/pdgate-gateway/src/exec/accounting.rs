@@ -281,7 +281,7 @@ impl StreamTally {
             }
             return Verdict::Keep;
         }
-        if self.endpoint != Endpoint::Generate && !self.every_event && USAGE.find(raw).is_none() {
+        if self.endpoint != Endpoint::Generate && USAGE.find(raw).is_none() {
             // Before the first content: whether this event is it, read from its bytes (no
             // usage in it, so nothing else to learn or change).
             if let Some(output) = carries_output(self.endpoint == Endpoint::ChatCompletions, raw) {
