@@ -8,6 +8,12 @@
 #   cargo build --release -p pdgate-gateway --bin pdgate-gateway --example stream_mock
 #   bench/gateway/stream_syscalls.sh OLD_BIN NEW_BIN        # 3 rounds, each build once a round
 #   ROUNDS=5 PROMPT_BYTES=16000 bench/gateway/stream_syscalls.sh OLD_BIN NEW_BIN
+#   bench/gateway/stream_syscalls.sh BIN nginx-proxy vllm-router   # against the floor and a peer
+#
+# A build is a pdgate binary or one of the names `nginx-proxy` (bench/gateway/nginx_proxy.sh)
+# and `vllm-router` (VLLM_ROUTER, default `vllm-router` on PATH). Besides the totals, each row
+# says how the syscalls split: reads (recvfrom), vectored writes (writev), plain sends (sendto)
+# and event-loop waits (epoll_wait) per request.
 #
 # PROMPT_BYTES: the prompt's size (default: a short one), to see costs that grow with the body.
 # CHUNK_DELAY_MS=N paces the mock's events N ms apart (an engine's inter-token gap) and CONNS
@@ -19,6 +25,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 T=${CARGO_TARGET_DIR:-target}
 MOCK=${MOCK:-$T/release/examples/stream_mock}
+VLLM_ROUTER=${VLLM_ROUTER:-vllm-router}
+source bench/gateway/nginx_proxy.sh
 [ $# -ge 1 ] || { echo "usage: $0 GATEWAY_BIN..." >&2; exit 2; }
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 D=$(mktemp -d /tmp/pdgate-syscalls.XXXXXX)
@@ -36,25 +44,36 @@ WP=$(free_port)
 sleep 0.5
 ticks() { awk '{print $14, $15}' "/proc/$1/stat"; }
 posts() { curl -s "http://127.0.0.1:$WP/stats" | python3 -c 'import json,sys; print(json.load(sys.stdin)["posts"])'; }
-printf '%-40s %8s %10s %10s %10s %12s %12s %10s\n' build req/s 'user us' 'kernel us' 'mock us' 'syscalls' 'switches' '(per req)'
+printf '%-28s %8s %8s %8s %8s %9s %9s %22s\n' build req/s 'user us' 'kern us' 'mock us' syscalls switches 'recv/writev/send/epoll'
 for round in $(seq "${ROUNDS:-3}"); do
     for bin in "$@"; do
         port=$(free_port)
-        "$bin" --port "$port" --log-level warn --policy round_robin --worker-urls "http://127.0.0.1:$WP" > "$D/gw.log" 2>&1 & GW=$!
-        for _ in $(seq 100); do curl -s -o /dev/null "http://127.0.0.1:$port/health" && break; sleep 0.1; done
+        case $bin in
+            nginx-proxy)
+                nginx_proxy_conf "$D" "$port" "$WP" "proxy_buffering off;" > "$D/proxy.conf"
+                nginx -p "$D" -c "$D/proxy.conf" -g 'daemon off;' > "$D/gw.log" 2>&1 & GW=$! ;;
+            vllm-router)
+                $VLLM_ROUTER --host 127.0.0.1 --port "$port" --log-level warning --policy round_robin --worker-urls "http://127.0.0.1:$WP" > "$D/gw.log" 2>&1 & GW=$! ;;
+            *)
+                "$bin" --port "$port" --log-level warn --policy round_robin --worker-urls "http://127.0.0.1:$WP" > "$D/gw.log" 2>&1 & GW=$! ;;
+        esac
+        # Ready when it relays (nginx has no /health of its own; it proxies the mock's).
+        for _ in $(seq 200); do curl -s -o /dev/null -f "http://127.0.0.1:$port/health" && break; sleep 0.1; done
         wrk -t2 -c"${CONNS:-32}" -d2s -s "$D/stream.lua" "http://127.0.0.1:$port/v1/completions" > /dev/null
         wrk -t2 -c"${CONNS:-32}" -d7s -s "$D/stream.lua" "http://127.0.0.1:$port/v1/completions" > "$D/wrk.txt" & WRK=$!
         sleep 1
         read -r u0 s0 < <(ticks "$GW"); read -r mu0 ms0 < <(ticks "$MOCK_PID"); n0=$(posts)
-        perf stat -x, -e raw_syscalls:sys_enter,context-switches -p "$GW" -o "$D/stat.csv" -- sleep 5 2>/dev/null
+        perf stat -x, -e raw_syscalls:sys_enter,context-switches,syscalls:sys_enter_recvfrom,syscalls:sys_enter_writev,syscalls:sys_enter_sendto,syscalls:sys_enter_epoll_wait -p "$GW" -o "$D/stat.csv" -- sleep 5 2>/dev/null
         read -r u1 s1 < <(ticks "$GW"); read -r mu1 ms1 < <(ticks "$MOCK_PID"); n1=$(posts)
         wait $WRK
         kill "$GW"; wait "$GW" 2>/dev/null || true
         tick=$(( 1000000 / $(getconf CLK_TCK) ))
         n=$((n1 - n0))
-        sc=$(awk -F, '/raw_syscalls/ {print $1}' "$D/stat.csv"); cs=$(awk -F, '/context-switches/ {print $1}' "$D/stat.csv")
-        printf '%-40s %8d %10.1f %10.1f %10.1f %12.2f %12.2f\n' "$(basename "$(dirname "$bin")")/$(basename "$bin")" "$((n / 5))" \
+        count() { awk -F, -v e="$1" -v n="$n" '$3 == e {printf "%.2f", $1 / n}' "$D/stat.csv"; }
+        split="$(count syscalls:sys_enter_recvfrom)/$(count syscalls:sys_enter_writev)/$(count syscalls:sys_enter_sendto)/$(count syscalls:sys_enter_epoll_wait)"
+        name=$bin; [ -f "$bin" ] && name="$(basename "$(dirname "$bin")")/$(basename "$bin")"
+        printf '%-28.28s %8d %8.1f %8.1f %8.1f %9s %9s %22s\n' "$name" "$((n / 5))" \
             "$(echo "($u1 - $u0) * $tick / $n" | bc -l)" "$(echo "($s1 - $s0) * $tick / $n" | bc -l)" \
-            "$(echo "($mu1 + $ms1 - $mu0 - $ms0) * $tick / $n" | bc -l)" "$(echo "$sc / $n" | bc -l)" "$(echo "$cs / $n" | bc -l)"
+            "$(echo "($mu1 + $ms1 - $mu0 - $ms0) * $tick / $n" | bc -l)" "$(count raw_syscalls:sys_enter)" "$(count context-switches)" "$split"
     done
 done
