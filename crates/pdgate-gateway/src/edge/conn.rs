@@ -62,7 +62,8 @@ pub async fn serve(listener: TcpListener, app: Router, limits: Limits, metrics: 
     // `writev(false)`: hyper copies each body frame into its write buffer and sends it with one
     // plain write, instead of queueing the head, chunk sizes and frames as separate buffers for
     // `writev`. A relayed frame is a few small SSE events, so the copy is cheaper than the
-    // vectored bookkeeping (docs/performance.md, run 7: less CPU per stream, gateway and worker).
+    // vectored bookkeeping (docs/performance.md, run 7: less CPU per stream in interleaved pairs,
+    // gateway and worker; within the noise on the quietest run).
     builder.timer(TokioTimer::new()).header_read_timeout(limits.header_read).keep_alive(true).writev(false);
     let builder = Arc::new(builder);
     let permits = Arc::new(Semaphore::new(limits.max_connections));
