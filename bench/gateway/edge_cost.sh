@@ -9,6 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${1:?usage: $0 PDGATE_GATEWAY_BIN}
+source bench/gateway/nginx_proxy.sh  # nginx_static_conf
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 D=$(mktemp -d /tmp/pdgate-edge.XXXXXX)
 GW=
@@ -21,11 +22,7 @@ for _ in $(seq "${ROUNDS:-2}"); do
     for server in pdgate nginx; do
         port=$(free_port)
         if [ "$server" = nginx ]; then
-            cat > "$D/nginx.conf" <<CONF
-worker_processes 1; master_process off; pid $D/nginx.pid; error_log $D/nginx-error.log warn;
-events { worker_connections 4096; }
-http { access_log off; keepalive_requests 1000000; server { listen 127.0.0.1:$port; location / { return 200 '{"status":"ok"}'; } } }
-CONF
+            nginx_static_conf "$D" "$port" '{"status":"ok"}' > "$D/nginx.conf"
             nginx -p "$D" -c "$D/nginx.conf" -g 'daemon off;' & GW=$!
         else
             # A worker URL nobody serves: /liveness does not need one.
