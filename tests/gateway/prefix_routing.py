@@ -137,13 +137,13 @@ def launch_replica(processes: Any, engines: Engines, policy: str, cache_source: 
 
 
 def wait_subscribed(gw: GatewayProcess, n: int, timeout: float = 20.0) -> None:
-    """Until the replica has connected to all `n` publishers."""
+    """Until the replica has connected to all `n` publishers and caught up on what each one's
+    replay socket buffered (its view is then as current as the events)."""
     deadline = time.monotonic() + timeout
     text = ""
     while time.monotonic() < deadline:
         text = httpx.get(gw.url + "/metrics", timeout=5).text
-        # Connections made (each also asks the replay socket for what came before it).
-        if _metric(text, "pdgate_kv_events_connects_total") >= n:
+        if _metric(text, "pdgate_kv_events_caught_up_total") >= n:
             return
         time.sleep(0.05)
     raise AssertionError(f"not subscribed to {n} publishers after {timeout}s:\n{text[-2000:]}")

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use criterion::Criterion;
 use pdgate_core::kv_index::KvIndex;
 use pdgate_core::policy::{CacheAwarePolicy, LoadView};
-use pdgate_core::{CacheSource, KvMatch, Policy, PolicyOptions, PoolSnapshot, RouteInput, WorkerRole, WorkerSpec, WorkerView};
+use pdgate_core::{CacheSource, KvMatch, NoBlocks, Policy, PolicyOptions, PoolSnapshot, RouteInput, WorkerRole, WorkerSpec, WorkerView};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -59,7 +59,7 @@ fn router(rng: &mut StdRng) -> Router {
 
 fn decide(r: &Router, ix: &mut KvIndex, prompt: &[u32], rng: &mut StdRng) -> usize {
     let held: Vec<(usize, usize)> = ix.match_tokens(prompt).into_iter().map(|(slot, n)| (r.index_of_slot[slot as usize], n)).collect();
-    let kv = KvMatch { prompt_tokens: prompt.len(), held: &held, key: prompt.len() as u64, subscribed: &[] };
+    let kv = KvMatch { prompt_tokens: prompt.len(), held: &held, key: prompt.len() as u64, subscribed: &[], blocks: &NoBlocks };
     let input = RouteInput { kv: Some(kv), loads: &r.loads, prompt_tokens: prompt.len() as u64, ..RouteInput::default() };
     r.policy.select(&r.snap, &r.candidates, &input, rng).map_or(usize::MAX, |s| s.worker)
 }

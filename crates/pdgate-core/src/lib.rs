@@ -31,7 +31,7 @@ pub use config::{CacheSource, ConfigError, GatewayConfig, PolicyName};
 pub use error::{ErrorKind, GatewayError, Leg, Source};
 pub use health::HealthState;
 pub use pairing::{KvLayout, PairingKey, PairingMode};
-pub use policy::{make_policy, make_policy_with, KvMatch, LoadView, Policy, PolicyOptions, RouteInput, Selection};
+pub use policy::{make_policy, make_policy_with, CachedBlocks, KvMatch, LoadView, NoBlocks, Policy, PolicyOptions, RouteInput, Selection};
 pub use radix::RadixTree;
 pub use registration::{RegistrationError, WorkerRegistration};
 pub use snapshot::{PoolSnapshot, SnapshotOptions, WorkerView};

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use pdgate_core::policy::CacheAwarePolicy;
-use pdgate_core::{CacheSource, KvMatch, LoadView, Policy, PolicyOptions, PoolSnapshot, RadixTree, RouteInput, WorkerRole, WorkerSpec, WorkerView};
+use pdgate_core::{CacheSource, KvMatch, LoadView, NoBlocks, Policy, PolicyOptions, PoolSnapshot, RadixTree, RouteInput, WorkerRole, WorkerSpec, WorkerView};
 use rand::{rngs::StdRng, SeedableRng};
 
 fn url(i: usize) -> String {
@@ -49,7 +49,7 @@ fn pick(snap: &PoolSnapshot, source: CacheSource, loads: &dyn LoadView, kv: Opti
 fn the_worker_holding_the_longest_prefix_wins() {
     let snap = snapshot(4, WorkerRole::Regular, &[0, 1, 2, 3]);
     let held = [(0, 32), (2, 96), (3, 64)];
-    let kv = KvMatch { prompt_tokens: 100, held: &held, key: 7, subscribed: &[] };
+    let kv = KvMatch { prompt_tokens: 100, held: &held, key: 7, subscribed: &[], blocks: &NoBlocks };
     let p = pick(&snap, CacheSource::Events, &vec![0, 0, 5, 0], Some(kv), None, 1);
     assert_eq!((p.worker, p.branch), (2, "cache_hit"));
     assert_eq!(p.reason, "cache_hit=0.96 events matched=96/100");
@@ -59,13 +59,38 @@ fn the_worker_holding_the_longest_prefix_wins() {
 fn equal_matches_go_to_the_less_loaded_and_below_the_threshold_is_a_miss() {
     let snap = snapshot(4, WorkerRole::Regular, &[0, 1, 2, 3]);
     let held = [(1, 80), (2, 80)];
-    let kv = KvMatch { prompt_tokens: 100, held: &held, key: 7, subscribed: &[] };
+    let kv = KvMatch { prompt_tokens: 100, held: &held, key: 7, subscribed: &[], blocks: &NoBlocks };
     assert_eq!(pick(&snap, CacheSource::Events, &vec![0, 4, 2, 0], Some(kv), None, 1).worker, 2);
     let held = [(1, 16)];
-    let p = pick(&snap, CacheSource::Events, &vec![3, 0, 2, 1], Some(KvMatch { prompt_tokens: 100, held: &held, key: 7, subscribed: &[] }), None, 1);
-    assert_eq!((p.worker, p.branch, p.reason.as_str()), (1, "cache_miss", "cache_miss=0.16 events"));
-    let p = pick(&snap, CacheSource::Events, &vec![3, 2, 0, 1], Some(KvMatch { prompt_tokens: 100, held: &[], key: 7, subscribed: &[] }), None, 1);
+    let p = pick(&snap, CacheSource::Events, &vec![3, 0, 2, 1], Some(KvMatch { prompt_tokens: 100, held: &held, key: 7, subscribed: &[], blocks: &NoBlocks }), None, 1);
+    assert_eq!((p.worker, p.branch, p.reason.as_str()), (1, "cache_miss", "cache_miss=0.16 events held=16"));
+    let p = pick(&snap, CacheSource::Events, &vec![3, 2, 0, 1], Some(KvMatch { prompt_tokens: 100, held: &[], key: 7, subscribed: &[], blocks: &NoBlocks }), None, 1);
     assert_eq!((p.worker, p.branch), (2, "cache_miss"), "nothing held: the least loaded");
+}
+
+#[test]
+fn a_miss_breaks_a_load_tie_by_the_held_prefix_then_by_the_emptiest_cache() {
+    let snap = snapshot(4, WorkerRole::Regular, &[0, 1, 2, 3]);
+    let blocks = vec![30, 12, 40, 25];
+    for seed in 0..16 {
+        // Below the threshold (0.5), the longest holder among the equally least loaded: worker 3
+        // (20 tokens), not worker 2 (30 tokens, but busier) nor worker 1 (idle, holds nothing).
+        let held = [(0, 10), (2, 30), (3, 20)];
+        let kv = KvMatch { prompt_tokens: 100, held: &held, key: 7, subscribed: &[], blocks: &blocks };
+        let p = pick(&snap, CacheSource::Events, &vec![0, 0, 1, 0], Some(kv), None, seed);
+        assert_eq!((p.worker, p.reason.as_str()), (3, "cache_miss=0.30 events held=20"), "seed {seed}");
+        // Nothing held: the fewest blocks among the least loaded (worker 1 has fewer, but is busier).
+        let kv = KvMatch { prompt_tokens: 100, held: &[], key: 7, subscribed: &[], blocks: &blocks };
+        let p = pick(&snap, CacheSource::Events, &vec![0, 1, 0, 0], Some(kv), None, seed);
+        assert_eq!((p.worker, p.reason.as_str()), (3, "cache_miss=0.00 events blocks=25"), "seed {seed}");
+        // Imbalanced load (SMG's rule): the same tie-break among the least loaded.
+        let p = pick(&snap, CacheSource::Events, &vec![500, 200, 200, 300], Some(kv), None, seed);
+        assert_eq!((p.worker, p.branch, p.reason.as_str()), (1, "rebalance", "rebalance cache_miss=0.00 events blocks=12"), "seed {seed}");
+    }
+    // Counts unknown: a random least loaded worker, as without events.
+    let kv = KvMatch { prompt_tokens: 100, held: &[], key: 7, subscribed: &[], blocks: &NoBlocks };
+    let chosen: std::collections::BTreeSet<usize> = (0..32).map(|seed| pick(&snap, CacheSource::Events, &vec![0; 4], Some(kv), None, seed).worker).collect();
+    assert_eq!(chosen.len(), 4, "{chosen:?}");
 }
 
 #[test]
@@ -74,7 +99,9 @@ fn ties_between_holders_do_not_depend_on_the_rng_and_spread_by_prompt() {
     // spread over both holders.
     let snap = snapshot(4, WorkerRole::Regular, &[0, 1, 2, 3]);
     let held = [(1, 64), (3, 64)];
-    let pick_key = |key: u64, seed: u64| pick(&snap, CacheSource::Events, &vec![0; 4], Some(KvMatch { prompt_tokens: 100, held: &held, key, subscribed: &[] }), None, seed).worker;
+    let pick_key = |key: u64, seed: u64| {
+        pick(&snap, CacheSource::Events, &vec![0; 4], Some(KvMatch { prompt_tokens: 100, held: &held, key, subscribed: &[], blocks: &NoBlocks }), None, seed).worker
+    };
     let mut chosen = std::collections::BTreeSet::new();
     for key in 0..32 {
         let w = pick_key(key, 1);
@@ -88,7 +115,7 @@ fn ties_between_holders_do_not_depend_on_the_rng_and_spread_by_prompt() {
 fn an_overloaded_holder_is_passed_over_for_the_next_best_holder() {
     let snap = snapshot(4, WorkerRole::Regular, &[0, 1, 2, 3]);
     let held = [(0, 90), (1, 70)];
-    let kv = KvMatch { prompt_tokens: 100, held: &held, key: 7, subscribed: &[] };
+    let kv = KvMatch { prompt_tokens: 100, held: &held, key: 7, subscribed: &[], blocks: &NoBlocks };
     // Worker 0 is overloaded (200 vs a minimum of 10): worker 1's shorter match still wins.
     let p = pick(&snap, CacheSource::Events, &vec![200, 12, 10, 11], Some(kv), None, 1);
     assert_eq!((p.worker, p.branch), (1, "rebalance_hit"));
@@ -103,7 +130,7 @@ fn events_win_over_a_stale_text_tree() {
     let text = "a long shared system prompt and a question";
     tree.insert(text, &url(1), 1);
     let held = [(3, 80)];
-    let kv = KvMatch { prompt_tokens: 100, held: &held, key: 7, subscribed: &[] };
+    let kv = KvMatch { prompt_tokens: 100, held: &held, key: 7, subscribed: &[], blocks: &NoBlocks };
     assert_eq!(pick(&snap, CacheSource::Events, &vec![0; 4], Some(kv), Some((&tree, text)), 1).worker, 3);
     assert_eq!(pick(&snap, CacheSource::Auto, &vec![0; 4], Some(kv), Some((&tree, text)), 1).worker, 3, "w1 publishes: its tree entry is not read");
     assert_eq!(pick(&snap, CacheSource::Text, &vec![0; 4], Some(kv), Some((&tree, text)), 1).worker, 1);
@@ -117,10 +144,11 @@ fn auto_reads_the_tree_for_workers_without_events_and_takes_the_deeper_match() {
     let text = "0123456789";
     tree.insert(text, &url(2), 1);
     let shallow = [(0, 60)];
-    let p = pick(&snap, CacheSource::Auto, &vec![0; 4], Some(KvMatch { prompt_tokens: 100, held: &shallow, key: 7, subscribed: &[] }), Some((&tree, text)), 1);
+    let p = pick(&snap, CacheSource::Auto, &vec![0; 4], Some(KvMatch { prompt_tokens: 100, held: &shallow, key: 7, subscribed: &[], blocks: &NoBlocks }), Some((&tree, text)), 1);
     assert_eq!((p.worker, p.reason.as_str()), (2, "cache_hit=1.00"), "the tree's full match beats 60%");
     let deep = [(0, 100)];
-    let p = pick(&snap, CacheSource::Auto, &vec![0; 4], Some(KvMatch { prompt_tokens: 100, held: &deep, key: 7, subscribed: &[] }), Some((&tree, "01234567xx")), 1);
+    let p =
+        pick(&snap, CacheSource::Auto, &vec![0; 4], Some(KvMatch { prompt_tokens: 100, held: &deep, key: 7, subscribed: &[], blocks: &NoBlocks }), Some((&tree, "01234567xx")), 1);
     assert_eq!(p.worker, 0, "the events' full match beats the tree's 80%");
 }
 
@@ -151,7 +179,7 @@ impl LoadView for Kv {
 fn a_decode_pick_with_events_goes_by_free_kv() {
     let snap = snapshot(3, WorkerRole::Decode, &[0, 1, 2]);
     let held = [(0, 100)];
-    let kv = KvMatch { prompt_tokens: 100, held: &held, key: 7, subscribed: &[] };
+    let kv = KvMatch { prompt_tokens: 100, held: &held, key: 7, subscribed: &[], blocks: &NoBlocks };
     // Worker 0 holds the prompt but lacks room for prompt + output (120 tokens).
     let loads = Kv(vec![(50, 0), (9_000, 4), (9_000, 2)]);
     let p = pick(&snap, CacheSource::Events, &loads, Some(kv), None, 1);

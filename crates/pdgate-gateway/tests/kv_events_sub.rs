@@ -1,5 +1,6 @@
 //! The KV event subscription against a real pyzmq publisher (XPUB + replay ROUTER) on loopback:
-//! both event encodings, signed hashes, a lost batch recovered by replay, a gap with no replay
+//! both event encodings, signed hashes, a lost batch recovered by replay, the catch-up of a new
+//! subscriber from the replay socket, a gap with no replay
 //! socket, AllBlocksCleared, a payload that is no batch, and a removed worker.
 //!
 //! Needs a Python with pyzmq and msgpack (the package's own dependencies): `PDGATE_TEST_PYTHON`,
@@ -107,7 +108,8 @@ async fn both_encodings_a_gap_filled_by_replay_and_a_clear() {
     wait_match(&view, &prompt, 48).await;
     publisher.send(json!({"seq": 5, "events": [{"type": "AllBlocksCleared"}]})).await;
     wait_match(&view, &prompt, 0).await;
-    assert_eq!(view.worker_blocks(W), 0);
+    assert_eq!(view.worker_blocks(W), Some(0));
+    assert_eq!(view.worker_blocks("http://not-watched:1"), None);
 
     // A payload that is no batch is counted, and its seq is not taken for a gap.
     publisher.send(json!({"seq": 6, "raw": "c1"})).await;
@@ -120,6 +122,28 @@ async fn both_encodings_a_gap_filled_by_replay_and_a_clear() {
     view.unwatch(W);
     assert!(view.matches(&prompt).is_empty());
     assert!(!view.is_watched(W));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_subscriber_learns_what_an_idle_engine_buffered_without_waiting_for_its_next_event() {
+    let mut publisher = Publisher::start();
+    let first = KvView::new(7, 1 << 20, timings());
+    first.watch(W, &publisher.pub_ep, Some(&publisher.replay_ep));
+    // Two batches the engine published before the second gateway came; then it stays idle.
+    publisher.send(json!({"seq": 0, "events": [stored_map(1, None, 0..16)]})).await;
+    publisher.send(json!({"seq": 1, "events": [stored_map(2, Some(1), 16..32)]})).await;
+    let prompt: Vec<u32> = (0..48).collect();
+    wait_match(&first, &prompt, 32).await;
+    let second = KvView::new(7, 1 << 20, timings());
+    second.watch(W, &publisher.pub_ep, Some(&publisher.replay_ep));
+    wait_match(&second, &prompt, 32).await;
+    assert_eq!(second.metrics().catch_ups.load(Ordering::Relaxed), 1);
+    assert_eq!(second.metrics().replay_failures.load(Ordering::Relaxed), 0);
+    assert!(second.metrics_text().contains("pdgate_kv_events_caught_up_total 1\n"));
+    // The next live batch follows on from the replayed ones: no gap, no second replay.
+    publisher.send(json!({"seq": 2, "events": [stored_map(3, Some(2), 32..48)]})).await;
+    wait_match(&second, &prompt, 48).await;
+    assert_eq!((second.stats().0.gaps, second.metrics().replays.load(Ordering::Relaxed)), (0, 1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,7 +2,9 @@
 //!
 //! - Balanced load: if the best prefix match ratio (matched text / text) reaches
 //!   `cache_threshold`, take the least loaded worker that has that match (`cache_hit=0.82`);
-//!   otherwise the least loaded worker (`cache_miss=0.12`).
+//!   otherwise the least loaded worker (`cache_miss=0.12`). With events, ties among the equally
+//!   least loaded go to the longest held prefix, then the fewest cached blocks
+//!   (`events_miss`).
 //! - Imbalanced load (SMG's rule: `max - min > abs` AND `max > rel * min`): SMG routes purely by
 //!   load and its hit rate collapses. Here only *overloaded* workers are avoided — those whose
 //!   load would itself count as imbalanced against the minimum — and among the rest the one with
@@ -21,7 +23,7 @@
 use rand::{Rng, RngCore};
 
 use super::cache_events::{best_held, uses_events};
-use super::{is_candidate, scan_loads, LoadScan, MostFreeKvPolicy, Policy, PolicyOptions, RouteInput, Selection};
+use super::{is_candidate, scan_loads, visit_bounded, LoadScan, MostFreeKvPolicy, Policy, PolicyOptions, RouteInput, Selection};
 use crate::config::CacheSource;
 use crate::radix::{MatchLevel, RadixTree};
 use crate::snapshot::PoolSnapshot;
@@ -112,6 +114,44 @@ impl CacheAwarePolicy {
     }
 }
 
+/// How a miss's tie-break ranks a worker, lower is better: known block counts before
+/// unknown ones, then fewer blocks.
+type Room = (bool, usize);
+
+impl CacheAwarePolicy {
+    /// Where a miss goes when events are in play: the least loaded worker, as without them, but
+    /// ties among the equally least loaded are broken by the cache instead of the scan's random
+    /// pick. First the one whose events hold the longest (below-threshold) prefix: it keeps a
+    /// conversation whose tail was evicted where its system prompt still is. Failing that, the
+    /// one holding the fewest blocks: a new prefix goes to the emptiest cache rather than
+    /// evicting another prefix's blocks (on an idle fleet, random picks pile prefixes onto
+    /// one worker while others stay empty). Neither costs balance: only equal loads are
+    /// reordered. Returns the worker and what the reason adds.
+    fn events_miss(&self, snap: &PoolSnapshot, candidates: &[usize], input: &RouteInput<'_>, scan: LoadScan, rng: &mut dyn RngCore) -> (usize, String) {
+        let least = scan.min;
+        if let Some((w, matched)) = best_held(self.options.cache_source, snap, candidates, input, &|load| load <= least, rng) {
+            return (w, format!(" events held={matched}"));
+        }
+        let Some(kv) = input.kv else { return (scan.least, " events".to_string()) };
+        let mut best: Option<(Room, usize)> = None;
+        let visit = |w: usize| {
+            if input.loads.load(w) > least {
+                return;
+            }
+            let blocks = kv.blocks.cached_blocks(w);
+            let room = (blocks.is_none(), blocks.unwrap_or(0));
+            if best.is_none_or(|(b, _)| room < b) {
+                best = Some((room, w));
+            }
+        };
+        visit_bounded(candidates, rng.random_range(0..candidates.len()), rng, visit);
+        match best {
+            Some(((false, blocks), w)) => (w, format!(" events blocks={blocks}")),
+            _ => (scan.least, " events".to_string()),
+        }
+    }
+}
+
 impl Policy for CacheAwarePolicy {
     fn name(&self) -> &'static str {
         "cache_aware"
@@ -167,11 +207,11 @@ impl Policy for CacheAwarePolicy {
             });
         }
         let r = event_ratio.max(text_ratio);
-        let how = if events { " events" } else { "" };
+        let (worker, how) = if events { self.events_miss(snap, candidates, input, scan, rng) } else { (scan.least, String::new()) };
         Some(if imbalanced {
-            Selection::with_reason(scan.least, "rebalance", format!("rebalance cache_miss={r:.2}{how}"))
+            Selection::with_reason(worker, "rebalance", format!("rebalance cache_miss={r:.2}{how}"))
         } else {
-            Selection::with_reason(scan.least, "cache_miss", format!("cache_miss={r:.2}{how}"))
+            Selection::with_reason(worker, "cache_miss", format!("cache_miss={r:.2}{how}"))
         })
     }
 }

@@ -125,6 +125,38 @@ pub struct KvMatch<'a> {
     /// (a gRPC worker's `SubscribeKvEvents` stream), ascending: `--cache-source auto` matches
     /// them on their events, like the registered publishers.
     pub subscribed: &'a [usize],
+    /// How many blocks each worker's event view holds, read on a miss: a new prefix goes to
+    /// the emptiest of the equally least loaded workers instead of a random one.
+    pub blocks: &'a dyn CachedBlocks,
+}
+
+/// Blocks a worker's KV event view holds, by snapshot index; `None` when its events are not
+/// followed.
+pub trait CachedBlocks: Sync {
+    fn cached_blocks(&self, worker: usize) -> Option<usize>;
+}
+
+impl std::fmt::Debug for dyn CachedBlocks + '_ {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CachedBlocks")
+    }
+}
+
+/// No counts known (tests, and workers without events).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoBlocks;
+
+impl CachedBlocks for NoBlocks {
+    fn cached_blocks(&self, _: usize) -> Option<usize> {
+        None
+    }
+}
+
+/// Counts by snapshot index (tests).
+impl CachedBlocks for Vec<usize> {
+    fn cached_blocks(&self, worker: usize) -> Option<usize> {
+        self.get(worker).copied()
+    }
 }
 
 impl Default for RouteInput<'_> {

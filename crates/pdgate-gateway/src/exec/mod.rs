@@ -137,8 +137,9 @@ impl Ctx {
     pub fn decide<T>(&self, routing: &Routing, text: Option<&str>, select: impl FnOnce(&RouteInput<'_>) -> T) -> T {
         let loads = self.state.loads(&routing.runtime);
         let held = self.kv_held(routing);
+        let blocks = crate::kv_sub::SnapshotBlocks { view: &self.state.kv_view, snap: &routing.snapshot };
         let input = RouteInput {
-            kv: held.as_ref().map(|h| KvMatch { prompt_tokens: h.prompt_tokens, held: &h.held, key: h.key, subscribed: &h.subscribed }),
+            kv: held.as_ref().map(|h| KvMatch { prompt_tokens: h.prompt_tokens, held: &h.held, key: h.key, subscribed: &h.subscribed, blocks: &blocks }),
             text,
             key: self.session_key.as_deref(),
             sequence: self.state.next_sequence(),

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use pdgate_core::kv_events::DecodedBatch;
 use pdgate_core::kv_index::{IndexStats, KvIndex, SeqCheck, WorkerSlot};
-use pdgate_core::PoolSnapshot;
+use pdgate_core::{CachedBlocks, PoolSnapshot};
 use tokio::task::JoinHandle;
 
 pub use subscriber::SubTimings;
@@ -30,6 +30,9 @@ pub struct SubMetrics {
     pub connects: AtomicU64,
     /// Replay requests (gap fills and catch-ups after a connect).
     pub replays: AtomicU64,
+    /// Connections whose catch-up is done (the replay socket's buffer applied, or none to
+    /// ask): from then on the worker's view is as current as its events.
+    pub catch_ups: AtomicU64,
     /// Replays that did not fill their range (no answer, or the buffer no longer had it).
     pub replay_failures: AtomicU64,
     /// Messages that were not `(topic, 8-byte seq, payload)`.
@@ -205,10 +208,10 @@ impl KvView {
         (held, subscribed)
     }
 
-    /// Blocks a worker's view holds (0 when not watched).
-    pub fn worker_blocks(&self, worker_url: &str) -> usize {
-        let slot = self.subs.lock().unwrap_or_else(|p| p.into_inner()).get(worker_url).map(|s| s.slot);
-        slot.map_or(0, |s| self.lock().worker_blocks(s))
+    /// Blocks a worker's view holds; `None` when the worker is not watched.
+    pub fn worker_blocks(&self, worker_url: &str) -> Option<usize> {
+        let slot = self.subs.lock().unwrap_or_else(|p| p.into_inner()).get(worker_url).map(|s| s.slot)?;
+        Some(self.lock().worker_blocks(slot))
     }
 
     /// The index's counters and its size in bytes (estimate, O(workers) to compute), for
@@ -236,7 +239,7 @@ impl KvView {
         let (st, bytes) = self.stats();
         let max_blocks = self.max_blocks();
         let m = self.metrics();
-        let rows: [(&str, &str, &str, u64); 17] = [
+        let rows: [(&str, &str, &str, u64); 18] = [
             ("pdgate_kv_events_subscriptions", "gauge", "Workers whose KV events this gateway subscribes to", watched as u64),
             ("pdgate_kv_index_blocks", "gauge", "Worker-block entries in the KV event index", st.blocks as u64),
             ("pdgate_kv_index_max_blocks", "gauge", "Bound on worker-block entries in the KV event index (--kv-index-max-blocks)", max_blocks as u64),
@@ -252,6 +255,12 @@ impl KvView {
             ("pdgate_kv_events_resets_total", "counter", "Worker views reset (connect, unfilled gap)", st.resets),
             ("pdgate_kv_events_connects_total", "counter", "Connections made to KV event publishers", m.connects.load(Ordering::Relaxed)),
             ("pdgate_kv_events_replays_total", "counter", "Replay requests sent to KV event replay sockets", m.replays.load(Ordering::Relaxed)),
+            (
+                "pdgate_kv_events_caught_up_total",
+                "counter",
+                "Connections to KV event publishers whose catch-up from the replay socket is done",
+                m.catch_ups.load(Ordering::Relaxed),
+            ),
             ("pdgate_kv_events_replay_failures_total", "counter", "Replays that did not fill their range", m.replay_failures.load(Ordering::Relaxed)),
             ("pdgate_kv_events_bad_messages_total", "counter", "Messages that were not (topic, seq, payload)", m.bad_messages.load(Ordering::Relaxed)),
         ];
@@ -268,5 +277,18 @@ impl Drop for KvView {
         for (_, sub) in self.subs.get_mut().unwrap_or_else(|p| p.into_inner()).drain() {
             sub.task.abort();
         }
+    }
+}
+
+/// The block counts of one snapshot's workers, read from the index when a policy asks (only
+/// on a cache miss, for at most the scan's candidates).
+pub struct SnapshotBlocks<'a> {
+    pub view: &'a KvView,
+    pub snap: &'a PoolSnapshot,
+}
+
+impl CachedBlocks for SnapshotBlocks<'_> {
+    fn cached_blocks(&self, worker: usize) -> Option<usize> {
+        self.view.worker_blocks(&self.snap.worker(worker).spec.url)
     }
 }

@@ -2,9 +2,11 @@
 //! shared index; fill sequence gaps from the replay socket, else reset the worker's view.
 //!
 //! Every (re)connect starts the worker's view from empty (what it published while we were away
-//! is unknown), then asks the replay socket for what it still buffers. Waiting for the next event
-//! has no deadline on purpose: an idle engine publishes nothing. Connecting, the handshake and
-//! each replay answer do.
+//! is unknown), then at once asks the replay socket for everything it still buffers, so that
+//! routing knows the worker's cache before its next event (an idle engine may publish none for
+//! long, and a lazy catch-up would also hold the live stream back while the first requests are
+//! routed). Waiting for the next event has no deadline on purpose: an idle engine publishes
+//! nothing. Connecting, the handshake and each replay answer do.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -60,7 +62,12 @@ pub async fn run(view: Arc<KvView>, slot: WorkerSlot, endpoint: String, replay: 
 
 /// Apply batches until the connection fails.
 async fn follow(view: &KvView, slot: WorkerSlot, peer: &mut Peer, replay: Option<&str>, timings: SubTimings) -> std::io::Error {
-    let mut fresh = true;
+    // Live batches queue on the socket meanwhile; those the replay already applied are stale.
+    let mut fresh = match replay {
+        Some(r) => !catch_up(view, slot, r, timings).await,
+        None => true,
+    };
+    view.metrics.catch_ups.fetch_add(1, Ordering::Relaxed);
     loop {
         let frames = match peer.recv().await {
             Ok(f) => f,
@@ -115,27 +122,66 @@ fn parse_message(view: &KvView, frames: &[Vec<u8>]) -> Option<(u64, DecodedBatch
 /// `from` is false.
 pub async fn replay_range(view: &KvView, slot: WorkerSlot, endpoint: &str, from: u64, until: u64, timings: SubTimings) -> bool {
     view.metrics.replays.fetch_add(1, Ordering::Relaxed);
-    let ok = async {
+    let mut gap = false;
+    let answered = replay_from(endpoint, from, timings, |seq, batch| {
+        if seq >= until {
+            return false;
+        }
+        // A gap: the buffer starts after what we miss.
+        gap = matches!(view.apply(slot, seq, &batch), SeqCheck::Gap { .. });
+        !gap
+    })
+    .await;
+    let filled = answered && !gap && view.lock().next_seq(slot) == Some(until);
+    if !filled {
+        view.metrics.replay_failures.fetch_add(1, Ordering::Relaxed);
+    }
+    filled
+}
+
+/// After a connect: everything the replay socket still buffers, applied in order. A gap inside
+/// the answer (the socket dropped batches past its high-water mark) restarts the view from the
+/// batch after it, as a live gap without replay would. True when the view now follows the
+/// engine's sequence (it applied at least one batch); false when the buffer was empty or the
+/// socket did not answer in full (a failure, counted).
+async fn catch_up(view: &KvView, slot: WorkerSlot, endpoint: &str, timings: SubTimings) -> bool {
+    view.metrics.replays.fetch_add(1, Ordering::Relaxed);
+    let mut gap = false;
+    let answered = replay_from(endpoint, 0, timings, |seq, batch| {
+        if let SeqCheck::Gap { .. } = view.apply(slot, seq, &batch) {
+            gap = true;
+            view.lock().reset(slot);
+            view.apply(slot, seq, &batch);
+        }
+        true
+    })
+    .await;
+    if !answered || gap {
+        view.metrics.replay_failures.fetch_add(1, Ordering::Relaxed);
+    }
+    view.lock().next_seq(slot).is_some()
+}
+
+/// Asks the replay socket at `endpoint` for the batches from `from` on and hands each to
+/// `take` until it returns false or the end marker comes. False when there was no connection,
+/// or an answer was missing or malformed.
+async fn replay_from(endpoint: &str, from: u64, timings: SubTimings, mut take: impl FnMut(u64, DecodedBatch) -> bool) -> bool {
+    async {
         let mut peer = Peer::connect(endpoint, SocketType::Dealer, timings.connect).await.ok()?;
         peer.send(&[b"", &from.to_be_bytes()]).await.ok()?;
         loop {
             let frames = tokio::time::timeout(timings.replay_answer, peer.recv()).await.ok()?.ok()?;
             let [_empty, seq, payload] = frames.as_slice() else { return None };
             let seq = u64::from_be_bytes(<[u8; 8]>::try_from(seq.as_slice()).ok()?);
-            if seq == END_SEQ || seq >= until {
+            if seq == END_SEQ {
                 return Some(());
             }
             let batch = decode_batch(payload).unwrap_or(DecodedBatch { undecodable: 1, ..DecodedBatch::default() });
-            if let SeqCheck::Gap { .. } = view.apply(slot, seq, &batch) {
-                return None; // the buffer starts after what we miss
+            if !take(seq, batch) {
+                return Some(());
             }
         }
     }
     .await
-    .is_some();
-    let filled = ok && view.lock().next_seq(slot) == Some(until);
-    if !filled {
-        view.metrics.replay_failures.fetch_add(1, Ordering::Relaxed);
-    }
-    filled
+    .is_some()
 }
