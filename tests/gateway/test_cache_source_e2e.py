@@ -9,10 +9,12 @@ Two effects, each where it shows (measured; docs/performance.md, "Prefix-cache r
   text tree (which keeps sending a conversation to a worker that evicted it) and round robin.
 - Larger caches: with two replicas and requests alternating between them, the events keep the
   one-replica figure (both replicas read the same engines), and the text tree's drops (each
-  replica knows only the prompts it sent). With one replica and these caches, events and text
-  score alike: nothing was evicted for the text tree to be wrong about.
+  replica knows only the prompts it sent). With one replica and these caches, the text tree is
+  at best as good as the events: little was evicted for it to be wrong about.
 
-The workload is seeded; the gateways' tie-breaking is not, hence the margins.
+The workload is seeded; the text tree's miss placement is random (SMG's rule), hence the
+margins. The events break miss ties by the engines' shared view and score within a few
+hundredths run to run.
 """
 
 from __future__ import annotations
@@ -88,10 +90,13 @@ def test_with_evicting_caches_events_beat_the_text_tree_and_round_robin(processe
     # Four seeds summed: the text tree's figure swings with its random first placement (below).
     rate = hit_rates(processes, small_engines, tokenizer_dir, configs, {}, seeds=(16, 17, 18, 19))
     events, text, rr = (rate[c] for c in [("cache_aware", "events", 1), ("cache_aware", "text", 1), ("round_robin", "text", 1)])
-    # Measured (two seeds): events 0.67-0.72; round robin 0.24-0.25; text 0.43-0.66 by run: the text tree is
-    # as good as its first, random placement of the groups (two groups on one worker thrash its
-    # cache, and the tree keeps them there); the events move a group once it was evicted.
-    assert events > text and events > rr + 0.2, rate
+    # Measured per seed (docs/performance.md, "Prefix-cache routing"): events 0.72-0.74 in 24 of
+    # 24 runs; round robin 0.24-0.26; text 0.39-0.74 by run: the text tree is as good as its
+    # first, random placement of the groups (two groups on one worker thrash its cache, and the
+    # tree keeps them there). The events place a miss on the emptiest of the idle workers and
+    # know what each evicted. (Before the events did so, CI saw events 0.624 against text 0.629.)
+    assert events > 0.66, rate
+    assert events > text and events > rr + 0.3, rate
 
 
 @pytest.mark.timeout(420)
@@ -102,7 +107,8 @@ def test_replicas_keep_the_hit_rate_with_events_and_lose_it_with_text(processes,
     text2 = rate[("cache_aware", "text", 2)]
     events1, events2 = rate[("cache_aware", "events", 1)], rate[("cache_aware", "events", 2)]
     # Measured (seed 16): text 0.66 -> 0.50, 0.70 -> 0.47 and 0.52 -> 0.47; events 0.67 -> 0.68,
-    # 0.69 -> 0.65 and 0.67 -> 0.64; seeds 16+17 in CI: text 0.48 -> 0.51, events 0.66 -> 0.66.
+    # 0.69 -> 0.65 and 0.67 -> 0.64; seeds 16+17 in CI: text 0.48 -> 0.51, events 0.66 -> 0.66;
+    # since the events break miss ties by the shared view: events 0.695 -> 0.695, text2 0.50-0.51.
     # Two replicas' text figure is steady; the one-replica text figure is not (it is as good as
     # its first, random placement of the groups, and can fall below the two-replica one), so the
     # drop is judged against the one-replica figure of the events, which is steady.
