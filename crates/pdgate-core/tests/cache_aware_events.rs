@@ -78,7 +78,12 @@ fn a_miss_breaks_a_load_tie_by_the_held_prefix_then_by_the_emptiest_cache() {
         let held = [(0, 10), (2, 30), (3, 20)];
         let kv = KvMatch { prompt_tokens: 100, held: &held, key: 7, subscribed: &[], blocks: &blocks };
         let p = pick(&snap, CacheSource::Events, &vec![0, 0, 1, 0], Some(kv), None, seed);
-        assert_eq!((p.worker, p.reason.as_str()), (3, "cache_miss=0.30 events held=20"), "seed {seed}");
+        assert_eq!((p.worker, p.reason.as_str()), (3, "cache_miss=0.30 events held=20 blocks=25"), "seed {seed}");
+        // All hold the same prefix (a shared chat template): the fewest blocks among them.
+        let held = [(0, 16), (1, 16), (2, 16), (3, 16)];
+        let kv = KvMatch { prompt_tokens: 100, held: &held, key: 7, subscribed: &[], blocks: &blocks };
+        let p = pick(&snap, CacheSource::Events, &vec![0, 0, 0, 1], Some(kv), None, seed);
+        assert_eq!((p.worker, p.reason.as_str()), (1, "cache_miss=0.16 events held=16 blocks=12"), "seed {seed}");
         // Nothing held: the fewest blocks among the least loaded (worker 1 has fewer, but is busier).
         let kv = KvMatch { prompt_tokens: 100, held: &[], key: 7, subscribed: &[], blocks: &blocks };
         let p = pick(&snap, CacheSource::Events, &vec![0, 1, 0, 0], Some(kv), None, seed);
@@ -87,7 +92,13 @@ fn a_miss_breaks_a_load_tie_by_the_held_prefix_then_by_the_emptiest_cache() {
         let p = pick(&snap, CacheSource::Events, &vec![500, 200, 200, 300], Some(kv), None, seed);
         assert_eq!((p.worker, p.branch, p.reason.as_str()), (1, "rebalance", "rebalance cache_miss=0.00 events blocks=12"), "seed {seed}");
     }
-    // Counts unknown: a random least loaded worker, as without events.
+    // Counts unknown: the best holder as ranked for hits (by prompt, alike in every replica);
+    // with no holder, a random least loaded worker, as without events.
+    let held = [(0, 16), (2, 16)];
+    let kv = KvMatch { prompt_tokens: 100, held: &held, key: 7, subscribed: &[], blocks: &NoBlocks };
+    let p = pick(&snap, CacheSource::Events, &vec![0; 4], Some(kv), None, 1);
+    assert!((0..16).all(|seed| pick(&snap, CacheSource::Events, &vec![0; 4], Some(kv), None, seed).worker == p.worker));
+    assert!([0, 2].contains(&p.worker) && p.reason == "cache_miss=0.16 events held=16", "{}", p.reason);
     let kv = KvMatch { prompt_tokens: 100, held: &[], key: 7, subscribed: &[], blocks: &NoBlocks };
     let chosen: std::collections::BTreeSet<usize> = (0..32).map(|seed| pick(&snap, CacheSource::Events, &vec![0; 4], Some(kv), None, seed).worker).collect();
     assert_eq!(chosen.len(), 4, "{chosen:?}");

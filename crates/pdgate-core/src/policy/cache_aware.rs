@@ -23,7 +23,7 @@
 use rand::{Rng, RngCore};
 
 use super::cache_events::{best_held, uses_events};
-use super::{is_candidate, scan_loads, visit_bounded, LoadScan, MostFreeKvPolicy, Policy, PolicyOptions, RouteInput, Selection};
+use super::{is_candidate, scan_loads, visit_bounded, LoadScan, MostFreeKvPolicy, Policy, PolicyOptions, RouteInput, Selection, SCAN_LIMIT};
 use crate::config::CacheSource;
 use crate::radix::{MatchLevel, RadixTree};
 use crate::snapshot::PoolSnapshot;
@@ -121,20 +121,21 @@ type Room = (bool, usize);
 impl CacheAwarePolicy {
     /// Where a miss goes when events are in play: the least loaded worker, as without them, but
     /// ties among the equally least loaded are broken by the cache instead of the scan's random
-    /// pick. First the one whose events hold the longest (below-threshold) prefix: it keeps a
-    /// conversation whose tail was evicted where its system prompt still is. Failing that, the
+    /// pick. First the longest (below-threshold) prefix held: it keeps a conversation whose
+    /// tail was evicted where its system prompt still is. Among those (or among all of them
+    /// when none holds any of the prompt, or all hold the same shared template prefix), the
     /// one holding the fewest blocks: a new prefix goes to the emptiest cache rather than
-    /// evicting another prefix's blocks (on an idle fleet, random picks pile prefixes onto
-    /// one worker while others stay empty). Neither costs balance: only equal loads are
-    /// reordered. Returns the worker and what the reason adds.
+    /// evicting another prefix's blocks (on an idle fleet, random picks pile prefixes onto one
+    /// worker while others stay empty). Neither costs balance: only equal loads are reordered.
+    /// Returns the worker and what the reason adds.
     fn events_miss(&self, snap: &PoolSnapshot, candidates: &[usize], input: &RouteInput<'_>, scan: LoadScan, rng: &mut dyn RngCore) -> (usize, String) {
         let least = scan.min;
-        if let Some((w, matched)) = best_held(self.options.cache_source, snap, candidates, input, &|load| load <= least, rng) {
-            return (w, format!(" events held={matched}"));
-        }
         let Some(kv) = input.kv else { return (scan.least, " events".to_string()) };
+        let source = self.options.cache_source;
+        let holder = best_held(source, snap, candidates, input, &|load| load <= least, rng);
+        let longest = holder.map_or(0, |(_, m)| m);
         let mut best: Option<(Room, usize)> = None;
-        let visit = |w: usize| {
+        let mut consider = |w: usize| {
             if input.loads.load(w) > least {
                 return;
             }
@@ -144,10 +145,21 @@ impl CacheAwarePolicy {
                 best = Some((room, w));
             }
         };
-        visit_bounded(candidates, rng.random_range(0..candidates.len()), rng, visit);
-        match best {
-            Some(((false, blocks), w)) => (w, format!(" events blocks={blocks}")),
-            _ => (scan.least, " events".to_string()),
+        if longest > 0 {
+            let holders = kv.held.iter().take(SCAN_LIMIT);
+            for &(w, _) in holders.filter(|&&(w, m)| m == longest && is_candidate(candidates, w) && uses_events(source, snap, Some(&kv), w)) {
+                consider(w);
+            }
+        } else {
+            visit_bounded(candidates, rng.random_range(0..candidates.len()), rng, consider);
+        }
+        // Without known counts: the holder best_held ranked (ties by prompt, alike in every
+        // replica), else the scan's pick.
+        match (best, holder) {
+            (Some(((false, blocks), w)), _) if longest > 0 => (w, format!(" events held={longest} blocks={blocks}")),
+            (Some(((false, blocks), w)), _) => (w, format!(" events blocks={blocks}")),
+            (_, Some((w, m))) => (w, format!(" events held={m}")),
+            (_, None) => (scan.least, " events".to_string()),
         }
     }
 }
