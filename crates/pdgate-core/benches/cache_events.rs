@@ -7,16 +7,22 @@
 //!
 //! Criterion gives the mean per case; then single decisions are timed for p50/p99/max (`Instant`
 //! around each, ~25 ns of timer overhead included); the target is p99 <= 10 us per decision.
+//!
+//! Last, a miss on an idle fleet (every load 0), the worst case of the miss tie-break: the
+//! policy reads the block count of `SCAN_LIMIT` workers, as the gateway does (the worker's URL
+//! in the subscriptions' map, then the index's mutex, per worker), against the same decision
+//! without counts (a random least loaded worker, as before the tie-break), in the same run.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is the failure report
 
+use std::collections::HashMap;
 use std::hint::black_box;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use criterion::Criterion;
 use pdgate_core::kv_index::KvIndex;
 use pdgate_core::policy::{CacheAwarePolicy, LoadView};
-use pdgate_core::{CacheSource, KvMatch, NoBlocks, Policy, PolicyOptions, PoolSnapshot, RouteInput, WorkerRole, WorkerSpec, WorkerView};
+use pdgate_core::{CacheSource, CachedBlocks, KvMatch, NoBlocks, Policy, PolicyOptions, PoolSnapshot, RouteInput, WorkerRole, WorkerSpec, WorkerView};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -64,6 +70,28 @@ fn decide(r: &Router, ix: &mut KvIndex, prompt: &[u32], rng: &mut StdRng) -> usi
     r.policy.select(&r.snap, &r.candidates, &input, rng).map_or(usize::MAX, |s| s.worker)
 }
 
+/// The gateway's block counts (`kv_sub::SnapshotBlocks`): URL -> slot under the subscriptions'
+/// mutex, then the count under the index's mutex.
+struct GatewayBlocks<'a> {
+    subs: &'a Mutex<HashMap<String, u32>>,
+    ix: &'a Mutex<KvIndex>,
+    snap: &'a PoolSnapshot,
+}
+
+impl CachedBlocks for GatewayBlocks<'_> {
+    fn cached_blocks(&self, w: usize) -> Option<usize> {
+        let slot = *self.subs.lock().unwrap().get(&self.snap.worker(w).spec.url)?;
+        Some(self.ix.lock().unwrap().worker_blocks(slot))
+    }
+}
+
+/// A miss (nothing held) on an idle fleet, with `blocks` for the tie-break.
+fn decide_idle_miss(r: &Router, idle: &Loads, blocks: &dyn CachedBlocks, rng: &mut StdRng) -> usize {
+    let kv = KvMatch { prompt_tokens: 512, held: &[], key: 1, subscribed: &[], blocks };
+    let input = RouteInput { kv: Some(kv), loads: idle, prompt_tokens: 512, ..RouteInput::default() };
+    r.policy.select(&r.snap, &r.candidates, &input, rng).map_or(usize::MAX, |s| s.worker)
+}
+
 fn main() {
     let mut rng = StdRng::seed_from_u64(3);
     let f = fleet(&mut rng);
@@ -92,6 +120,26 @@ fn main() {
             .map(|i| {
                 let t = Instant::now();
                 black_box(decide(&r, &mut ix, &reqs[i % reqs.len()], &mut pick));
+                t.elapsed().as_nanos() as u64
+            })
+            .collect();
+        samples.sort_unstable();
+        let at = |q: f64| samples[((samples.len() as f64 * q) as usize).min(samples.len() - 1)];
+        println!("{name:<26} p50 {:>8} ns  p99 {:>8} ns  max {:>9} ns", at(0.5), at(0.99), at(1.0));
+    }
+
+    // The miss tie-break's worst case, with and without counts, interleaved.
+    let subs: Mutex<HashMap<String, u32>> = Mutex::new((0..WORKERS).map(|w| (r.snap.worker(w).spec.url.to_string(), w as u32)).collect());
+    let ix = Mutex::new(ix);
+    let idle = Loads(vec![0; WORKERS]);
+    let counted = GatewayBlocks { subs: &subs, ix: &ix, snap: &r.snap };
+    c.bench_function("idle fleet miss, 1000 workers: block counts (gateway path)", |b| b.iter(|| black_box(decide_idle_miss(&r, &idle, &counted, &mut pick))));
+    c.bench_function("idle fleet miss, 1000 workers: no counts (random least loaded)", |b| b.iter(|| black_box(decide_idle_miss(&r, &idle, &NoBlocks, &mut pick))));
+    for (name, blocks) in [("idle miss, counts", &counted as &dyn CachedBlocks), ("idle miss, no counts", &NoBlocks)] {
+        let mut samples: Vec<u64> = (0..20_000)
+            .map(|_| {
+                let t = Instant::now();
+                black_box(decide_idle_miss(&r, &idle, blocks, &mut pick));
                 t.elapsed().as_nanos() as u64
             })
             .collect();

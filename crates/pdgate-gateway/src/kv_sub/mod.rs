@@ -93,8 +93,39 @@ impl KvShared {
 /// The shared index and the subscriptions feeding it; dropping it ends them.
 pub struct KvView {
     shared: Arc<KvShared>,
-    subs: Mutex<HashMap<String, Sub>>,
+    subs: Mutex<Subs>,
     timings: SubTimings,
+}
+
+/// The subscriptions by worker URL, and each index slot's URL: a match maps its holders back to
+/// workers one lookup per holder, not one per subscription (a 1,000-worker fleet).
+#[derive(Default)]
+struct Subs {
+    by_url: HashMap<String, Sub>,
+    url_of_slot: Vec<Option<String>>,
+}
+
+impl Subs {
+    fn insert(&mut self, url: &str, sub: Sub) {
+        let i = sub.slot as usize;
+        if self.url_of_slot.len() <= i {
+            self.url_of_slot.resize(i + 1, None);
+        }
+        self.url_of_slot[i] = Some(url.to_string());
+        self.by_url.insert(url.to_string(), sub);
+    }
+
+    fn remove(&mut self, url: &str) -> Option<Sub> {
+        let sub = self.by_url.remove(url)?;
+        if let Some(u) = self.url_of_slot.get_mut(sub.slot as usize) {
+            *u = None;
+        }
+        Some(sub)
+    }
+
+    fn url_of(&self, slot: WorkerSlot) -> Option<&str> {
+        self.url_of_slot.get(slot as usize)?.as_deref()
+    }
 }
 
 impl KvView {
@@ -102,7 +133,7 @@ impl KvView {
     /// bounds the index (worker-block entries).
     pub fn new(seed: u64, max_blocks: usize, timings: SubTimings) -> KvView {
         let shared = Arc::new(KvShared { index: Mutex::new(KvIndex::new(seed, max_blocks)), metrics: SubMetrics::default(), grpc_live: Mutex::new(HashSet::new()) });
-        KvView { shared, subs: Mutex::new(HashMap::new()), timings }
+        KvView { shared, subs: Mutex::new(Subs::default()), timings }
     }
 
     pub fn metrics(&self) -> &SubMetrics {
@@ -130,7 +161,7 @@ impl KvView {
 
     fn start(&self, worker_url: &str, source: Source, spawn: impl FnOnce(WorkerSlot) -> JoinHandle<()>) {
         let mut subs = self.subs.lock().unwrap_or_else(|p| p.into_inner());
-        if subs.get(worker_url).is_some_and(|s| s.source == source) {
+        if subs.by_url.get(worker_url).is_some_and(|s| s.source == source) {
             return;
         }
         if let Some(old) = subs.remove(worker_url) {
@@ -138,7 +169,7 @@ impl KvView {
         }
         let slot = self.lock().add_worker();
         let task = spawn(slot);
-        subs.insert(worker_url.to_string(), Sub { slot, source, task });
+        subs.insert(worker_url, Sub { slot, source, task });
     }
 
     /// End a worker's subscription and drop its view.
@@ -164,7 +195,7 @@ impl KvView {
     /// Whether this worker publishes KV events to us (it registered an endpoint, or its gRPC
     /// stream is open).
     pub fn is_watched(&self, worker_url: &str) -> bool {
-        self.subs.lock().unwrap_or_else(|p| p.into_inner()).get(worker_url).is_some_and(|s| self.publishes(s))
+        self.subs.lock().unwrap_or_else(|p| p.into_inner()).by_url.get(worker_url).is_some_and(|s| self.publishes(s))
     }
 
     /// For each watched worker holding a prefix of `tokens`: its URL and how many leading
@@ -172,45 +203,41 @@ impl KvView {
     pub fn matches(&self, tokens: &[u32]) -> HashMap<String, usize> {
         let by_slot = self.lock().match_tokens(tokens);
         let subs = self.subs.lock().unwrap_or_else(|p| p.into_inner());
-        // sorted by slot: a search per worker, not a scan (a fleet-wide prefix answers 1,000)
-        subs.iter().filter_map(|(url, s)| by_slot.binary_search_by_key(&s.slot, |e| e.0).ok().map(|i| (url.clone(), by_slot[i].1))).collect()
+        by_slot.into_iter().filter_map(|(slot, n)| Some((subs.url_of(slot)?.to_string(), n))).collect()
     }
 
     /// Whether any worker publishes KV events to us.
     pub fn any_watched(&self) -> bool {
-        self.subs.lock().unwrap_or_else(|p| p.into_inner()).values().any(|s| self.publishes(s))
+        self.subs.lock().unwrap_or_else(|p| p.into_inner()).by_url.values().any(|s| self.publishes(s))
     }
 
     /// For each worker of `snap` holding a prefix of `tokens`: `(snapshot index, leading tokens
     /// it holds)`, ascending by index (what cache_aware reads as `RouteInput::kv`); and the gRPC
     /// workers whose stream is open, by snapshot index, ascending (`KvMatch::subscribed`).
     pub fn held_in(&self, snap: &PoolSnapshot, tokens: &[u32]) -> (Vec<(usize, usize)>, Vec<usize>) {
-        let mut by_slot = self.lock().match_tokens(tokens);
-        by_slot.sort_unstable_by_key(|e| e.0);
+        let by_slot = self.lock().match_tokens(tokens);
+        let live: Vec<WorkerSlot> = self.shared.grpc_live.lock().unwrap_or_else(|p| p.into_inner()).iter().copied().collect();
         let subs = self.subs.lock().unwrap_or_else(|p| p.into_inner());
-        let mut held = Vec::new();
-        let mut subscribed = Vec::new();
-        for (url, s) in subs.iter() {
-            let grpc_live = s.source == Source::Grpc && self.shared.grpc_live(s.slot);
-            if by_slot.is_empty() && !grpc_live {
-                continue;
-            }
-            let Some(index) = snap.index_of(url) else { continue };
-            if grpc_live {
-                subscribed.push(index);
-            }
-            if let Ok(i) = by_slot.binary_search_by_key(&s.slot, |e| e.0) {
-                held.push((index, by_slot[i].1));
-            }
-        }
+        // One URL lookup per holder and per open gRPC stream, not per subscription.
+        let index_of = |slot: WorkerSlot| snap.index_of(subs.url_of(slot)?);
+        let mut held: Vec<(usize, usize)> = by_slot.into_iter().filter_map(|(slot, n)| Some((index_of(slot)?, n))).collect();
+        let mut subscribed: Vec<usize> = live.into_iter().filter_map(index_of).collect();
         held.sort_unstable();
         subscribed.sort_unstable();
         (held, subscribed)
     }
 
+    /// Applies a batch to a watched worker's view as its subscription would; `None` when the
+    /// worker is not watched. For benches (tests in this crate reach the index directly).
+    #[doc(hidden)]
+    pub fn apply_to(&self, worker_url: &str, seq: u64, batch: &DecodedBatch) -> Option<SeqCheck> {
+        let slot = self.subs.lock().unwrap_or_else(|p| p.into_inner()).by_url.get(worker_url).map(|s| s.slot)?;
+        Some(self.shared.apply(slot, seq, batch))
+    }
+
     /// Blocks a worker's view holds; `None` when the worker is not watched.
     pub fn worker_blocks(&self, worker_url: &str) -> Option<usize> {
-        let slot = self.subs.lock().unwrap_or_else(|p| p.into_inner()).get(worker_url).map(|s| s.slot)?;
+        let slot = self.subs.lock().unwrap_or_else(|p| p.into_inner()).by_url.get(worker_url).map(|s| s.slot)?;
         Some(self.lock().worker_blocks(slot))
     }
 
@@ -232,7 +259,7 @@ impl KvView {
     /// no worker publishes events).
     pub fn metrics_text(&self) -> String {
         use std::fmt::Write;
-        let watched = self.subs.lock().unwrap_or_else(|p| p.into_inner()).values().filter(|s| self.publishes(s)).count();
+        let watched = self.subs.lock().unwrap_or_else(|p| p.into_inner()).by_url.values().filter(|s| self.publishes(s)).count();
         if watched == 0 {
             return String::new();
         }
@@ -274,7 +301,7 @@ impl KvView {
 
 impl Drop for KvView {
     fn drop(&mut self) {
-        for (_, sub) in self.subs.get_mut().unwrap_or_else(|p| p.into_inner()).drain() {
+        for (_, sub) in self.subs.get_mut().unwrap_or_else(|p| p.into_inner()).by_url.drain() {
             sub.task.abort();
         }
     }

@@ -25,7 +25,7 @@ async fn held_in_names_snapshot_indices_and_skips_workers_outside_the_snapshot()
     for url in ["http://w0:8000", "http://w1:8000", "http://gone:8000"] {
         view.watch(url, "tcp://127.0.0.1:9", None);
     }
-    let slot = |url: &str| view.subs.lock().unwrap()[url].slot;
+    let slot = |url: &str| view.subs.lock().unwrap().by_url[url].slot;
     // w1 holds two blocks of the prompt, w0 one, `gone` (not in the snapshot) two.
     view.shared.apply(slot("http://w1:8000"), 0, &stored(11, None, 0..4));
     view.shared.apply(slot("http://w1:8000"), 1, &stored(12, Some(11), 4..8));
@@ -47,7 +47,7 @@ async fn a_grpc_worker_counts_as_publishing_only_while_its_stream_is_open() {
     assert!(!view.is_watched("grpc://127.0.0.1:9") && !view.any_watched());
     let snap = snapshot(&["http://w0:8000", "grpc://127.0.0.1:9"]);
     assert_eq!(view.held_in(&snap, &[0, 1, 2, 3]), (vec![], vec![]));
-    let slot = view.subs.lock().unwrap()["grpc://127.0.0.1:9"].slot;
+    let slot = view.subs.lock().unwrap().by_url["grpc://127.0.0.1:9"].slot;
     view.shared.set_grpc_live(slot, true); // what the task does when the stream opens
     view.shared.apply(slot, 0, &stored(11, None, 0..4));
     assert!(view.is_watched("grpc://127.0.0.1:9") && view.any_watched());
@@ -89,4 +89,26 @@ fn grpc_batches_decode_to_the_index_s_events_with_signed_hashes_as_the_same_bits
         ]
     );
     assert_eq!((d.ts, d.data_parallel_rank), (1.5, Some(0)));
+}
+
+#[tokio::test]
+async fn a_reused_slot_maps_to_its_new_worker_and_a_removed_worker_to_none() {
+    let view = KvView::new(7, 1_000, SubTimings::default());
+    // Nothing listens on port 9: the subscriptions never connect, so nothing resets the views.
+    for url in ["http://a:1", "http://b:1"] {
+        view.watch(url, "tcp://127.0.0.1:9", None);
+    }
+    let slot = |url: &str| view.subs.lock().unwrap().by_url[url].slot;
+    let a_slot = slot("http://a:1");
+    view.unwatch("http://a:1");
+    view.watch("http://c:1", "tcp://127.0.0.1:9", None);
+    assert_eq!(slot("http://c:1"), a_slot, "the index reuses the freed slot");
+    view.shared.apply(a_slot, 0, &stored(11, None, 0..4));
+    view.shared.apply(slot("http://b:1"), 0, &stored(21, None, 0..4));
+    let snap = snapshot(&["http://a:1", "http://b:1", "http://c:1"]);
+    assert_eq!(view.held_in(&snap, &[0, 1, 2, 3]).0, vec![(1, 4), (2, 4)]);
+    let matched = view.matches(&[0, 1, 2, 3]);
+    assert_eq!((matched.get("http://a:1"), matched.get("http://c:1")), (None, Some(&4)));
+    view.unwatch("http://b:1");
+    assert_eq!(view.held_in(&snap, &[0, 1, 2, 3]).0, vec![(2, 4)]);
 }
