@@ -103,6 +103,8 @@ pub struct KvView {
 struct Subs {
     by_url: HashMap<String, Sub>,
     url_of_slot: Vec<Option<String>>,
+    /// How many are ZMQ publishers (always publishing, unlike a gRPC stream that may be shut).
+    zmq: usize,
 }
 
 impl Subs {
@@ -112,6 +114,7 @@ impl Subs {
             self.url_of_slot.resize(i + 1, None);
         }
         self.url_of_slot[i] = Some(url.to_string());
+        self.zmq += usize::from(sub.source != Source::Grpc);
         self.by_url.insert(url.to_string(), sub);
     }
 
@@ -120,6 +123,7 @@ impl Subs {
         if let Some(u) = self.url_of_slot.get_mut(sub.slot as usize) {
             *u = None;
         }
+        self.zmq -= usize::from(sub.source != Source::Grpc);
         Some(sub)
     }
 
@@ -206,9 +210,10 @@ impl KvView {
         by_slot.into_iter().filter_map(|(slot, n)| Some((subs.url_of(slot)?.to_string(), n))).collect()
     }
 
-    /// Whether any worker publishes KV events to us.
+    /// Whether any worker publishes KV events to us. Asked per request: O(1), not a scan of
+    /// the subscriptions (a fleet of gRPC workers whose streams are shut would scan them all).
     pub fn any_watched(&self) -> bool {
-        self.subs.lock().unwrap_or_else(|p| p.into_inner()).by_url.values().any(|s| self.publishes(s))
+        self.subs.lock().unwrap_or_else(|p| p.into_inner()).zmq > 0 || !self.shared.grpc_live.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
     }
 
     /// For each worker of `snap` holding a prefix of `tokens`: `(snapshot index, leading tokens
