@@ -92,6 +92,15 @@ fn a_miss_breaks_a_load_tie_by_the_held_prefix_then_by_the_emptiest_cache() {
         let p = pick(&snap, CacheSource::Events, &vec![500, 200, 200, 300], Some(kv), None, seed);
         assert_eq!((p.worker, p.branch, p.reason.as_str()), (1, "rebalance", "rebalance cache_miss=0.00 events blocks=12"), "seed {seed}");
     }
+    // One tied worker's count unknown (no events for it under auto): counts are not compared,
+    // a random least loaded worker as before; once that worker is busier, the emptiest again.
+    let partial = vec![30, 0, 40];
+    let kv = KvMatch { prompt_tokens: 100, held: &[], key: 7, subscribed: &[], blocks: &partial };
+    let picks: Vec<Pick> = (0..32).map(|seed| pick(&snap, CacheSource::Events, &vec![0; 4], Some(kv), None, seed)).collect();
+    assert!(picks.iter().all(|p| p.reason == "cache_miss=0.00 events"), "{}", picks[0].reason);
+    assert!(picks.iter().map(|p| p.worker).collect::<std::collections::BTreeSet<_>>().len() > 1);
+    let p = pick(&snap, CacheSource::Events, &vec![0, 0, 0, 1], Some(kv), None, 1);
+    assert_eq!((p.worker, p.reason.as_str()), (1, "cache_miss=0.00 events blocks=0"));
     // Counts unknown: the best holder as ranked for hits (by prompt, alike in every replica);
     // with no holder, a random least loaded worker, as without events.
     let held = [(0, 16), (2, 16)];

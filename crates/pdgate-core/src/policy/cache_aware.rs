@@ -114,10 +114,6 @@ impl CacheAwarePolicy {
     }
 }
 
-/// How a miss's tie-break ranks a worker, lower is better: known block counts before
-/// unknown ones, then fewer blocks.
-type Room = (bool, usize);
-
 impl CacheAwarePolicy {
     /// Where a miss goes when events are in play: the least loaded worker, as without them, but
     /// ties among the equally least loaded are broken by the cache instead of the scan's random
@@ -127,22 +123,26 @@ impl CacheAwarePolicy {
     /// one holding the fewest blocks: a new prefix goes to the emptiest cache rather than
     /// evicting another prefix's blocks (on an idle fleet, random picks pile prefixes onto one
     /// worker while others stay empty). Neither costs balance: only equal loads are reordered.
-    /// Returns the worker and what the reason adds.
+    /// When a tied worker's count is unknown (a worker without events under `auto`), counts
+    /// are not compared at all, so a mixed fleet is not tilted towards its publishers. Returns
+    /// the worker and what the reason adds.
     fn events_miss(&self, snap: &PoolSnapshot, candidates: &[usize], input: &RouteInput<'_>, scan: LoadScan, rng: &mut dyn RngCore) -> (usize, String) {
         let least = scan.min;
         let Some(kv) = input.kv else { return (scan.least, " events".to_string()) };
         let source = self.options.cache_source;
         let holder = best_held(source, snap, candidates, input, &|load| load <= least, rng);
         let longest = holder.map_or(0, |(_, m)| m);
-        let mut best: Option<(Room, usize)> = None;
+        // The fewest blocks among the tied workers; None once one's count is unknown.
+        let mut best: Option<(usize, usize)> = None;
+        let mut unknown = false;
         let mut consider = |w: usize| {
-            if input.loads.load(w) > least {
+            if unknown || input.loads.load(w) > least {
                 return;
             }
-            let blocks = kv.blocks.cached_blocks(w);
-            let room = (blocks.is_none(), blocks.unwrap_or(0));
-            if best.is_none_or(|(b, _)| room < b) {
-                best = Some((room, w));
+            match kv.blocks.cached_blocks(w) {
+                Some(blocks) if best.is_none_or(|(b, _)| blocks < b) => best = Some((blocks, w)),
+                Some(_) => {}
+                None => unknown = true,
             }
         };
         if longest > 0 {
@@ -155,9 +155,9 @@ impl CacheAwarePolicy {
         }
         // Without known counts: the holder best_held ranked (ties by prompt, alike in every
         // replica), else the scan's pick.
-        match (best, holder) {
-            (Some(((false, blocks), w)), _) if longest > 0 => (w, format!(" events held={longest} blocks={blocks}")),
-            (Some(((false, blocks), w)), _) => (w, format!(" events blocks={blocks}")),
+        match (best.filter(|_| !unknown), holder) {
+            (Some((blocks, w)), _) if longest > 0 => (w, format!(" events held={longest} blocks={blocks}")),
+            (Some((blocks, w)), _) => (w, format!(" events blocks={blocks}")),
             (_, Some((w, m))) => (w, format!(" events held={m}")),
             (_, None) => (scan.least, " events".to_string()),
         }
