@@ -236,14 +236,18 @@ impl KvView {
     /// worker is not watched. For benches (tests in this crate reach the index directly).
     #[doc(hidden)]
     pub fn apply_to(&self, worker_url: &str, seq: u64, batch: &DecodedBatch) -> Option<SeqCheck> {
-        let slot = self.subs.lock().unwrap_or_else(|p| p.into_inner()).by_url.get(worker_url).map(|s| s.slot)?;
-        Some(self.shared.apply(slot, seq, batch))
+        Some(self.shared.apply(self.slot_of(worker_url)?, seq, batch))
     }
 
     /// Blocks a worker's view holds; `None` when the worker is not watched.
     pub fn worker_blocks(&self, worker_url: &str) -> Option<usize> {
-        let slot = self.subs.lock().unwrap_or_else(|p| p.into_inner()).by_url.get(worker_url).map(|s| s.slot)?;
+        let slot = self.slot_of(worker_url)?;
         Some(self.lock().worker_blocks(slot))
+    }
+
+    /// The index slot of a watched worker (the subscriptions' lock is released on return).
+    fn slot_of(&self, worker_url: &str) -> Option<WorkerSlot> {
+        self.subs.lock().unwrap_or_else(|p| p.into_inner()).by_url.get(worker_url).map(|s| s.slot)
     }
 
     /// The index's counters and its size in bytes (estimate, O(workers) to compute), for

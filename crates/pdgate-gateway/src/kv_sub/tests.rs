@@ -111,4 +111,7 @@ async fn a_reused_slot_maps_to_its_new_worker_and_a_removed_worker_to_none() {
     assert_eq!((matched.get("http://a:1"), matched.get("http://c:1")), (None, Some(&4)));
     view.unwatch("http://b:1");
     assert_eq!(view.held_in(&snap, &[0, 1, 2, 3]).0, vec![(2, 4)]);
+    assert!(view.any_watched());
+    view.unwatch("http://c:1");
+    assert!(!view.any_watched(), "no publisher left");
 }
