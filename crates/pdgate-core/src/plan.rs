@@ -261,6 +261,10 @@ pub struct NixlDecode {
     pub recompute: Option<&'static str>,
     /// The pull fields the prefill left out.
     pub missing: Vec<&'static str>,
+    /// The prefill put `remote_prefill_cached_tokens` in its params (vLLM 0.32 and later): the
+    /// decode then reports that number, the prefill's own prefix-cache hits, as its
+    /// `cached_tokens`, not what arrived over NIXL, so its report says nothing of the transfer.
+    pub decode_reports_prefill_cache: bool,
 }
 
 /// The NIXL decode body: the client's body with the prefill's `kv_transfer_params` verbatim;
@@ -270,9 +274,10 @@ pub fn nixl_decode(req: &ParsedRequest, prefill_answer: &Value) -> NixlDecode {
         Some(params) => {
             let missing = kv_transfer::nixl_missing_fields(params);
             let recompute = (!missing.is_empty()).then_some("incomplete_params");
-            NixlDecode { body: kv_transfer::nixl_decode_body(&req.body, params.clone()), recompute, missing }
+            let decode_reports_prefill_cache = params.get("remote_prefill_cached_tokens").is_some();
+            NixlDecode { body: kv_transfer::nixl_decode_body(&req.body, params.clone()), recompute, missing, decode_reports_prefill_cache }
         }
-        None => NixlDecode { body: kv_transfer::nixl_decode_without_params(&req.body), recompute: Some("no_params"), missing: Vec::new() },
+        None => NixlDecode { body: kv_transfer::nixl_decode_without_params(&req.body), recompute: Some("no_params"), missing: Vec::new(), decode_reports_prefill_cache: false },
     }
 }
 

@@ -138,11 +138,18 @@ fn nixl_runs_a_one_token_prefill_first_then_the_original_decode() {
     // The decode gets the prefill's params verbatim, or none at all.
     let params = json!({"remote_block_ids": [1], "remote_engine_id": "e", "remote_request_id": "r", "remote_host": "h", "remote_port": 1});
     let d = nixl_decode(&r, &json!({"kv_transfer_params": params}));
-    assert_eq!((d.body["kv_transfer_params"].clone(), d.recompute, d.body["max_tokens"].clone()), (params, None, json!(9)));
+    assert_eq!((d.body["kv_transfer_params"].clone(), d.recompute, d.body["max_tokens"].clone()), (params.clone(), None, json!(9)));
     let d = nixl_decode(&r, &json!({"kv_transfer_params": {"remote_host": "h"}}));
     assert_eq!((d.recompute, d.missing.len()), (Some("incomplete_params"), 4));
     let d = nixl_decode(&r, &json!({"choices": []}));
     assert_eq!((d.recompute, d.body.contains_key("kv_transfer_params")), (Some("no_params"), false));
+    assert!(!d.decode_reports_prefill_cache);
+    // vLLM 0.32's prefill adds its own prefix-cache hits, which the decode reports as cached.
+    let mut with_hits = params.clone();
+    with_hits["remote_prefill_cached_tokens"] = json!(0);
+    let d = nixl_decode(&r, &json!({"kv_transfer_params": with_hits}));
+    assert!(d.decode_reports_prefill_cache && d.recompute.is_none());
+    assert!(!nixl_decode(&r, &json!({"kv_transfer_params": params})).decode_reports_prefill_cache);
 }
 
 #[test]

@@ -154,9 +154,10 @@ pub struct Finish {
     pub route: &'static str,
     pub protocol: &'static str,
     pub started: std::time::Instant,
-    /// The request was already counted as a silent recompute (e.g. the prefill returned no
-    /// `kv_transfer_params`): the decode's own report must not count it a second time.
-    pub recompute_counted: bool,
+    /// The decode's cached-token report is not read for a silent recompute: the request was
+    /// already counted as one (the prefill returned no `kv_transfer_params`), or the decode's
+    /// `cached_tokens` are the prefill's prefix-cache hits (vLLM's `remote_prefill_cached_tokens`).
+    pub skip_decode_report: bool,
     /// The status the client got.
     pub status: u16,
     /// The request's latency accounting, recorded once when the response ends.
@@ -178,7 +179,7 @@ impl Finish {
         }
         let m = &self.state.metrics;
         m.duration.with_label_values(&[self.route]).observe(self.started.elapsed().as_secs_f64());
-        if self.protocol != "regular" && !self.recompute_counted {
+        if self.protocol != "regular" && !self.skip_decode_report {
             if let Some(r) = cache.filter(recomputed) {
                 tracing::warn!(protocol = self.protocol, prompt = r.prompt_tokens, cached = r.cached_tokens, "decode recomputed the prompt: KV did not (fully) move");
                 m.silent_recompute.with_label_values(&[self.protocol, "decode_reported"]).inc();

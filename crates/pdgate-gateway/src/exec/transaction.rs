@@ -378,8 +378,10 @@ fn nixl_decode_body(ctx: &Ctx, prefill: &str, answer: &Bytes, finish: &mut Finis
     if let Some(reason) = decided.recompute {
         tracing::warn!(missing = ?decided.missing, prefill, reason, "prefill returned no complete kv_transfer_params; decode will recompute the prompt");
         ctx.state.metrics.silent_recompute.with_label_values(&["nixl", reason]).inc();
-        finish.recompute_counted = true;
+        finish.skip_decode_report = true;
     }
+    // vLLM relays the prefill's own cache hits to the decode's usage (docs/protocols.md, "NIXL").
+    finish.skip_decode_report |= decided.decode_reports_prefill_cache;
     to_bytes(&decided.body)
 }
 
@@ -413,7 +415,7 @@ fn accounting(ctx: &Ctx, plan: &PdPlan, prefill: Option<Arc<Runtime>>, relayed: 
         route: ctx.route,
         protocol: plan.mode.as_str(),
         started: ctx.started,
-        recompute_counted: false,
+        skip_decode_report: false,
         status: 200,
         account: Some(account),
         guards,
