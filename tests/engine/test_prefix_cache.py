@@ -153,3 +153,30 @@ def test_eviction_under_pressure_never_takes_pages_a_transfer_holds(small_nixl_p
     assert httpx.post(p.url + "/flush_cache", timeout=10).status_code == 200
     assert loads(p)["kv_pages"]["cached"] == 0 and cache_stats(p)["cached_pages"] == 0
     wait_until(lambda: loads(p)["kv_pages"]["free"] == loads(p)["kv_pages"]["total"], 5, "the flush")
+
+
+def _series(w: ReferenceWorker, name: str) -> float:
+    for line in httpx.get(w.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rpartition(" ")[2])
+    raise AssertionError(f"{name} not in {w.url}/metrics")
+
+
+def test_prefix_cache_lookups_are_exported_in_the_engines_names(pair_on_off):
+    """vLLM's `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits` (prompt tokens looked up /
+    found), SGLang's `sglang:cache_hit_rate`: what an operator reads to see what cache-aware
+    routing buys on the prefill side."""
+    on, _ = pair_on_off
+    vllm = ReferenceWorker(mode="null", extra_args=["--api-flavor", "vllm"])
+    with vllm:
+        prompt = ids(3 * PAGE + 5, seed=41)
+        before = (_series(vllm, "vllm:prefix_cache_queries_total"), _series(vllm, "vllm:prefix_cache_hits_total"))
+        first, second = generate(vllm, prompt), generate(vllm, prompt)
+        after = (_series(vllm, "vllm:prefix_cache_queries_total"), _series(vllm, "vllm:prefix_cache_hits_total"))
+        assert after[0] - before[0] == 2 * len(prompt)
+        assert after[1] - before[1] == second["meta_info"]["cached_tokens"] == 3 * PAGE
+        assert first["meta_info"]["cached_tokens"] == 0
+    prompt = ids(2 * PAGE + 3, seed=42)
+    generate(on, prompt)
+    generate(on, prompt)
+    assert 0 < _series(on, "sglang:cache_hit_rate") < 1

@@ -8,7 +8,9 @@ against it: SGLang's `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang
 and `vllm:cache_config_info{block_size,cache_dtype,num_gpu_blocks}` (value 1). KV transfers
 received go out as the engines' transfer histograms (count and sum; one `+Inf` bucket): vLLM's
 NIXL `vllm:nixl_xfer_time_seconds` and `vllm:nixl_bytes_transferred`, SGLang's
-`sglang:kv_transfer_latency_ms` and `sglang:kv_transfer_total_mb` (MiB).
+`sglang:kv_transfer_latency_ms` and `sglang:kv_transfer_total_mb` (MiB). The prefix cache's
+lookups go out as vLLM's counters `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits` (prompt
+tokens looked up / found cached) or SGLang's gauge `sglang:cache_hit_rate`.
 """
 
 from __future__ import annotations
@@ -84,6 +86,18 @@ def flavor_metrics(e, pool: dict):
         g.add_metric(values, value)
         yield g
     yield info
+    cache = e.pool.cache  # its own counts (also in /v1/loads' prefix_cache); none when it is off
+    queries, hits = (cache.query_tokens, cache.hit_tokens) if cache is not None else (0, 0)
+    if flavor == "vllm":
+        for name, help_, value in (("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", queries),
+                                   ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", hits)):
+            c = CounterMetricFamily(name, help_, labels=labels)
+            c.add_metric(values, value)
+            yield c
+    else:
+        g = GaugeMetricFamily("sglang:cache_hit_rate", "The prefix cache hit rate.", labels=labels)
+        g.add_metric(values, hits / queries if queries else 0.0)
+        yield g
     yield from transfer_histograms(e.ctx.stats, flavor == "vllm", labels, values)
 
 
