@@ -209,14 +209,14 @@ class GatewayOptions(TypedDict, total=False):
     """--vllm-pd-disaggregation: vLLM router's spelling of --pd-disaggregation: PD mode, with `nixl` as the KV connector unless --kv-connector says otherwise."""
     control_plane_api_keys: list[str] | tuple[str, ...]
     """--control-plane-api-keys: Admin keys in SMG's spelling, `ID:NAME:admin:KEY` (repeatable): each KEY opens the worker API like --admin-api-key. The `user` role (read-only) is not supported yet."""
-    slo_ttft_ms: float
-    """--slo-ttft-ms: Time-to-first-token objective in milliseconds (arrival at the gateway to the first content token relayed); a request may set its own with `x-slo-ttft-ms` (or llm-d's `x-llm-d-slo-ttft-ms`). Default: 1000.0."""
-    slo_tpot_ms: float
-    """--slo-tpot-ms: Time-per-output-token objective in milliseconds, (E2E - TTFT) / (output tokens - 1); per request: `x-slo-tpot-ms` (or `x-llm-d-slo-tpot-ms`). Default: 50.0."""
+    slo_ttft_ms: float | None
+    """--slo-ttft-ms: Time-to-first-token objective in milliseconds (arrival at the gateway to the first content token relayed); a request may set its own with `x-slo-ttft-ms` (or llm-d's `x-llm-d-slo-ttft-ms`). Setting it arms early rejection (--admission-slack); unset, requests are never refused for time and goodput is reported against 1000 ms, the reporting objective."""
+    slo_tpot_ms: float | None
+    """--slo-tpot-ms: Time-per-output-token objective in milliseconds, (E2E - TTFT) / (output tokens - 1); per request: `x-slo-tpot-ms` (or `x-llm-d-slo-tpot-ms`). Unset: goodput is reported against 50 ms, the reporting objective."""
     pd_placement: Literal["disaggregated", "colocated", "conditional"]
     """--pd-placement: Where PD-mode requests run: `disaggregated` (every request on a prefill/decode pair), `colocated` (on one worker of the regular pool, given with --worker-urls), or `conditional` (per request, by the cost model's predicted TTFT and the stall on running decodes). Default: "disaggregated"."""
     admission_slack: float
-    """--admission-slack: Early rejection: a PD-mode request whose predicted TTFT (time waited + prefill queue + prefill + transfer + decode wait) exceeds the TTFT objective times this is answered 429 `overloaded` at once. 0 turns early rejection off; otherwise at least 1. Default: 2.0."""
+    """--admission-slack: Early rejection: a PD-mode request whose predicted TTFT (time waited + prefill queue + prefill + transfer + decode wait) exceeds its TTFT objective times this is answered 429 `overloaded` at once. It acts only on an objective someone set (--slo-ttft-ms, or the request's `x-slo-ttft-ms`), never on the reporting default. 0 turns early rejection off; otherwise at least 1. Default: 2.0."""
     placement_prefill_base_ms: float
     """--placement-prefill-base-ms: Cost model prior: fixed cost of one prefill, ms (learned online from there). Default: 20.0."""
     placement_prefill_ms_per_token: float

@@ -161,3 +161,23 @@ def test_admission_queue_refusals_are_failed_requests_in_the_accounting(processe
     line = next(line for line in lines if line["status"] == 429)
     assert (line["client_request_id"], line["placement"], line["slo_result"], line["route"]) == ("refused-1", "rejected", "failed", "/v1/completions"), line
     assert _metric(gw.url, r'pdgate_slo_requests_total\{result="failed"\}') == 2, "the refusal and the held stream cut short"
+
+
+def test_a_fleet_slower_than_the_reporting_objective_is_served_unless_an_objective_is_set(processes: Processes, engines: Any) -> None:
+    # The cost model is pinned to believe every prefill takes 3 s: far past the reporting
+    # objective (1000 ms) times the default --admission-slack (2), as a slow real fleet is.
+    slow = ["--placement-prefill-base-ms", "3000"]
+    unset = _gateway(processes, engines, *slow, colocated=False)
+    answers = [_complete(unset.url, 50) for _ in range(4)]
+    assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
+    assert any("refusals: early rejection: only for requests that send x-slo-ttft-ms" in line for line in unset.output), "".join(unset.output)
+    # Only the request that brings its own objective can be refused, and it is told why.
+    own = _complete(unset.url, 50, headers={"x-slo-ttft-ms": "1000"})
+    assert own.status_code == 429, own.text
+    assert own.headers["x-pdgate-dropped-reason"] == "predicted_ttft_over_budget" and int(own.headers["retry-after"]) >= 3
+    assert _complete(unset.url, 50).status_code == 200
+    # The operator's objective arms it for every request, and the start-up log says so.
+    armed = _gateway(processes, engines, *slow, "--slo-ttft-ms", "1000", colocated=False)
+    assert any("refusals: early rejection: ARMED" in line and "1000 ms" in line for line in armed.output), "".join(armed.output)
+    r = _complete(armed.url, 50)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded", r.text

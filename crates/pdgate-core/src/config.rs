@@ -477,15 +477,18 @@ pub struct GatewayConfig {
     pub control_plane_api_keys: Vec<String>,
 
     /// Time-to-first-token objective in milliseconds (arrival at the gateway to the first
-    /// content token relayed); a request may set its own with `x-slo-ttft-ms`
-    /// (or llm-d's `x-llm-d-slo-ttft-ms`).
-    #[arg(long, default_value_t = 1000.0)]
-    pub slo_ttft_ms: f64,
+    /// content token relayed); a request may set its own with `x-slo-ttft-ms` (or llm-d's
+    /// `x-llm-d-slo-ttft-ms`). Setting it arms early rejection (--admission-slack); unset,
+    /// requests are never refused for time and goodput is reported against 1000 ms, the
+    /// reporting objective.
+    #[arg(long, value_name = "MS")]
+    pub slo_ttft_ms: Option<f64>,
 
     /// Time-per-output-token objective in milliseconds, (E2E - TTFT) / (output tokens - 1);
-    /// per request: `x-slo-tpot-ms` (or `x-llm-d-slo-tpot-ms`).
-    #[arg(long, default_value_t = 50.0)]
-    pub slo_tpot_ms: f64,
+    /// per request: `x-slo-tpot-ms` (or `x-llm-d-slo-tpot-ms`). Unset: goodput is reported
+    /// against 50 ms, the reporting objective.
+    #[arg(long, value_name = "MS")]
+    pub slo_tpot_ms: Option<f64>,
 
     // --- Placement (pdgate-core placement/, docs/placement.md) ---
     /// Where PD-mode requests run: `disaggregated` (every request on a prefill/decode pair),
@@ -496,8 +499,10 @@ pub struct GatewayConfig {
     pub pd_placement: PlacementMode,
 
     /// Early rejection: a PD-mode request whose predicted TTFT (time waited + prefill queue +
-    /// prefill + transfer + decode wait) exceeds the TTFT objective times this is answered 429
-    /// `overloaded` at once. 0 turns early rejection off; otherwise at least 1.
+    /// prefill + transfer + decode wait) exceeds its TTFT objective times this is answered 429
+    /// `overloaded` at once. It acts only on an objective someone set (--slo-ttft-ms, or the
+    /// request's `x-slo-ttft-ms`), never on the reporting default. 0 turns early rejection
+    /// off; otherwise at least 1.
     #[arg(long, default_value_t = 2.0)]
     pub admission_slack: f64,
 
@@ -775,7 +780,7 @@ impl GatewayConfig {
         if self.breaker_window_secs == 0 {
             return bad("--breaker-window-secs (--cb-window-duration-secs) must be at least 1".into());
         }
-        for (flag, v) in [("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-tpot-ms", self.slo_tpot_ms)] {
+        for (flag, v) in [("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-tpot-ms", self.slo_tpot_ms)].into_iter().filter_map(|(f, v)| Some((f, v?))) {
             if !(v.is_finite() && v > 0.0) {
                 return bad(format!("{flag} must be a positive number of milliseconds, not {v}"));
             }
@@ -886,9 +891,16 @@ impl GatewayConfig {
         Ok(())
     }
 
-    /// The objectives a request is judged by when it sends no header of its own.
+    /// The objectives a request is judged by when it sends no header of its own: the ones set,
+    /// else the reporting objectives (which goodput is counted against, and nothing is refused
+    /// for).
     pub fn slo_targets(&self) -> crate::slo::SloTargets {
-        crate::slo::SloTargets { ttft_ms: self.slo_ttft_ms, tpot_ms: self.slo_tpot_ms }
+        use crate::slo::{REPORTING_TPOT_MS, REPORTING_TTFT_MS};
+        crate::slo::SloTargets {
+            ttft_ms: self.slo_ttft_ms.unwrap_or(REPORTING_TTFT_MS),
+            tpot_ms: self.slo_tpot_ms.unwrap_or(REPORTING_TPOT_MS),
+            ttft_set: self.slo_ttft_ms.is_some(),
+        }
     }
 
     /// The request bounds, as the parser takes them.

@@ -309,6 +309,16 @@ impl GatewayError {
         }
     }
 
+    /// The gateway turned the request away before any worker served it (no worker, admission,
+    /// early rejection, shutdown): the answers that carry `x-pdgate-dropped-reason` and
+    /// `Retry-After`, so a client or a load balancer in front can tell "come back" from "broken".
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self.kind,
+            ErrorKind::NoWorkers | ErrorKind::NoCompatiblePair | ErrorKind::ShuttingDown | ErrorKind::Overloaded | ErrorKind::PredictedOverload | ErrorKind::QueueTimeout
+        )
+    }
+
     /// Short reason label for metrics (`retries_total{reason}`).
     pub fn reason(&self) -> &'static str {
         match &self.kind {

@@ -5,6 +5,7 @@
 //! IO: randomness and time come in as arguments, so everything here is unit-tested with a
 //! seeded rng.
 
+pub mod armed;
 pub mod breaker;
 pub mod config;
 mod config_json;

@@ -12,11 +12,32 @@ pub const TTFT_HEADERS: [&str; 2] = ["x-slo-ttft-ms", "x-llm-d-slo-ttft-ms"];
 /// `x-slo-tpot-ms`, then llm-d's spelling.
 pub const TPOT_HEADERS: [&str; 2] = ["x-slo-tpot-ms", "x-llm-d-slo-tpot-ms"];
 
+/// The TTFT objective goodput is reported against when nobody set one (`--slo-ttft-ms`
+/// unset, no header): a reporting objective only, never a reason to refuse a request.
+pub const REPORTING_TTFT_MS: f64 = 1000.0;
+/// The TPOT objective goodput is reported against when nobody set one.
+pub const REPORTING_TPOT_MS: f64 = 50.0;
+
 /// The objectives one request is judged by, in milliseconds.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SloTargets {
     pub ttft_ms: f64,
     pub tpot_ms: f64,
+    /// Someone chose `ttft_ms` (the operator's `--slo-ttft-ms` or this request's header), so
+    /// early rejection may act on it; false for [`REPORTING_TTFT_MS`], which only reports.
+    pub ttft_set: bool,
+}
+
+impl SloTargets {
+    /// Objectives that were chosen (tests, the simulator): early rejection may act on them.
+    pub const fn set(ttft_ms: f64, tpot_ms: f64) -> SloTargets {
+        SloTargets { ttft_ms, tpot_ms, ttft_set: true }
+    }
+
+    /// The reporting objectives, which nothing is refused for.
+    pub const fn reporting() -> SloTargets {
+        SloTargets { ttft_ms: REPORTING_TTFT_MS, tpot_ms: REPORTING_TPOT_MS, ttft_set: false }
+    }
 }
 
 /// A per-request objective header that is not a positive number of milliseconds.
@@ -36,7 +57,8 @@ impl SloTargets {
             parse_ms(raw)
                 .ok_or_else(|| BadSloHeader { header: name, message: format!("header '{name}' must be a positive number of milliseconds, not {:?}", String::from_utf8_lossy(raw)) })
         };
-        Ok(SloTargets { ttft_ms: pick(TTFT_HEADERS, self.ttft_ms)?, tpot_ms: pick(TPOT_HEADERS, self.tpot_ms)? })
+        let ttft_header = TTFT_HEADERS.iter().any(|n| header(n).is_some());
+        Ok(SloTargets { ttft_ms: pick(TTFT_HEADERS, self.ttft_ms)?, tpot_ms: pick(TPOT_HEADERS, self.tpot_ms)?, ttft_set: self.ttft_set || ttft_header })
     }
 }
 

@@ -3,7 +3,7 @@ use std::time::Duration;
 
 use super::*;
 
-const DEFAULTS: SloTargets = SloTargets { ttft_ms: 1000.0, tpot_ms: 50.0 };
+const DEFAULTS: SloTargets = SloTargets::reporting();
 
 fn ms(v: u64) -> Duration {
     Duration::from_millis(v)
@@ -74,11 +74,22 @@ fn parse(pairs: &[(&'static str, &'static str)]) -> Result<SloTargets, BadSloHea
 #[test]
 fn headers_override_the_defaults_in_either_spelling() {
     assert_eq!(parse(&[]), Ok(DEFAULTS));
-    assert_eq!(parse(&[("x-slo-ttft-ms", "250")]), Ok(SloTargets { ttft_ms: 250.0, tpot_ms: 50.0 }));
-    assert_eq!(parse(&[("x-llm-d-slo-ttft-ms", "300"), ("x-llm-d-slo-tpot-ms", "12.5")]), Ok(SloTargets { ttft_ms: 300.0, tpot_ms: 12.5 }));
+    assert_eq!(parse(&[("x-slo-ttft-ms", "250")]), Ok(SloTargets::set(250.0, 50.0)));
+    assert_eq!(parse(&[("x-llm-d-slo-ttft-ms", "300"), ("x-llm-d-slo-tpot-ms", "12.5")]), Ok(SloTargets::set(300.0, 12.5)));
     // pdgate's own spelling wins over llm-d's when both are sent.
-    assert_eq!(parse(&[("x-slo-tpot-ms", "20"), ("x-llm-d-slo-tpot-ms", "99")]), Ok(SloTargets { ttft_ms: 1000.0, tpot_ms: 20.0 }));
+    assert_eq!(parse(&[("x-slo-tpot-ms", "20"), ("x-llm-d-slo-tpot-ms", "99")]), Ok(SloTargets { ttft_ms: 1000.0, tpot_ms: 20.0, ttft_set: false }));
     assert_eq!(parse(&[("x-slo-ttft-ms", " 40 ")]).map(|t| t.ttft_ms), Ok(40.0));
+}
+
+#[test]
+fn only_a_chosen_ttft_objective_may_refuse() {
+    // The reporting objective is not chosen; a TTFT header chooses one for its request, a
+    // TPOT header alone does not (early rejection is judged on TTFT), and an operator's stays.
+    assert!(!parse(&[]).unwrap().ttft_set);
+    assert!(parse(&[("x-llm-d-slo-ttft-ms", "300")]).unwrap().ttft_set);
+    assert!(!parse(&[("x-slo-tpot-ms", "20")]).unwrap().ttft_set);
+    let operator = SloTargets::set(400.0, 30.0);
+    assert_eq!(operator.with_headers(|_| None), Ok(operator));
 }
 
 #[test]

@@ -152,7 +152,7 @@ pub async fn limit(State(state): State<Arc<AppState>>, req: Request, next: Next)
                 }
             };
             let route = req.uri().path().to_string();
-            let resp = error_response(&err);
+            let resp = crate::render::refusal_response(&err, why.as_str());
             crate::access_log::refused(&route, resp.status().as_u16(), err.code().as_str(), started);
             m.requests.with_label_values(&[crate::access_log::route_label(&route), resp.status().as_str()]).inc();
             // A refusal is a request that failed its objectives: counted and logged as one.

@@ -132,6 +132,9 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         }
     }
     announce_admin_api(&config, addr);
+    for line in pdgate_core::armed::armed_refusals(&config) {
+        tracing::info!("refusals: {line}");
+    }
     let limits = Limits::from_config(&config);
     let registry = Registry::new(Vec::new(), options, BreakerConfig::from_config(&config));
     let log_path = config.request_log.clone().unwrap_or_default();

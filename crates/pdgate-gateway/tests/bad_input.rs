@@ -40,6 +40,8 @@ async fn no_workers_is_a_clear_503() {
     let (_gw, url) = gateway(json!({"worker_urls": ["http://127.0.0.1:9"]})).await;
     let r = client().post(format!("{url}/v1/completions")).json(&json!({"prompt": "x"})).send().await.unwrap();
     assert_eq!(r.status(), 503);
+    assert_eq!(r.headers()["x-pdgate-dropped-reason"], "no_available_workers");
+    assert_eq!(r.headers()["retry-after"], "1");
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["code"], "no_available_workers");
 }

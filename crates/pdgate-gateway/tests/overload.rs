@@ -142,7 +142,10 @@ async fn shutdown_lets_streams_finish(extra: Value) {
         let ready = client().get(format!("{url}/readiness")).send().await.unwrap();
         assert_eq!(ready.status(), 503);
         assert_eq!(ready.json::<Value>().await.unwrap()["status"], "draining");
-        let (status, text) = post(url, &json!({"prompt": "x"})).await;
+        let refused = client().post(format!("{url}/v1/completions")).json(&json!({"prompt": "x"})).send().await.unwrap();
+        assert_eq!(refused.headers()["x-pdgate-dropped-reason"], "shutting_down");
+        assert_eq!(refused.headers()["retry-after"], "1");
+        let (status, text) = (refused.status().as_u16(), refused.text().await.unwrap());
         assert_eq!(status, 503, "{text}");
         assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["error"]["code"], "shutting_down");
         stop

@@ -82,6 +82,65 @@ async fn a_request_predicted_to_miss_its_ttft_is_refused_at_once() {
     assert!(!short.contains("placement="), "{short}");
 }
 
+/// A bootstrap pair behind a gateway whose cost model believes prefill costs 1 ms per token:
+/// a 10,000-token prompt is predicted at 10 s, far past the reporting objective (1000 ms) times
+/// the default --admission-slack (2).
+async fn slow_prefill_fleet(extra: Value) -> (pdgate_gateway::RunningGateway, String, [common::mocks::Mock; 2]) {
+    let rdv = Arc::new(Rendezvous::default());
+    let (p, d) = (spawn("prefill", rdv.clone(), Fault::None).await, spawn("decode", rdv, Fault::None).await);
+    let mut cfg = json!({"pd_disaggregation": true, "chars_per_token": 1.0, "placement_prefill_ms_per_token": 1.0,
+                         "prefill": [[p.url, 8998]], "decode": [d.url]});
+    cfg.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    let (gw, url) = gateway(cfg).await;
+    wait_ready(&url).await;
+    (gw, url, [p, d])
+}
+
+async fn long_prompt(url: &str, header: Option<(&str, &str)>) -> reqwest::Response {
+    let mut req = client().post(format!("{url}/v1/completions")).json(&json!({"prompt": prompt(10_000), "max_tokens": 16}));
+    if let Some((k, v)) = header {
+        req = req.header(k, v);
+    }
+    req.send().await.unwrap()
+}
+
+#[tokio::test]
+async fn with_no_objective_set_a_slow_fleet_serves_every_request() {
+    let (_gw, url, _workers) = slow_prefill_fleet(json!({})).await;
+    for _ in 0..3 {
+        let r = long_prompt(&url, None).await;
+        assert_eq!(r.status(), 200, "nobody set an objective, so nothing may be refused for time");
+    }
+    // A TPOT objective alone does not arm it either (early rejection is judged on TTFT).
+    assert_eq!(long_prompt(&url, Some(("x-slo-tpot-ms", "5"))).await.status(), 200);
+    let metrics = client().get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
+    let rejected: Vec<&str> = metrics.lines().filter(|l| l.contains(r#"placement="rejected""#) && !l.ends_with(" 0")).collect();
+    assert!(rejected.is_empty(), "{rejected:?}");
+}
+
+#[tokio::test]
+async fn an_operators_objective_rejects_early_as_before() {
+    let (_gw, url, _workers) = slow_prefill_fleet(json!({"slo_ttft_ms": 1000.0})).await;
+    let r = long_prompt(&url, None).await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["x-pdgate-dropped-reason"], "predicted_ttft_over_budget");
+    assert!(r.headers()["retry-after"].to_str().unwrap().parse::<u64>().unwrap() >= 10, "the predicted TTFT, in seconds");
+    let v: Value = r.json().await.unwrap();
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("1000 ms") && msg.contains("--admission-slack"), "the body names the objective and the knob: {msg}");
+}
+
+#[tokio::test]
+async fn a_requests_own_objective_can_refuse_that_request_only() {
+    let (_gw, url, _workers) = slow_prefill_fleet(json!({})).await;
+    for header in ["x-slo-ttft-ms", "x-llm-d-slo-ttft-ms"] {
+        let r = long_prompt(&url, Some((header, "1000"))).await;
+        assert_eq!(r.status(), 429, "{header}");
+        assert_eq!(r.headers()["x-pdgate-dropped-reason"], "predicted_ttft_over_budget");
+    }
+    assert_eq!(long_prompt(&url, None).await.status(), 200, "the next request, with no objective, is served");
+}
+
 async fn route_of(url: &str, tokens: usize) -> (u16, String) {
     route(url, &prompt(tokens)).await
 }
@@ -149,10 +208,15 @@ async fn a_full_admission_queue_sheds_its_lowest_priority_for_a_higher_one() {
     let low = tokio::spawn(post_with_priority(url.clone(), Some("-1")));
     wait_for_metric(&url, "pdgate_admission_waiting 1").await;
     // The line (one place) is full; equal or lower priority is refused, higher sheds the waiter.
-    assert_eq!(post_with_priority(url.clone(), Some("-1")).await.status(), 429);
+    // Each refusal names its cause and says when to come back.
+    let full = post_with_priority(url.clone(), Some("-1")).await;
+    assert_eq!(full.status(), 429);
+    assert_eq!((&full.headers()["x-pdgate-dropped-reason"], &full.headers()["retry-after"]), (&"queue_full".parse().unwrap(), &"1".parse().unwrap()));
     let high = tokio::spawn(post_with_priority(url.clone(), Some("7")));
     let low = low.await.unwrap();
     assert_eq!(low.status(), 429);
+    assert_eq!(low.headers()["x-pdgate-dropped-reason"], "shed");
+    assert!(low.headers().contains_key("retry-after"));
     let v: Value = low.json().await.unwrap();
     assert!(v["error"]["message"].as_str().unwrap().contains("x-pdgate-priority"), "{v}");
     assert_eq!(high.await.unwrap().status(), 200);

@@ -28,12 +28,10 @@ use prometheus::{GaugeVec, IntCounterVec, Opts, Registry};
 
 use super::Ctx;
 use crate::record::Record;
-use crate::render::error_response;
+use crate::render::{error_response, DROPPED_HEADER};
 
 /// Output tokens assumed for a request that does not bound them (no `max_tokens`).
 pub const DEFAULT_OUTPUT_TOKENS: u64 = 256;
-/// The header a rejected request carries, naming why.
-pub const DROPPED_HEADER: &str = "x-pdgate-dropped-reason";
 
 /// The placement settings and the cost model, shared by all requests.
 pub struct Placer {
@@ -203,7 +201,8 @@ pub fn input_for(m: &CostModel, snap: &PoolSnapshot, loads: &dyn LoadView, s: Si
         local,
         slo_ttft_ms: slo.ttft_ms,
         slo_tpot_ms: slo.tpot_ms,
-        slack,
+        // Early rejection acts only on an objective someone chose, never the reporting one.
+        slack: if slo.ttft_set { slack } else { 0.0 },
     }
 }
 
@@ -284,22 +283,25 @@ pub async fn place_request(ctx: &Ctx, record: &mut Record) -> Result<Option<Plac
         }
         if d.placement == Placement::Reject {
             record.placed_as = Placement::Reject.as_str();
-            return Err(rejection(d));
+            return Err(rejection(d, &ctx.slo));
         }
     }
     let placed = decision.map(|d| d.placement);
     if ctx.state.config.pd_disaggregation && placed != Some(Placement::Colocated) {
-        super::kv_room::admit(ctx).await.map_err(|err| (error_response(&err), err))?;
+        super::kv_room::admit(ctx).await.map_err(|err| (crate::render::refusal_response(&err, "no_kv_room"), err))?;
     }
     Ok(placed)
 }
 
 /// The early rejection's answer: 429 `overloaded`, `Retry-After` (the predicted TTFT in
 /// whole seconds, at least 1) and the reason header; and its error, for the accounting.
-pub fn rejection(d: &Decision) -> (Response, GatewayError) {
+pub fn rejection(d: &Decision, slo: &SloTargets) -> (Response, GatewayError) {
     let best = [d.predicted.remote_ttft_ms, d.predicted.local_ttft_ms].into_iter().flatten().fold(f64::INFINITY, f64::min);
     let msg = if best.is_finite() {
-        format!("overloaded: predicted time to first token {best:.0} ms exceeds the TTFT objective times --admission-slack")
+        format!(
+            "overloaded: predicted time to first token {best:.0} ms exceeds the TTFT objective ({:.0} ms, from --slo-ttft-ms or x-slo-ttft-ms) times --admission-slack",
+            slo.ttft_ms
+        )
     } else {
         "overloaded: no path is predicted to meet the TTFT objective".to_string()
     };
@@ -377,7 +379,7 @@ mod tests {
         PoolSnapshot::build(views, KvConnector::Bootstrap)
     }
 
-    const SLO: SloTargets = SloTargets { ttft_ms: 600.0, tpot_ms: 50.0 };
+    const SLO: SloTargets = SloTargets::set(600.0, 50.0);
     const SIZES: Sizes = Sizes { prompt_tokens: 6000, output_tokens: 200, waited_ms: 0.0 };
 
     #[test]
@@ -394,6 +396,24 @@ mod tests {
         assert_eq!(input.local.map(|l| l.cached_tokens), Some(5900), "c1's prefix outweighs its queue");
         let d = decide(&m, PlacementMode::Conditional, &input);
         assert_eq!((d.placement, d.reason), (Placement::Colocated, "cached_prefix_local"), "{d:?}");
+    }
+
+    #[test]
+    fn the_reporting_objective_never_rejects() {
+        let m = CostModel::new(CostPriors::default());
+        let snap = pool();
+        // A prefill queue far past any budget: rejected against a chosen 600 ms objective,
+        // served against the reporting one (nobody set an objective).
+        let view = View(vec![(2_000_000, 0), (0, 0), (0, 0), (0, 0)]);
+        let none = |_: usize| 0;
+        let chosen = input_for(&m, &snap, &view, SIZES, SLO, 2.0, Paths::for_mode(PlacementMode::Disaggregated), &none);
+        assert_eq!(decide(&m, PlacementMode::Disaggregated, &chosen).placement, Placement::Reject);
+        let reporting = SloTargets::reporting();
+        for mode in [PlacementMode::Disaggregated, PlacementMode::Conditional] {
+            let input = input_for(&m, &snap, &view, SIZES, reporting, 2.0, Paths::for_mode(mode), &none);
+            assert_eq!(input.slack, 0.0);
+            assert_ne!(decide(&m, mode, &input).placement, Placement::Reject, "{mode:?}");
+        }
     }
 
     #[test]
