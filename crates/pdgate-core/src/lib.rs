@@ -30,7 +30,7 @@ pub mod worker;
 pub use breaker::{Breaker, BreakerConfig, BreakerState, Judgement, Outcome};
 pub use config::{CacheSource, ConfigError, GatewayConfig, PolicyName};
 pub use error::{ErrorKind, GatewayError, Leg, Source};
-pub use health::HealthState;
+pub use health::{HealthState, Probe};
 pub use pairing::{KvLayout, PairingKey, PairingMode};
 pub use policy::{make_policy, make_policy_with, CachedBlocks, KvMatch, LoadView, NoBlocks, Policy, PolicyOptions, RouteInput, Selection};
 pub use radix::RadixTree;

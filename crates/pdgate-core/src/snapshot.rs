@@ -31,17 +31,26 @@ pub struct WorkerView {
     pub models: Vec<String>,
     /// The engine's context length (`max_model_len`, `context_length`), when it reports one.
     pub context_length: Option<u64>,
+    /// Unhealthy only because its active checks went unanswered (`HealthState::silent`):
+    /// panic routing may still send it requests.
+    pub silent: bool,
 }
 
 impl WorkerView {
     /// A healthy-or-not, enabled, not draining worker with a closed breaker.
     pub fn new(spec: Arc<WorkerSpec>, healthy: bool) -> Self {
-        WorkerView { spec, healthy, enabled: true, draining: false, breaker: BreakerState::Closed, models: Vec::new(), context_length: None }
+        WorkerView { spec, healthy, enabled: true, draining: false, breaker: BreakerState::Closed, models: Vec::new(), context_length: None, silent: false }
     }
 
     /// Healthy, enabled, not draining, and the breaker lets requests through.
     pub fn eligible(&self) -> bool {
         self.healthy && self.enabled && !self.draining && self.breaker.allows()
+    }
+
+    /// Eligible but for health checks that went unanswered: what panic routing uses when a
+    /// role has no eligible worker (the breaker, a drain and the admin switch still count).
+    pub fn panic_eligible(&self) -> bool {
+        !self.healthy && self.silent && self.enabled && !self.draining && self.breaker.allows()
     }
 }
 
@@ -75,8 +84,11 @@ fn role_slot(role: WorkerRole) -> usize {
 pub struct PoolSnapshot {
     workers: Vec<WorkerView>,
     options: SnapshotOptions,
-    /// Indices of eligible workers per role, ascending.
+    /// Indices of eligible workers per role, ascending (the silent ones under panic routing).
     eligible: [Vec<usize>; 3],
+    /// Per role: no worker was eligible, so the silent ones are routed to (Envoy's panic
+    /// threshold, at zero healthy): busy engines that do not answer health are not refused.
+    panic: [bool; 3],
     by_url: HashMap<String, usize>,
     keys: Vec<PairingKey>,
     pairing: PairingIndex,
@@ -99,10 +111,16 @@ impl PoolSnapshot {
     /// are reused when the workers of a role did not change (a health flip, a drain).
     pub fn build_with(workers: Vec<WorkerView>, options: SnapshotOptions, previous: Option<&PoolSnapshot>) -> Self {
         let mut snap = PoolSnapshot { workers, options, ..Default::default() };
+        for role in ROLES {
+            let slot = role_slot(role);
+            let of_role = |w: &WorkerView| w.spec.role == role;
+            snap.panic[slot] = !snap.workers.iter().any(|w| of_role(w) && w.eligible()) && snap.workers.iter().any(|w| of_role(w) && w.panic_eligible());
+        }
         for (i, w) in snap.workers.iter().enumerate() {
             snap.by_url.insert(w.spec.url.clone(), i);
             snap.keys.push(PairingKey::of(&w.spec, options.default_connector));
-            if w.eligible() {
+            let routed = if snap.panic[role_slot(w.spec.role)] { w.panic_eligible() } else { w.eligible() };
+            if routed {
                 snap.eligible[role_slot(w.spec.role)].push(i);
                 let len = w.context_length;
                 snap.context_any = min_known(snap.context_any, len);
@@ -162,6 +180,20 @@ impl PoolSnapshot {
         &self.keys[index]
     }
 
+    /// Whether `role` is under panic routing: none of its workers is eligible, and its silent
+    /// ones (`WorkerView::panic_eligible`) take its requests.
+    pub fn in_panic(&self, role: WorkerRole) -> bool {
+        self.panic[role_slot(role)]
+    }
+
+    /// URLs of `role`'s workers routed to under panic (empty when the role is not in panic).
+    pub fn panic_workers(&self, role: WorkerRole) -> Vec<&str> {
+        if !self.in_panic(role) {
+            return Vec::new();
+        }
+        self.eligible(role).iter().map(|&i| self.workers[i].spec.url.as_str()).collect()
+    }
+
     /// Eligible workers of `role`, ascending.
     pub fn eligible(&self, role: WorkerRole) -> &[usize] {
         &self.eligible[role_slot(role)]
@@ -206,7 +238,8 @@ impl PoolSnapshot {
 
     /// Models served by eligible workers, sorted and deduplicated.
     pub fn models(&self) -> Vec<String> {
-        let mut out: Vec<String> = self.workers.iter().filter(|w| w.eligible()).flat_map(|w| w.models.iter().cloned()).collect();
+        let routed = self.eligible.iter().flatten().map(|&i| &self.workers[i]);
+        let mut out: Vec<String> = routed.flat_map(|w| w.models.iter().cloned()).collect();
         out.sort();
         out.dedup();
         out
@@ -240,5 +273,33 @@ mod tests {
         assert_eq!(snap.context_limit(Some("unknown")), Some(2048), "no worker lists it: any eligible worker");
         assert_eq!(snap.context_limit(None), Some(2048));
         assert_eq!(PoolSnapshot::default().context_limit(None), None);
+    }
+
+    fn decode(url: &str, healthy: bool, silent: bool) -> WorkerView {
+        let spec = Arc::new(WorkerSpec::new(url, WorkerRole::Decode).unwrap());
+        WorkerView { silent, ..WorkerView::new(spec, healthy) }
+    }
+
+    #[test]
+    fn a_role_whose_workers_are_only_silent_is_routed_in_panic() {
+        let build = |views| PoolSnapshot::build(views, KvConnector::Bootstrap);
+        // One healthy decode: no panic, the silent one is not routed to.
+        let snap = build(vec![decode("http://a:1", true, false), decode("http://b:1", false, true)]);
+        assert_eq!((snap.in_panic(WorkerRole::Decode), snap.eligible(WorkerRole::Decode)), (false, &[0][..]));
+        // None healthy: the silent ones take the role's requests; a worker known down does not.
+        let snap = build(vec![decode("http://a:1", false, false), decode("http://b:1", false, true), decode("http://c:1", false, true)]);
+        assert!(snap.in_panic(WorkerRole::Decode));
+        assert_eq!(snap.eligible(WorkerRole::Decode), &[1, 2]);
+        assert_eq!(snap.panic_workers(WorkerRole::Decode), ["http://b:1", "http://c:1"]);
+        assert!(!snap.in_panic(WorkerRole::Prefill) && snap.panic_workers(WorkerRole::Prefill).is_empty());
+        // The breaker, a drain and the admin switch still take a silent worker out.
+        let mut open = decode("http://b:1", false, true);
+        open.breaker = BreakerState::Open;
+        let mut draining = decode("http://c:1", false, true);
+        draining.draining = true;
+        let mut disabled = decode("http://d:1", false, true);
+        disabled.enabled = false;
+        let snap = build(vec![open, draining, disabled, decode("http://e:1", false, false)]);
+        assert!(!snap.in_panic(WorkerRole::Decode) && snap.eligible(WorkerRole::Decode).is_empty());
     }
 }

@@ -27,6 +27,12 @@ pub struct Metrics {
     pub leg_errors: IntCounterVec,
     pub inflight: IntGaugeVec,
     pub worker_healthy: IntGaugeVec,
+    /// 1 while a role is under panic routing (all its workers out by unanswered checks alone).
+    pub health_panic: IntGaugeVec,
+    /// Times a role entered panic routing.
+    pub health_panic_total: IntCounterVec,
+    /// Unanswered health checks not counted because the worker was serving requests.
+    pub health_unanswered_serving: IntCounterVec,
     pub worker_load: IntGaugeVec,
     /// What token-aware routing sees per worker, set at each scrape (`refresh_token_load`).
     pub worker_queued: IntGaugeVec,
@@ -163,6 +169,14 @@ impl Metrics {
             leg_errors: counter(&r, "pdgate_worker_errors_total", "Failed worker legs by leg and error code", &["leg", "code"]),
             inflight: gauge(&r, "pdgate_worker_inflight", "Requests in flight per worker", &["worker", "role"]),
             worker_healthy: gauge(&r, "pdgate_worker_healthy", "1 when the worker passes health checks", &["worker", "role"]),
+            health_panic: gauge(&r, "pdgate_health_panic", "1 while every worker of the role is out by unanswered health checks alone and is routed to anyway (panic routing)", &["role"]),
+            health_panic_total: counter(&r, "pdgate_health_panic_total", "Times a role entered panic routing (docs/fleet.md)", &["role"]),
+            health_unanswered_serving: counter(
+                &r,
+                "pdgate_health_unanswered_while_serving_total",
+                "Unanswered health checks not counted against a worker that served a request within the last interval",
+                &["role"],
+            ),
             decisions: counter(&r, "pdgate_policy_decisions_total", "Routing decisions by pool and outcome (cache_hit, cache_miss, rebalance, ...)", &["pool", "outcome"]),
             pairing_refusals: counter(&r, "pdgate_pairing_refusals_total", "Requests refused for want of a compatible prefill/decode pair", &["mode"]),
             breaker_state: gauge(&r, "pdgate_worker_breaker_state", "Circuit breaker: 0 closed, 1 open, 2 half-open", &["worker"]),
@@ -249,6 +263,12 @@ impl Metrics {
             self.retries.with_label_values(&[reason]);
         }
         let legs: &[Leg] = if config.pd_disaggregation { &[Leg::Prefill, Leg::Decode] } else { &[Leg::Regular] };
+        let roles: &[&str] = if config.pd_disaggregation { &["prefill", "decode", "regular"] } else { &["regular"] };
+        for role in roles {
+            self.health_panic.with_label_values(&[role]).set(0);
+            self.health_panic_total.with_label_values(&[role]);
+            self.health_unanswered_serving.with_label_values(&[role]);
+        }
         for leg in legs {
             for code in worker_error_codes(*leg) {
                 self.leg_errors.with_label_values(&[leg.as_str(), &code]);

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use pdgate_core::breaker::{Breaker, BreakerConfig, BreakerState, Judgement, Outcome};
-use pdgate_core::{HealthState, KvConnector, KvLayout, PairingKey, PairingMode, PoolSnapshot, SnapshotOptions, WorkerRole, WorkerSpec, WorkerView};
+use pdgate_core::{HealthState, KvConnector, KvLayout, PairingKey, PairingMode, PoolSnapshot, Probe, SnapshotOptions, WorkerRole, WorkerSpec, WorkerView};
 
 /// Where a worker came from. Discovery only ever removes what discovery added.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -63,6 +63,11 @@ pub struct Runtime {
     /// counts its tokens from them, so the engine need not be asked for the usage event
     /// (`exec/accounting.rs`, [`UsageAsk`](crate::exec::accounting::UsageAsk)).
     pub token_ids: std::sync::atomic::AtomicU8,
+    /// When a data-path request to the worker last succeeded (an answer, or a stream's tokens
+    /// flowing), as milliseconds since the registry started, plus one (0: never). The passive
+    /// health signal: an unanswered health check does not count against a worker serving
+    /// requests (health.rs).
+    pub served_at_ms: AtomicU64,
 }
 
 impl Runtime {
@@ -74,6 +79,19 @@ impl Runtime {
     /// What a stream of this engine showed: its prompt's token ids came, or not.
     pub fn learn_token_ids(&self, gave: bool) {
         self.token_ids.store(if gave { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// A data-path request to the worker succeeded at `now_ms` (registry milliseconds).
+    pub fn note_served(&self, now_ms: u64) {
+        self.served_at_ms.store(now_ms.saturating_add(1), Ordering::Relaxed);
+    }
+
+    /// Whether a data-path request succeeded within `window_ms` before `now_ms`.
+    pub fn served_within(&self, now_ms: u64, window_ms: u64) -> bool {
+        match self.served_at_ms.load(Ordering::Relaxed) {
+            0 => false,
+            at => now_ms.saturating_sub(at - 1) <= window_ms,
+        }
     }
 
     pub fn note_error(&self, reason: String) {
@@ -231,6 +249,7 @@ impl Registry {
             .map(|e| WorkerView {
                 spec: e.spec.clone(),
                 healthy: e.health.healthy,
+                silent: e.health.silent(),
                 enabled: e.enabled,
                 draining: e.draining,
                 breaker: {
@@ -322,10 +341,15 @@ impl Registry {
     }
 
     /// Records a health check result; returns the new health when it changed.
-    pub fn observe_health(&self, id: &str, ok: bool, failure_threshold: u32, success_threshold: u32) -> Option<bool> {
+    pub fn observe_health(&self, id: &str, probe: Probe, failure_threshold: u32, success_threshold: u32) -> Option<bool> {
         let mut entries = self.lock();
         let entry = entries.iter_mut().find(|e| e.id == id)?;
-        if !entry.health.observe(ok, failure_threshold, success_threshold) {
+        let was_silent = entry.health.silent();
+        if !entry.health.observe_probe(probe, failure_threshold, success_threshold) {
+            // Still unhealthy, but an answered failure ends its silence: out of panic routing.
+            if was_silent != entry.health.silent() {
+                self.rebuild(&entries);
+            }
             return None;
         }
         let healthy = entry.health.healthy;
@@ -495,7 +519,7 @@ mod tests {
         let reg = Registry::new(vec![spec("http://a:1", WorkerRole::Regular)], opts(), BreakerConfig::default());
         assert!(matches!(reg.add(spec("http://a:1", WorkerRole::Regular), Source::Api), Err(RegistryError::Duplicate(_))));
         let e = reg.get("http://a:1").unwrap();
-        reg.observe_health(&e.id, true, 1, 1);
+        reg.observe_health(&e.id, Probe::Ok, 1, 1);
         assert_eq!(reg.routing().snapshot.eligible(WorkerRole::Regular).len(), 1);
         e.runtime.inflight.fetch_add(1, Ordering::SeqCst);
         reg.start_drain(&e.id).unwrap();
@@ -534,7 +558,7 @@ mod tests {
         let (clock, now) = fake_clock();
         let reg = Registry::with_clock(vec![spec("http://a:1", WorkerRole::Regular)], opts(), breaker_cfg(), clock);
         let e = reg.get("http://a:1").unwrap();
-        reg.observe_health(&e.id, true, 1, 1);
+        reg.observe_health(&e.id, Probe::Ok, 1, 1);
         assert_eq!(reg.record_outcome("http://a:1", Outcome::Failure), None);
         assert_eq!(reg.record_outcome("http://a:1", Outcome::Neutral), None, "429s count as neither");
         assert_eq!(reg.record_outcome("http://a:1", Outcome::Failure), Some(BreakerState::Open));
@@ -551,7 +575,7 @@ mod tests {
         let urls = ["http://a:1", "http://b:1"];
         let reg = Registry::with_clock(urls.iter().map(|u| spec(u, WorkerRole::Regular)).collect(), opts(), breaker_cfg(), clock);
         for e in reg.list() {
-            reg.observe_health(&e.id, true, 1, 1);
+            reg.observe_health(&e.id, Probe::Ok, 1, 1);
         }
         reg.record_outcome(urls[0], Outcome::Failure);
         reg.record_outcome(urls[0], Outcome::Failure);
@@ -588,7 +612,7 @@ mod tests {
         let reg = Registry::new(vec![spec("http://p:1", WorkerRole::Prefill), spec("http://d:1", WorkerRole::Decode)], opts(), BreakerConfig::default());
         assert!(!reg.routing().snapshot.pd_ready());
         for e in reg.list() {
-            assert_eq!(reg.observe_health(&e.id, true, 3, 2), Some(true));
+            assert_eq!(reg.observe_health(&e.id, Probe::Ok, 3, 2), Some(true));
         }
         assert!(reg.routing().snapshot.pd_ready());
     }

@@ -74,6 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "connection (the process lives on) once it has sent a stream chunk holding "
                         "a sequence's N-th output token, or (whole answers) once a sequence has "
                         "generated N tokens; the sequence is aborted; 0: off")
+    p.add_argument("--fault-slow-health", type=float, default=0.0, metavar="SECONDS",
+                   help="fault injection for tests: a busy engine's health. Once the engine has taken "
+                        "a generation request, every GET /health answers only after SECONDS, while "
+                        "generations answer as usual; 0: off")
     p.add_argument("--api-flavor", choices=["sglang", "vllm"], default=None,
                    help="which engine's names /metrics exports its load under (sglang:* or vllm:*); "
                         "default: vllm with --kv-transfer-config, else sglang")

@@ -69,8 +69,15 @@ async def _errors(request: web.Request, handler):
 
 
 async def health(request: web.Request) -> web.Response:
-    if not request.app["engine"].ready:
+    e: Engine = request.app["engine"]
+    if not e.ready:
         return web.json_response(error_body("starting", "server_error", 503), status=503)
+    # --fault-slow-health: once the engine has taken a generation request, its checks stall as a
+    # busy real engine's do (before, they answer, so a gateway counts it up); generations are not
+    # slowed.
+    slow = getattr(e.args, "fault_slow_health", 0.0)
+    if slow > 0 and e.counters["requests"] > 0:
+        await asyncio.sleep(slow)
     return web.Response(text="")
 
 

@@ -228,12 +228,32 @@ pub struct StreamRelay {
     held: Vec<Finish>,
     /// Why the stream ended early, for the accounting.
     error: Option<String>,
+    /// Chunks since the worker was last noted serving (the passive health signal).
+    since_noted: u32,
 }
+
+/// A flowing stream tells health its worker is serving every this many chunks: a long stream
+/// keeps a busy worker's unanswered checks from counting, at one lookup per this many chunks.
+const NOTE_SERVED_EVERY: u32 = 32;
 
 impl StreamRelay {
     pub fn new(first: Bytes, events: LegEvents, deadline: Instant, prefill: Option<PrefillLeg>, rewriter: Option<Rewriter>, finish: Finish, relayed: Relayed) -> Self {
         let expiry = Box::pin(tokio::time::sleep_until(deadline));
-        StreamRelay { first: Some(first), events, deadline, expiry, prefill, rewriter, finish: Some(finish), relayed, done: false, resumer: None, held: Vec::new(), error: None }
+        StreamRelay {
+            first: Some(first),
+            events,
+            deadline,
+            expiry,
+            prefill,
+            rewriter,
+            finish: Some(finish),
+            relayed,
+            done: false,
+            resumer: None,
+            held: Vec::new(),
+            error: None,
+            since_noted: 0,
+        }
     }
 
     pub fn with_resumer(mut self, resumer: Option<Resumer>) -> Self {
@@ -486,6 +506,10 @@ impl StreamRelay {
         while !self.done {
             // The first chunk of the stream, or of a continuation (already read: the commit point).
             if let Some(first) = self.first.take() {
+                // The worker answered: it is serving (the passive health signal).
+                if let Some(f) = &self.finish {
+                    f.state.note_served(&self.relayed.worker);
+                }
                 let out = self.process(first);
                 self.learn_ids();
                 if !out.is_empty() {
@@ -544,6 +568,13 @@ impl StreamRelay {
                 Ok(Some(LegEvent::Chunk(data))) => {
                     if let Err(e) = self.check(&data) {
                         return self.fail(&e);
+                    }
+                    self.since_noted += 1;
+                    if self.since_noted >= NOTE_SERVED_EVERY {
+                        self.since_noted = 0;
+                        if let Some(f) = &self.finish {
+                            f.state.note_served(&self.relayed.worker);
+                        }
                     }
                     let out = self.process(data);
                     if !out.is_empty() {

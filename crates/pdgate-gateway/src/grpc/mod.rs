@@ -135,17 +135,19 @@ impl GrpcClient {
     }
 
     /// Health: the service's `HealthCheck`, within `limit`.
-    pub async fn health(&self, url: &str, limit: Duration) -> Result<(), String> {
+    /// The worker's HealthCheck within `limit`; `Err((reason, unanswered))`, `unanswered` when
+    /// no answer came in time (a busy worker, not a refusal: health.rs).
+    pub async fn health(&self, url: &str, limit: Duration) -> Result<(), (String, bool)> {
         let check = async {
-            let wire = self.wire(url, Leg::Regular).await.map_err(|e| e.message)?;
-            let out = wire.health().await;
+            let wire = self.wire(url, Leg::Regular).await.map_err(|e| (e.message, false))?;
+            let out = wire.health().await.map_err(|e| (e, false));
             if out.is_err() {
                 // A worker that restarted may serve another service: detect it again next time.
                 self.forget(url);
             }
             out
         };
-        tokio::time::timeout(limit, check).await.unwrap_or_else(|_| Err(format!("gRPC HealthCheck: no answer within {} s", limit.as_secs())))
+        tokio::time::timeout(limit, check).await.unwrap_or_else(|_| Err((format!("gRPC HealthCheck: no answer within {} s", limit.as_secs()), true)))
     }
 
     /// Models, mode, runtime, KV layout and context length, from `GetModelInfo`/`GetServerInfo`.

@@ -60,6 +60,9 @@ pub enum Fault {
     /// Streams normally, `data: [DONE]` included, then keeps the body open this many
     /// milliseconds before ending it (counted in [`HELD_BODIES_ENDED`] when it does).
     HoldAfterDone(u64),
+    /// A busy engine: `/health` never answers, generations answer normally (vLLM's API server
+    /// answers health from the process that is decoding).
+    StallHealth,
     /// Keeps producing, never finishing: a token event (stream) or a byte of JSON whitespace
     /// (non-stream, after the head and `{"choices":[`) every this many milliseconds.
     Trickle(u64),
@@ -216,7 +219,7 @@ async fn health(State(s): State<MockState>) -> (StatusCode, &'static str) {
     s.log.health_checks.fetch_add(1, Ordering::SeqCst);
     let fault = *s.fault.lock().unwrap();
     match fault {
-        Fault::HangAll => std::future::pending().await,
+        Fault::HangAll | Fault::StallHealth => std::future::pending().await,
         Fault::HangUnhealthy => (StatusCode::SERVICE_UNAVAILABLE, "sick"),
         _ => (StatusCode::OK, "ok"),
     }
