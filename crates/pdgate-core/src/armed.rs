@@ -3,7 +3,6 @@
 //! Pure: the gateway logs the lines; tests read them.
 
 use crate::config::GatewayConfig;
-use crate::placement::PlacementMode;
 use crate::slo::{REPORTING_TPOT_MS, REPORTING_TTFT_MS};
 
 /// One line per kind of refusal, armed or not (an "off" line says why it cannot happen).
@@ -30,18 +29,14 @@ fn early_rejection(c: &GatewayConfig) -> String {
     if !c.pd_disaggregation {
         return "early rejection: off (PD mode only)".to_string();
     }
-    let mode = match c.pd_placement {
-        PlacementMode::Disaggregated => "disaggregated",
-        PlacementMode::Colocated => "colocated",
-        PlacementMode::Conditional => "conditional",
-    };
     if c.admission_slack == 0.0 {
         return "early rejection: off (--admission-slack 0)".to_string();
     }
     match c.slo_ttft_ms {
         Some(ttft) => format!(
-            "early rejection: ARMED, 429 overloaded when a request's predicted TTFT exceeds {ttft:.0} ms (--slo-ttft-ms, or its own x-slo-ttft-ms) x {} (--admission-slack), placement {mode}",
-            c.admission_slack
+            "early rejection: ARMED, 429 overloaded when a request's predicted TTFT exceeds {ttft:.0} ms (--slo-ttft-ms, or its own x-slo-ttft-ms) x {} (--admission-slack), placement {}",
+            c.admission_slack,
+            c.pd_placement.as_str()
         ),
         None => format!(
             "early rejection: only for requests that send x-slo-ttft-ms (x {} --admission-slack); no --slo-ttft-ms, so goodput is reported against {REPORTING_TTFT_MS:.0} ms TTFT / {REPORTING_TPOT_MS:.0} ms TPOT and nothing else is refused for time",

@@ -31,15 +31,10 @@ pub struct HealthState {
 }
 
 impl HealthState {
-    /// Records one check (`ok`: passed; a failure counts as answered); returns true when
-    /// `healthy` changed. The first success makes a new worker healthy at once (readiness should
-    /// not wait `success_threshold` intervals at start).
-    pub fn observe(&mut self, ok: bool, failure_threshold: u32, success_threshold: u32) -> bool {
-        self.observe_probe(if ok { Probe::Ok } else { Probe::Failed }, failure_threshold, success_threshold)
-    }
-
-    /// Records one check's outcome; returns true when `healthy` changed.
-    pub fn observe_probe(&mut self, probe: Probe, failure_threshold: u32, success_threshold: u32) -> bool {
+    /// Records one check's outcome; returns true when `healthy` changed. The first success
+    /// makes a new worker healthy at once (readiness should not wait `success_threshold`
+    /// intervals at start).
+    pub fn observe(&mut self, probe: Probe, failure_threshold: u32, success_threshold: u32) -> bool {
         let before = self.healthy;
         let first = !self.checked;
         self.checked = true;
@@ -78,39 +73,39 @@ mod tests {
     fn flips_only_after_thresholds() {
         let mut h = HealthState::default();
         assert!(!h.healthy);
-        assert!(h.observe(true, 3, 2), "first success makes a new worker healthy");
-        assert!(!h.observe(false, 3, 2));
-        assert!(!h.observe(false, 3, 2));
-        assert!(h.observe(false, 3, 2) && !h.healthy, "third consecutive failure");
-        assert!(!h.observe(true, 3, 2), "one success is not enough to recover");
-        assert!(h.observe(true, 3, 2) && h.healthy);
+        assert!(h.observe(Probe::Ok, 3, 2), "first success makes a new worker healthy");
+        assert!(!h.observe(Probe::Failed, 3, 2));
+        assert!(!h.observe(Probe::Failed, 3, 2));
+        assert!(h.observe(Probe::Failed, 3, 2) && !h.healthy, "third consecutive failure");
+        assert!(!h.observe(Probe::Ok, 3, 2), "one success is not enough to recover");
+        assert!(h.observe(Probe::Ok, 3, 2) && h.healthy);
     }
 
     #[test]
     fn a_success_resets_the_failure_count() {
         let mut h = HealthState::default();
-        h.observe(true, 2, 1);
-        h.observe(false, 2, 1);
-        h.observe(true, 2, 1);
-        h.observe(false, 2, 1);
+        h.observe(Probe::Ok, 2, 1);
+        h.observe(Probe::Failed, 2, 1);
+        h.observe(Probe::Ok, 2, 1);
+        h.observe(Probe::Failed, 2, 1);
         assert!(h.healthy);
     }
 
     #[test]
     fn only_a_worker_taken_out_by_silence_alone_is_silent() {
         let mut h = HealthState::default();
-        h.observe_probe(Probe::Unanswered, 2, 1);
+        h.observe(Probe::Unanswered, 2, 1);
         assert!(!h.silent(), "never healthy: a worker still starting is not silent");
-        h.observe_probe(Probe::Ok, 2, 1);
-        h.observe_probe(Probe::Unanswered, 2, 1);
-        assert!(h.observe_probe(Probe::Unanswered, 2, 1) && !h.healthy);
+        h.observe(Probe::Ok, 2, 1);
+        h.observe(Probe::Unanswered, 2, 1);
+        assert!(h.observe(Probe::Unanswered, 2, 1) && !h.healthy);
         assert!(h.silent(), "two unanswered checks: out, but only by silence");
-        h.observe_probe(Probe::Failed, 2, 1);
+        h.observe(Probe::Failed, 2, 1);
         assert!(!h.silent(), "a refused connection or an error status: known to be down");
-        h.observe_probe(Probe::Ok, 2, 1);
+        h.observe(Probe::Ok, 2, 1);
         assert!(h.healthy && !h.silent());
-        h.observe_probe(Probe::Failed, 2, 1);
-        h.observe_probe(Probe::Unanswered, 2, 1);
+        h.observe(Probe::Failed, 2, 1);
+        h.observe(Probe::Unanswered, 2, 1);
         assert!(!h.healthy && !h.silent(), "an answered failure on the way out counts");
     }
 }

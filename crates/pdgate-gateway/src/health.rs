@@ -95,7 +95,8 @@ pub async fn check_and_record(state: &AppState, entry: Entry) {
 /// although their checks go unanswered, counted in `pdgate_health_panic_total{role}`, and the
 /// `pdgate_health_panic{role}` gauge.
 fn announce_panic(state: &AppState, role: WorkerRole, was: bool) {
-    let snap = state.registry.routing().snapshot.clone();
+    let routing = state.registry.routing();
+    let snap = &routing.snapshot;
     let now = snap.in_panic(role);
     if now == was {
         return;

@@ -66,7 +66,8 @@ pub struct Runtime {
     /// When a data-path request to the worker last succeeded (an answer, or a stream's tokens
     /// flowing), as milliseconds since the registry started, plus one (0: never). The passive
     /// health signal: an unanswered health check does not count against a worker serving
-    /// requests (health.rs).
+    /// requests (health.rs). Not the breaker's own `last_success`: that one is kept only with
+    /// the breaker on, under its lock, and a flowing stream updates this one as it goes.
     pub served_at_ms: AtomicU64,
 }
 
@@ -345,7 +346,7 @@ impl Registry {
         let mut entries = self.lock();
         let entry = entries.iter_mut().find(|e| e.id == id)?;
         let was_silent = entry.health.silent();
-        if !entry.health.observe_probe(probe, failure_threshold, success_threshold) {
+        if !entry.health.observe(probe, failure_threshold, success_threshold) {
             // Still unhealthy, but an answered failure ends its silence: out of panic routing.
             if was_silent != entry.health.silent() {
                 self.rebuild(&entries);
@@ -410,18 +411,24 @@ impl Registry {
 
     /// Feeds one request outcome to a worker's breaker. Returns the new state when it changed
     /// (the routing view is then rebuilt), so the caller can schedule the half-open rebuild.
+    /// A success is also the passive health signal ([`Runtime::note_served`]), breaker or not.
     pub fn record_outcome(&self, url: &str, outcome: Outcome) -> Option<BreakerState> {
-        if !self.breaker_config.enabled {
-            return None;
-        }
         if outcome == Outcome::Neutral {
             // No verdict, but a probe that ended this way gives its slot to the next request.
-            self.end_probe(url);
+            if self.breaker_config.enabled {
+                self.end_probe(url);
+            }
             return None;
         }
         // O(1) through the routing view: this runs once per request and leg.
         let routing = self.routing();
         let runtime = &routing.runtime[routing.snapshot.index_of(url)?];
+        if outcome == Outcome::Success {
+            runtime.note_served(self.now_ms());
+        }
+        if !self.breaker_config.enabled {
+            return None;
+        }
         let mut breaker = runtime.breaker.lock().unwrap_or_else(|p| p.into_inner());
         let was_probing = breaker.probing(self.now(), &self.breaker_config);
         let changed = breaker.record(outcome, self.now(), &self.breaker_config);
@@ -431,6 +438,15 @@ impl Registry {
             self.rebuild(&entries);
         }
         changed
+    }
+
+    /// The passive health signal for a stream still flowing from the worker at `url` (its end
+    /// is an outcome: [`Registry::record_outcome`]). O(1) through the routing view.
+    pub fn note_served(&self, url: &str) {
+        let routing = self.routing();
+        if let Some(rt) = routing.snapshot.index_of(url).and_then(|i| routing.runtime.get(i)) {
+            rt.note_served(self.now_ms());
+        }
     }
 
     /// Admits one request to the worker at `url` through its breaker ([`Breaker::try_admit`]).

@@ -35,12 +35,13 @@ pub fn error_response(err: &GatewayError) -> Response {
     *resp.status_mut() = status;
     let h = resp.headers_mut();
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    if err.is_refusal() {
+    let refusal = err.is_refusal();
+    if refusal {
         if let Ok(v) = HeaderValue::from_str(&err.code()) {
             h.insert(DROPPED_HEADER, v);
         }
     }
-    if err.is_refusal() || matches!(status.as_u16(), 429 | 503) {
+    if refusal || matches!(status.as_u16(), 429 | 503) {
         h.insert(header::RETRY_AFTER, HeaderValue::from(DEFAULT_RETRY_AFTER_SECS));
     }
     resp.extensions_mut().insert(ErrorCode(err.code()));

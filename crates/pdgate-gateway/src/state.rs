@@ -123,15 +123,6 @@ impl AppState {
         GatewayLoads { runtime, now_ms: self.registry.now_ms(), stale_after_ms: stale_after_ms(self) }
     }
 
-    /// The passive health signal: a data-path request to `url` succeeded (or its stream is
-    /// flowing) now. O(1) through the routing view.
-    pub fn note_served(&self, url: &str) {
-        let routing = self.registry.routing();
-        if let Some(rt) = routing.snapshot.index_of(url).and_then(|i| routing.runtime.get(i)) {
-            rt.note_served(self.registry.now_ms());
-        }
-    }
-
     /// Feeds a request outcome to the worker's circuit breaker; when it opens, schedules the
     /// rebuild that lets half-open probes through after the cool-down.
     ///
@@ -139,9 +130,6 @@ impl AppState {
     /// request was sent: a long non-streamed request, or a hung worker) is not recorded at once:
     /// the worker is asked ([`AppState::ask_worker`]) and its health check's answer decides.
     pub fn record_outcome(self: &Arc<Self>, url: &str, outcome: Outcome) {
-        if outcome == Outcome::Success {
-            self.note_served(url);
-        }
         let outcome = match outcome {
             Outcome::NoAnswerSince(_) => match self.registry.judge(url, outcome) {
                 Some((Judgement::Record(o), _)) => o,

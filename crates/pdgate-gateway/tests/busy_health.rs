@@ -39,6 +39,14 @@ async fn wait_sample(url: &str, series: &str, value: f64) {
     }
 }
 
+/// A gateway in front of one healthy regular mock, ready.
+async fn one_regular_worker() -> (pdgate_gateway::RunningGateway, String, common::mocks::Mock) {
+    let w = spawn("regular", Default::default(), Fault::None).await;
+    let (gw, url) = gateway(config(&format!(r#""worker_urls": ["{}"]"#, w.url))).await;
+    wait_ready(&url).await;
+    (gw, url, w)
+}
+
 async fn complete(url: &str) -> (u16, String) {
     let r = client().post(format!("{url}/v1/completions")).json(&json!({"prompt": "x", "max_tokens": 4})).send().await.unwrap();
     (r.status().as_u16(), r.text().await.unwrap())
@@ -50,9 +58,7 @@ async fn readiness(url: &str) -> u16 {
 
 #[tokio::test]
 async fn a_worker_serving_requests_is_not_taken_out_by_its_stalled_health_checks() {
-    let w = spawn("regular", Default::default(), Fault::None).await;
-    let (_gw, url) = gateway(config(&format!(r#""worker_urls": ["{}"]"#, w.url))).await;
-    wait_ready(&url).await;
+    let (_gw, url, w) = one_regular_worker().await;
     w.set_fault(Fault::StallHealth);
     // Five seconds of traffic: five checks go unanswered, more than the threshold of two.
     let until = Instant::now() + Duration::from_secs(5);
@@ -74,9 +80,7 @@ async fn a_worker_serving_requests_is_not_taken_out_by_its_stalled_health_checks
 
 #[tokio::test]
 async fn a_role_out_by_unanswered_checks_alone_is_routed_to_in_panic_and_stays_ready() {
-    let w = spawn("regular", Default::default(), Fault::None).await;
-    let (_gw, url) = gateway(config(&format!(r#""worker_urls": ["{}"]"#, w.url))).await;
-    wait_ready(&url).await;
+    let (_gw, url, w) = one_regular_worker().await;
     // No traffic, so no passive signal: two unanswered checks take it out.
     w.set_fault(Fault::StallHealth);
     wait_sample(&url, &format!(r#"pdgate_worker_healthy{{role="regular",worker="{}"}}"#, w.url), 0.0).await;
@@ -108,9 +112,7 @@ async fn a_busy_decode_keeps_pd_requests_served() {
 
 #[tokio::test]
 async fn a_worker_whose_checks_are_answered_with_an_error_is_still_taken_out() {
-    let w = spawn("regular", Default::default(), Fault::None).await;
-    let (_gw, url) = gateway(config(&format!(r#""worker_urls": ["{}"]"#, w.url))).await;
-    wait_ready(&url).await;
+    let (_gw, url, w) = one_regular_worker().await;
     // `/health` answers 503: known down, not busy. Out within the threshold, and no panic.
     w.set_fault(Fault::HangUnhealthy);
     wait_sample(&url, &format!(r#"pdgate_worker_healthy{{role="regular",worker="{}"}}"#, w.url), 0.0).await;

@@ -508,7 +508,7 @@ impl StreamRelay {
             if let Some(first) = self.first.take() {
                 // The worker answered: it is serving (the passive health signal).
                 if let Some(f) = &self.finish {
-                    f.state.note_served(&self.relayed.worker);
+                    f.state.registry.note_served(&self.relayed.worker);
                 }
                 let out = self.process(first);
                 self.learn_ids();
@@ -573,7 +573,7 @@ impl StreamRelay {
                     if self.since_noted >= NOTE_SERVED_EVERY {
                         self.since_noted = 0;
                         if let Some(f) = &self.finish {
-                            f.state.note_served(&self.relayed.worker);
+                            f.state.registry.note_served(&self.relayed.worker);
                         }
                     }
                     let out = self.process(data);
