@@ -120,7 +120,7 @@ proptest! {
             Ok(req) => {
                 prop_assert_eq!(req.endpoint, ep);
                 // The body is kept as the client sent it (compared with serde_json's own reading of
-                // the bytes: it does not round-trip every float to the last bit).
+                // the bytes; with float_roundtrip that reading is exact).
                 // Only the gateway-owned rendezvous fields are removed, and then it says so.
                 let mut sent: Map<String, Value> = serde_json::from_slice(&bytes).unwrap();
                 prop_assert_eq!(req.rewritten, has_gateway_fields(&sent));
@@ -169,4 +169,17 @@ proptest! {
             }
         }
     }
+}
+
+/// The case CI found: a body re-encoded because it carried a gateway-owned field must keep a
+/// long float to the last bit (serde_json's `float_roundtrip` parser; the default one read this
+/// number one ULP off, so the worker got a different value than the client sent).
+#[test]
+fn a_reencoded_body_keeps_every_float_bit() {
+    let sent = br#"{"bootstrap_room":null,"input_ids":[0],"role":[[-4.766762783809616e+71]]}"#;
+    let req = parse(Endpoint::Generate, sent).unwrap();
+    assert!(req.rewritten, "the gateway-owned field forces the re-encoding path");
+    let forwarded = req.forward_bytes(sent).unwrap().unwrap();
+    let value: Value = serde_json::from_slice(&forwarded).unwrap();
+    assert_eq!(value["role"][0][0].as_f64(), Some(-4.766762783809616e71));
 }
