@@ -19,5 +19,5 @@ pub use chat::{ChatTemplate, ChatTemplateInputs};
 pub use detok::IncrementalDecoder;
 pub use error::TokenizerError;
 pub use load::{ModelTokenizer, TokenizerCache};
-pub use stop::{StopMatch, StopMatcher, StreamDecoder, StreamStep};
+pub use stop::{ReplacementTail, StopMatch, StopMatcher, StreamDecoder, StreamStep};
 pub use token_text::token_text;

@@ -80,17 +80,65 @@ pub struct StreamStep {
     pub stop: Option<StopMatch>,
 }
 
+/// What an engine's text does with a tail that decodes to U+FFFD (an incomplete or invalid
+/// UTF-8 sequence at the end of the answer). The engines differ, and a gateway that writes the
+/// text from token ids must write what the engine's own HTTP surface would.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ReplacementTail {
+    /// Sent as U+FFFD at the end, as a one-shot decode of the whole answer shows it (SGLang,
+    /// the reference engine).
+    #[default]
+    Lossy,
+    /// vLLM's detokenizer (tokenizers' `DecodeStream`, vllm/v1/engine/detokenizer.py): text
+    /// since the last emission is held while it ends in U+FFFD, and what is still held when the
+    /// answer ends is never sent.
+    Dropped,
+}
+
+const REPLACEMENT: char = '\u{FFFD}';
+
 /// Incremental detokenizer plus stop handling: what a streaming route feeds token ids into.
 pub struct StreamDecoder<'t> {
     decoder: IncrementalDecoder<'t>,
     stop_strings: StopMatcher,
     stop_ids: HashSet<u32>,
     stopped: bool,
+    tail: ReplacementTail,
+    /// With [`ReplacementTail::Dropped`]: decoded text not yet released (it ends in U+FFFD).
+    held: String,
 }
 
 impl<'t> StreamDecoder<'t> {
     pub fn new(decoder: IncrementalDecoder<'t>, stop_strings: StopMatcher, stop_ids: impl IntoIterator<Item = u32>) -> Self {
-        Self { decoder, stop_strings, stop_ids: stop_ids.into_iter().collect(), stopped: false }
+        Self { decoder, stop_strings, stop_ids: stop_ids.into_iter().collect(), stopped: false, tail: ReplacementTail::Lossy, held: String::new() }
+    }
+
+    /// The same decoder with the engine's rule for a U+FFFD tail.
+    pub fn with_tail(mut self, tail: ReplacementTail) -> Self {
+        self.tail = tail;
+        self
+    }
+
+    /// New decoded text, minus what the tail rule holds back.
+    fn release(&mut self, delta: String) -> String {
+        if self.tail == ReplacementTail::Lossy {
+            return delta;
+        }
+        self.held.push_str(&delta);
+        if self.held.ends_with(REPLACEMENT) {
+            return String::new();
+        }
+        std::mem::take(&mut self.held)
+    }
+
+    /// The decoder's last text at the end of the answer, after the tail rule.
+    fn end_text(&mut self) -> Result<String, TokenizerError> {
+        let rest = self.decoder.finish()?;
+        if self.tail == ReplacementTail::Lossy {
+            return Ok(rest);
+        }
+        let rest = std::mem::take(&mut self.held) + &rest;
+        Ok(if rest.ends_with(REPLACEMENT) { String::new() } else { rest })
     }
 
     /// Feeds one generated token. A stop token id ends the stream without its text; the text
@@ -101,7 +149,7 @@ impl<'t> StreamDecoder<'t> {
         }
         if self.stop_ids.contains(&id) {
             self.stopped = true;
-            let mut text = self.decoder.finish()?;
+            let mut text = self.end_text()?;
             let (emit, stop) = self.stop_strings.push(&text);
             if let Some(stop) = stop {
                 return Ok(StreamStep { text: emit, stop: Some(stop) });
@@ -110,6 +158,7 @@ impl<'t> StreamDecoder<'t> {
             return Ok(StreamStep { text, stop: Some(StopMatch::TokenId(id)) });
         }
         let delta = self.decoder.push(&[id])?;
+        let delta = self.release(delta);
         let (text, stop) = self.stop_strings.push(&delta);
         self.stopped = stop.is_some();
         Ok(StreamStep { text, stop })
@@ -121,7 +170,7 @@ impl<'t> StreamDecoder<'t> {
             return Ok(String::new());
         }
         self.stopped = true;
-        let tail = self.decoder.finish()?;
+        let tail = self.end_text()?;
         let (emit, stop) = self.stop_strings.push(&tail);
         if stop.is_some() {
             return Ok(emit);

@@ -4,7 +4,7 @@
 
 mod common;
 
-use pdgate_tokenizer::{IncrementalDecoder, ModelTokenizer, StopMatch};
+use pdgate_tokenizer::{IncrementalDecoder, ModelTokenizer, ReplacementTail, StopMatch};
 use proptest::prelude::*;
 
 const MULTIBYTE: &str = "Ça va 👍🏽 日本語のテキスト 🚀 Straße 中文!";
@@ -141,6 +141,42 @@ fn stream_decoder_stops_on_string_spanning_tokens_and_on_eos() {
 
     let mut stream = tok.stream_decoder(true, vec![], vec![], true);
     assert_eq!(stream.push(eos).expect("push").stop, None, "ignore_eos");
+}
+
+/// The text a stream decoder with `tail` writes for `ids`, one token at a time, then finished.
+fn streamed(tok: &ModelTokenizer, ids: &[u32], tail: ReplacementTail) -> String {
+    let mut stream = tok.stream_decoder(false, vec![], vec![], true).with_tail(tail);
+    let mut text: String = ids.iter().map(|id| stream.push(*id).expect("push").text).collect();
+    text += &stream.finish().expect("finish");
+    text
+}
+
+#[test]
+fn vllm_drops_a_tail_that_decodes_to_a_replacement_and_keeps_one_inside() {
+    let tok = common::bpe();
+    // A truncated character at the end: SGLang's text shows U+FFFD, vLLM's never sends it.
+    let mut ids = byte_ids(&tok, "ok 🚀");
+    ids.pop();
+    assert_eq!(streamed(&tok, &ids, ReplacementTail::Lossy), "ok \u{FFFD}");
+    assert_eq!(streamed(&tok, &ids, ReplacementTail::Dropped), "ok ");
+    // Invalid bytes followed by text: both engines send the replacements once later text comes.
+    let mut ids = byte_ids(&tok, "a");
+    ids.extend([0xFFu8, 0xFE].iter().map(|&b| tok.tokenizer().token_to_id(&byte_symbol(b)).expect("byte in vocab")));
+    ids.extend(byte_ids(&tok, "b"));
+    let lossy = streamed(&tok, &ids, ReplacementTail::Lossy);
+    assert_eq!(lossy, tok.decode(&ids, false).expect("d"));
+    assert_eq!(streamed(&tok, &ids, ReplacementTail::Dropped), lossy);
+    // The same invalid bytes at the end: vLLM holds them and they are never sent.
+    ids.pop();
+    assert_eq!(streamed(&tok, &ids, ReplacementTail::Dropped), "a");
+    // An EOS after a held tail ends the answer the same way.
+    let eos = tok.eos_token_id().expect("eos");
+    let mut ids = byte_ids(&tok, "x 🚀");
+    ids.pop();
+    ids.push(eos);
+    let mut stream = tok.stream_decoder(false, vec![], vec![], false).with_tail(ReplacementTail::Dropped);
+    let text: String = ids.iter().map(|id| stream.push(*id).expect("push").text).collect();
+    assert_eq!(text, "x ");
 }
 
 proptest! {

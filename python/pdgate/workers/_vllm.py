@@ -57,13 +57,16 @@ class VllmWorker:
     `kv_role` kv_both (vLLM's documented PD set-up: the gateway, not the role, says which leg a
     request is), `kv_buffer_device` cpu, and a NIXL side channel port of its own.
     model: a Hugging Face model directory (`pdgate engine --model tiny64 --export-model DIR`).
+    grpc: serve the SMG gRPC contract instead of HTTP (`vllm.entrypoints.launchers.grpc_server`,
+    the `smg-grpc-servicer[vllm]` the install script adds); `url` is then `grpc://host:port`,
+    readiness is the service's `HealthCheck`, and there is no `/metrics` to read.
     """
 
     def __init__(self, model: str, mode: str = "null", kv_connector: str | None = None, *,
                  python: str | None = None, port: int | None = None, host: str = "127.0.0.1",
                  served_model_name: str | None = None, dtype: str = "float32", max_model_len: int = 2048,
                  kv_events_config: Mapping | None = None, extra_args: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None, log_path: str | None = None):
+                 env: Mapping[str, str] | None = None, log_path: str | None = None, grpc: bool = False):
         if mode not in ("prefill", "decode", "null"):
             raise ValueError(f"mode must be prefill, decode or null, not {mode!r}")
         if mode != "null" and kv_connector is None:
@@ -82,19 +85,24 @@ class VllmWorker:
         self.extra_args = list(extra_args)
         self.env = dict(env or {})
         self.log_path = log_path
+        self.grpc = grpc
         self.proc: subprocess.Popen | None = None
         self._log_file = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'grpc' if self.grpc else 'http'}://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+        # The gRPC launcher takes the engine's arguments only (no OpenAI-server flags); its
+        # answers always carry cached_tokens.
+        module = "vllm.entrypoints.launchers.grpc_server" if self.grpc else "vllm.entrypoints.openai.api_server"
+        cmd = [self.python, "-m", module, "--model", self.model,
                "--host", self.host, "--port", str(self.port), "--dtype", self.dtype,
-               "--max-model-len", str(self.max_model_len),
-               # cached_tokens in usage: the proof, per request, that the KV came from the prefill.
-               "--enable-prompt-tokens-details"]
+               "--max-model-len", str(self.max_model_len)]
+        if not self.grpc:
+            # cached_tokens in usage: the proof, per request, that the KV came from the prefill.
+            cmd.append("--enable-prompt-tokens-details")
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         if self.kv_connector is not None:
@@ -134,6 +142,8 @@ class VllmWorker:
         return self
 
     def _ready(self) -> bool:
+        if self.grpc:
+            return self._grpc_ready()
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                 if r.status != 200:
@@ -142,6 +152,17 @@ class VllmWorker:
                 return r.status == 200 and bool(json.loads(r.read()).get("data"))
         except (urllib.error.URLError, OSError, ValueError):
             return False
+
+    def _grpc_ready(self) -> bool:
+        import grpc
+        from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+        with grpc.insecure_channel(f"{self.host}:{self.port}") as channel:
+            try:
+                stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+                return bool(stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=2).healthy)
+            except grpc.RpcError:
+                return False
 
     def _fail(self, why: str) -> None:
         tail = self.log_tail()
@@ -162,6 +183,8 @@ class VllmWorker:
 
     def metrics(self) -> dict[str, float]:
         """`GET /metrics` as {series with labels: value} (Prometheus text, comments dropped)."""
+        if self.grpc:
+            raise RuntimeError("a gRPC vLLM worker serves no /metrics")
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
             text = r.read().decode()
         out: dict[str, float] = {}

@@ -36,7 +36,7 @@ use pdgate_core::plan::AbortStyle;
 use pdgate_core::{GatewayError, Leg};
 use pdgate_protocol::engine_load::EngineLoad;
 use pdgate_protocol::resume::TokenLedger;
-use pdgate_tokenizer::ModelTokenizer;
+use pdgate_tokenizer::{ModelTokenizer, ReplacementTail};
 use tokio::sync::mpsc;
 use tokio::time::{timeout_at, Instant};
 
@@ -194,8 +194,29 @@ impl GrpcClient {
         let served = wire.served_model().to_string();
         // The relay skips reading the bytes for ids only when the writer really keeps them aside.
         let ledger = (r.ids_to_ledger && parsed.shape.ledger_fits()).then(|| Arc::new(TokenLedger::default()));
-        tokio::spawn(pump(tok, parsed.shape, served, stream, tx, r.leg, ledger.clone()));
+        // The text each engine's own HTTP surface would write for these ids (vLLM never sends
+        // a tail that decodes to U+FFFD; SGLang sends it).
+        let tail = match wire.service() {
+            wire::Service::Vllm => ReplacementTail::Dropped,
+            wire::Service::Sglang => ReplacementTail::Lossy,
+        };
+        tokio::spawn(pump(tok, parsed.shape, WorkerText { served, tail }, stream, tx, r.leg, ledger.clone()));
         Ok((head, rx, ledger))
+    }
+}
+
+/// What the writer takes from the worker: its model name (for bodies that named none) and its
+/// engine's rule for text that ends in U+FFFD.
+struct WorkerText {
+    served: String,
+    tail: ReplacementTail,
+}
+
+#[cfg(test)]
+impl From<&str> for WorkerText {
+    /// An SGLang worker's (the rule tests take by default).
+    fn from(served: &str) -> Self {
+        WorkerText { served: served.to_string(), tail: ReplacementTail::Lossy }
     }
 }
 
@@ -204,13 +225,13 @@ impl GrpcClient {
 async fn pump(
     tok: Arc<ModelTokenizer>,
     shape: request::Shape,
-    served: String,
+    worker: WorkerText,
     mut stream: wire::GenStream,
     tx: mpsc::Sender<LegEvent>,
     leg: Leg,
     ledger: Option<Arc<TokenLedger>>,
 ) {
-    let mut writer = Writer::new(shape, &tok, &served).with_ledger(ledger);
+    let mut writer = Writer::with_tail(shape, &tok, &worker.served, worker.tail).with_ledger(ledger);
     loop {
         let next = tokio::select! {
             _ = tx.closed() => return,

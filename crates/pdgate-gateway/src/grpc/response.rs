@@ -11,7 +11,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use pdgate_core::{GatewayError, Leg};
 use pdgate_protocol::resume::TokenLedger;
-use pdgate_tokenizer::{ModelTokenizer, StopMatcher, StreamDecoder};
+use pdgate_tokenizer::{ModelTokenizer, ReplacementTail, StopMatcher, StreamDecoder};
 use serde_json::{json, Map, Value};
 
 use super::logprobs::{self, LogprobAsk, LpPart, TokenLp};
@@ -104,6 +104,11 @@ fn codec(e: impl std::fmt::Display) -> GatewayError {
 impl<'t> Writer<'t> {
     /// `served` is the worker's model name, for bodies that named none.
     pub fn new(shape: Shape, tok: &'t ModelTokenizer, served: &str) -> Self {
+        Self::with_tail(shape, tok, served, ReplacementTail::Lossy)
+    }
+
+    /// The same, with the engine's rule for an answer whose text ends in U+FFFD.
+    pub fn with_tail(shape: Shape, tok: &'t ModelTokenizer, served: &str, tail: ReplacementTail) -> Self {
         let s = &shape.sampling;
         let mut stop_ids = s.stop_token_ids.clone();
         if let (Some(eos), false) = (tok.eos_token_id(), s.ignore_eos) {
@@ -111,7 +116,7 @@ impl<'t> Writer<'t> {
         }
         let choices = (0..shape.choices())
             .map(|c| Choice {
-                decoder: Self::decoder(tok, &shape, c, stop_ids.clone()),
+                decoder: Self::decoder(tok, &shape, c, stop_ids.clone(), tail),
                 text: String::new(),
                 ids: Vec::new(),
                 lps: Vec::new(),
@@ -147,10 +152,11 @@ impl<'t> Writer<'t> {
     /// the dead stream's was, and what that one held back (an incomplete UTF-8 character, a
     /// possible stop string) comes out with the continuation's first tokens. A replay that
     /// cannot decode starts from the whole prompt, as a fresh request would.
-    fn decoder(tok: &'t ModelTokenizer, shape: &Shape, c: usize, stop_ids: Vec<u32>) -> StreamDecoder<'t> {
+    fn decoder(tok: &'t ModelTokenizer, shape: &Shape, c: usize, stop_ids: Vec<u32>, tail: ReplacementTail) -> StreamDecoder<'t> {
         let s = &shape.sampling;
         let prompt = shape.prompt_of(c);
-        let fresh = |prompt: &[u32], stop_ids| StreamDecoder::new(tok.incremental_decoder(s.skip_special_tokens, prompt), StopMatcher::new(s.stop.clone()), stop_ids);
+        let fresh =
+            |prompt: &[u32], stop_ids| StreamDecoder::new(tok.incremental_decoder(s.skip_special_tokens, prompt), StopMatcher::new(s.stop.clone()), stop_ids).with_tail(tail);
         // Only a single answer is ever resumed (the resumer refuses n > 1 and batches).
         let own = if shape.choices() == 1 { shape.resumed_ids.min(prompt.len()) } else { 0 };
         let (asked, answered) = prompt.split_at(prompt.len() - own);

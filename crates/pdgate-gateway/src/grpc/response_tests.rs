@@ -381,3 +381,33 @@ fn a_stop_string_that_spans_the_break_still_stops_the_continuation() {
     let (after, _) = stream_one_by_one(&tok, continuation(&sh, &[], &ids[..k]), &ids[k..], "stop", Some(Matched::Text("stop here".into())));
     assert_eq!(text(&after), "", "the continuation completed the held stop: nothing more is said");
 }
+
+#[test]
+fn a_vllm_answer_drops_a_truncated_character_at_its_end_as_vllm_does() {
+    // Real vLLM's text for these ids (tokenizers' DecodeStream) never sends a tail that decodes
+    // to U+FFFD; SGLang's (a one-shot decode) shows it. Streamed and whole answers alike.
+    let tok = tok();
+    // One token per byte, the rocket's last byte missing: the answer ends mid-character.
+    let text_bytes = "ok 🚀".as_bytes();
+    let ids: Vec<u32> = text_bytes[..text_bytes.len() - 1].iter().map(|&b| tok.tokenizer().token_to_id(&byte_symbol(b)).unwrap()).collect();
+    let sgl = stream_through(Writer::new(shape(Route::Completions, true, &[], 1), &tok, "served"), &ids, "length", None).0;
+    let vllm = stream_through(Writer::with_tail(shape(Route::Completions, true, &[], 1), &tok, "served", ReplacementTail::Dropped), &ids, "length", None).0;
+    assert_eq!(text(&sgl), "ok \u{FFFD}");
+    assert_eq!(text(&vllm), "ok ");
+
+    let mut whole = Writer::with_tail(shape(Route::Completions, false, &[], 1), &tok, "served", ReplacementTail::Dropped);
+    let done = Gen::Complete { index: 0, ids: ids.clone(), finish_reason: "length".into(), matched: None, counts: counts(ids.len() as u32), lp: LpPart::default() };
+    assert!(whole.on_event(done).unwrap().is_none());
+    let body: Value = serde_json::from_slice(&whole.whole()).unwrap();
+    assert_eq!(body["choices"][0]["text"], "ok ");
+}
+
+/// GPT-2's byte-to-unicode table (the ByteLevel alphabet): the vocabulary symbol of one byte.
+fn byte_symbol(b: u8) -> String {
+    let printable = |x: u8| (b'!'..=b'~').contains(&x) || (0xA1..=0xAC).contains(&x) || (0xAE..=0xFF).contains(&x);
+    if printable(b) {
+        return char::from(b).to_string();
+    }
+    let offset = (0u8..b).filter(|&x| !printable(x)).count();
+    char::from_u32(256 + offset as u32).map(String::from).unwrap_or_default()
+}
