@@ -158,12 +158,13 @@ def test_replay_after_a_missed_range_returns_those_batches_then_minus_one(publis
 
 
 def test_bad_kv_events_config_is_refused_at_start():
+    from pdgate.engine.errors import EngineConfigError
     from pdgate.engine.kv_events import parse_config
 
     for bad, why in (('{"enable_kv_cache_events": true, "publishr": "zmq"}', "unknown field"),
                      ('{"publisher": "kafka"}', "publisher"), ('{"hwm": "x"}', "wrong type"),
                      ("not json", "not JSON"), ('{"buffer_steps": 0}', ">= 1")):
-        with pytest.raises(SystemExit, match=why):
+        with pytest.raises(EngineConfigError, match=why):
             parse_config(bad)
     cfg = parse_config('{"enable_kv_cache_events": true}')
     assert (cfg.publisher, cfg.endpoint, cfg.replay_endpoint, cfg.buffer_steps, cfg.hwm, cfg.max_queue_size,

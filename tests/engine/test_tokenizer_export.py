@@ -96,7 +96,9 @@ def test_checkpoint_exports_its_own_tokenizer(tmp_path):
 
 
 def test_unknown_model_is_refused(tmp_path):
-    with pytest.raises(SystemExit):
+    from pdgate.engine import EngineConfigError
+
+    with pytest.raises(EngineConfigError, match="not a preset"):
         export("no-such-model", str(tmp_path / "x"))
 
 

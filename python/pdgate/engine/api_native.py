@@ -95,7 +95,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         seqs = [engine.submit(it) for it in items]
         if body.get("stream"):
             return await _stream(request, engine, seqs, body, batch)
-        if getattr(engine.args, "fault_kill_after_tokens", 0) or getattr(engine.args, "fault_drop_after_tokens", 0):
+        if engine.config.fault_kill_after_tokens or engine.config.fault_drop_after_tokens:
             async for _ in watch(seqs):
                 fault_kill_point(engine, seqs, request)
         await wait_all(seqs)

@@ -123,7 +123,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
                "token_ids": body.get("return_token_ids") is True}
         if body.get("stream"):
             return await _stream(request, engine, seqs, body, ctx)
-        if getattr(engine.args, "fault_kill_after_tokens", 0) or getattr(engine.args, "fault_drop_after_tokens", 0):
+        if engine.config.fault_kill_after_tokens or engine.config.fault_drop_after_tokens:
             async for _ in watch(seqs):
                 fault_kill_point(engine, seqs, request)
         await wait_all(seqs)
@@ -240,4 +240,4 @@ async def models(request: web.Request) -> web.Response:
     e = request.app["engine"]
     return web.json_response({"object": "list", "data": [{
         "id": e.served_name, "object": "model", "created": int(e.started_at),
-        "owned_by": e.owned_by, "root": e.args.model, "max_model_len": e.cfg.max_position}]})
+        "owned_by": e.owned_by, "root": e.config.model, "max_model_len": e.cfg.max_position}]})

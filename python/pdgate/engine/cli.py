@@ -1,18 +1,24 @@
 """Command line of a reference worker: SGLang-style flags plus vLLM's `--kv-transfer-config`.
 
 `add_arguments(parser)` and `run(args)` are what `pdgate engine` wires in;
-`python -m pdgate.engine` uses them directly.
+`python -m pdgate.engine` uses them directly. The flags become an `EngineConfig`
+(`config_from_args`); the environment variables the CLI honours are read here, when the parser
+is built or the worker starts, never by the library.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import dataclasses
 import logging
 import os
-import socket
 import sys
+
+from .engine_config import EngineConfig
+from .errors import EngineConfigError, EngineStartError
+
+_SETUP_ERRORS = (EngineConfigError, EngineStartError)
 
 
 def _env_float(name: str, default: float) -> float:
@@ -109,39 +115,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "float32) and exit: real vLLM and this engine then serve the same model")
 
 
-def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill what one flag implies for another; raise SystemExit on contradictions."""
-    cfg = args.kv_transfer_config
-    if isinstance(cfg, str):
-        try:
-            cfg = json.loads(cfg)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"--kv-transfer-config is not JSON: {e}") from None
-        if not isinstance(cfg, dict) or "kv_connector" not in cfg:
-            raise SystemExit("--kv-transfer-config needs at least kv_connector")
-    args.kv_transfer_config = cfg
-    from .kv_events import parse_config
+# Test-only fault hooks the CLI takes from the environment (tests/engine/test_faults.py).
+FAULT_ENV = {"fault_send_delay": ("PDGATE_ENGINE_FAULT_SEND_DELAY", float),
+             "fault_frame_pages": ("PDGATE_ENGINE_FAULT_FRAME_PAGES", int)}
 
-    args.kv_events_config = parse_config(args.kv_events_config)
-    if args.kv_events_config.active and not args.enable_prefix_caching:
-        raise SystemExit("--kv-events-config publishes the prefix cache's events: it needs prefix caching on")
-    if args.disaggregation_mode is None:
-        role = (cfg or {}).get("kv_role")
-        args.disaggregation_mode = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(role, "null")
-    if getattr(args, "api_flavor", None) is None:
-        args.api_flavor = "vllm" if cfg else "sglang"
-    args.vllm_endpoints_only = bool(getattr(args, "vllm_endpoints_only", False))
-    if cfg and cfg.get("engine_id") and not args.engine_id:
-        args.engine_id = str(cfg["engine_id"])
-    if not args.advertise_host:
-        wildcard = args.host in ("0.0.0.0", "::", "")
-        args.advertise_host = socket.gethostbyname(socket.gethostname()) if wildcard else args.host
-    if args.page_size < 1 or args.max_total_tokens < args.page_size:
-        raise SystemExit("--page-size must be >= 1 and --max-total-tokens >= --page-size")
-    return args
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The typed config of the parsed flags (the export flags are the CLI's own, not the
+    engine's), with the fault hooks from the environment."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    for name, (var, kind) in FAULT_ENV.items():
+        values[name] = kind(os.environ.get(var, "0") or 0)
+    return EngineConfig(**values)
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except _SETUP_ERRORS as e:  # the library raises; the CLI exits 1 with the message, as ever
+        raise SystemExit(str(e)) from None
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.export_model:
         from .hf_export import export_model
 
@@ -162,14 +158,14 @@ def run(args: argparse.Namespace) -> int:
     from .server import serve  # numpy and aiohttp load only when a worker really runs
 
     install_from_env()
-    args = resolve(args)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+    config = config_from_args(args).resolved()
+    logging.basicConfig(level=getattr(logging, str(config.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        code = asyncio.run(serve(args))
+        code = asyncio.run(serve(config))
     except KeyboardInterrupt:
         code = 0
-    if args.disaggregation_transfer_backend == "nixl":
+    if config.disaggregation_transfer_backend == "nixl":
         # nixl-cu12 1.5.1 crashes the interpreter's teardown (SIGSEGV, exit 139) once an agent with
         # a progress thread exists, so every clean stop would look like a crash to the supervisor.
         # The engine has shut down by now (servers closed, pages freed): skip the teardown.

@@ -12,6 +12,8 @@ import uuid
 import aiohttp
 
 from .config import PRESETS
+from .engine_config import EngineConfig
+from .errors import EngineConfigError
 from .items import FAKE_BOOTSTRAP_HOST, GenItem
 from .kv import KVPool, OutOfPages
 from .kv_events import KVEventPublisher
@@ -40,7 +42,7 @@ def load_model(name: str, seed: int):
         cfg = hf_config(name)
         bos, eos = load_hf_ids(name)
         return cfg, hf_weights(name, cfg), HFTokenizer(name, bos, eos), os.path.abspath(name)
-    raise SystemExit(f"--model {name!r}: not a preset ({', '.join(PRESETS)}) nor a directory")
+    raise EngineConfigError(f"--model {name!r}: not a preset ({', '.join(PRESETS)}) nor a directory")
 
 
 # The prefixes the vLLM-style endpoints put before the X-Request-Id in a request id.
@@ -48,8 +50,15 @@ VLLM_ID_PREFIXES = ("cmpl", "chatcmpl")
 
 
 class Engine:
-    def __init__(self, args):
-        self.args = args
+    """One worker's engine, built from an `EngineConfig` (resolved here: a raw one is fine).
+
+    Raises `EngineConfigError` for a config that cannot run (an unknown model, contradicting
+    fields) and `EngineStartError` for a KV transfer backend that cannot start; it reads no
+    environment variable. `start()` binds the side channel (and the bootstrap server of a
+    prefill); `server.serve(config)` runs one with its HTTP (and gRPC) surface."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = args = config.resolved()
         cfg, weights, self.tokenizer, weights_id = load_model(args.model, args.seed)
         self.cfg = cfg
         self.model = Model(cfg, weights)
@@ -61,7 +70,7 @@ class Engine:
         if args.enable_prefix_caching and args.disaggregation_mode != "decode":
             cache = PrefixCache(args.page_size, self.kv_events.add if self.kv_events else None)
         self.pool = KVPool(num_pages, args.page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache)
-        faults = [n for n in (getattr(args, "fault_kill_after_tokens", 0), getattr(args, "fault_drop_after_tokens", 0)) if n]
+        faults = [n for n in (args.fault_kill_after_tokens, args.fault_drop_after_tokens) if n]
         self.scheduler = Scheduler(self.model, self.pool, self.tokenizer, args.chunked_prefill_size,
                                    args.max_running_requests, hold_at=min(faults, default=0))
         self.mode = args.disaggregation_mode
@@ -76,7 +85,8 @@ class Engine:
         timeouts = Timeouts(args.bootstrap_timeout, args.waiting_timeout, args.transfer_timeout,
                             args.kv_lease_timeout)
         self.ctx = TransferContext(self.pool, layout, self.engine_id, args.advertise_host, timeouts,
-                                   self.reserve, self.run_prefill, self.release)
+                                   self.reserve, self.run_prefill, self.release,
+                                   fault_send_delay=args.fault_send_delay, fault_frame_pages=args.fault_frame_pages)
         if args.disaggregation_transfer_backend == "mooncake":
             from .transfer.mooncake_te import MooncakeBackend
 
@@ -105,17 +115,17 @@ class Engine:
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         if self.kv_events is not None:
             self.kv_events.start()
-        self.ctx.port = await self.tserver.start(self.args.host, self.args.transfer_port)
+        self.ctx.port = await self.tserver.start(self.config.host, self.config.transfer_port)
         self._tasks.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
         if self.bootstrap is not None:
-            await self.bootstrap.start(self.args.host, self.args.disaggregation_bootstrap_port)
-            host = self.args.advertise_host
+            await self.bootstrap.start(self.config.host, self.config.disaggregation_bootstrap_port)
+            host = self.config.advertise_host
             self.bootstrap.ranks[(0, 0, 0)] = {"role": "Prefill", "rank_ip": host,
                                                "rank_port": self.ctx.port}
             self.bootstrap.engines["0"] = {"engine_id": self.engine_id, "worker_addr": {
                 "host": host, "port": self.ctx.port, "transport": "tcp"}}
         self.ready = True
-        log.info("engine ready: mode=%s side channel=%s:%d", self.mode, self.args.host, self.ctx.port)
+        log.info("engine ready: mode=%s side channel=%s:%d", self.mode, self.config.host, self.ctx.port)
 
     async def stop(self) -> None:
         self.ready = False
@@ -193,7 +203,7 @@ class Engine:
 
     async def run_prefill(self, seq: Seq) -> None:
         """Compute a prefill-only sequence (prompt plus its first token); keep its pages."""
-        await self.acquire(seq, self.pool.pages_for(seq.prompt_len), self.args.queue_timeout)
+        await self.acquire(seq, self.pool.pages_for(seq.prompt_len), self.config.queue_timeout)
         self.scheduler.add(seq)
         try:
             await asyncio.wait({seq.prefilled, seq.done}, return_when=asyncio.FIRST_COMPLETED)
@@ -204,7 +214,7 @@ class Engine:
             raise seq.error
 
     async def start_local(self, seq: Seq) -> None:
-        await self.acquire(seq, self.pages_for_generation(seq), self.args.queue_timeout)
+        await self.acquire(seq, self.pages_for_generation(seq), self.config.queue_timeout)
         self.scheduler.add(seq)
 
     # ---- requests ----------------------------------------------------------------------

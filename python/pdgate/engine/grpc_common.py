@@ -81,16 +81,16 @@ async def fault_point(engine, out: int, context) -> None:
     client reports for a lost connection) and its sequences are aborted (the caller's finally);
     the process and its other calls live on. One HTTP/2 connection carries every call, so
     closing it, as the HTTP hook closes its socket, would break unrelated calls too."""
-    n = getattr(engine.args, "fault_kill_after_tokens", 0)
+    n = engine.config.fault_kill_after_tokens
     if n and out >= n:
         os.kill(os.getpid(), signal.SIGKILL)
-    d = getattr(engine.args, "fault_drop_after_tokens", 0)
+    d = engine.config.fault_drop_after_tokens
     if d and out >= d:
         await context.abort(grpc.StatusCode.UNAVAILABLE, "--fault-drop-after-tokens: the call was dropped mid-answer")
 
 
 def faults_on(engine) -> bool:
-    return bool(getattr(engine.args, "fault_kill_after_tokens", 0) or getattr(engine.args, "fault_drop_after_tokens", 0))
+    return bool(engine.config.fault_kill_after_tokens or engine.config.fault_drop_after_tokens)
 
 
 def finish_reason(seq: Seq) -> tuple[str, dict]:
@@ -108,11 +108,11 @@ def finish_reason(seq: Seq) -> tuple[str, dict]:
 def pairing_keys(engine) -> dict:
     """What a gateway pairs a prefill with a decode by, read from GetServerInfo."""
     cfg = engine.kv_transfer_config or {}
-    backend = engine.args.disaggregation_transfer_backend
+    backend = engine.config.disaggregation_transfer_backend
     connector = cfg.get("kv_connector") or {"mooncake": "MooncakeConnector", "nixl": "NixlConnector"}.get(backend, "")
     role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(engine.mode, "kv_both" if cfg else "")
     return {"kv_connector": connector, "kv_role": cfg.get("kv_role", role), "kv_cache_dtype": "float32",
-            "block_size": engine.args.page_size, "page_size": engine.args.page_size,
+            "block_size": engine.config.page_size, "page_size": engine.config.page_size,
             "attention_backend": "pdgate-numpy", "disaggregation_mode": engine.mode,
             "disaggregation_transfer_backend": backend, "kv_engine_id": engine.engine_id}
 

@@ -10,12 +10,14 @@ import logging
 
 import grpc
 
+from .errors import EngineConfigError, EngineStartError
+
 log = logging.getLogger("pdgate.engine.grpc")
 MAX_MESSAGE_BYTES = 256 << 20  # the HTTP surface's body limit
 
 
-def sidecar_port(args) -> int:
-    return args.port + 1
+def sidecar_port(config) -> int:
+    return config.port + 1
 
 
 async def start_grpc(engine, service: str, host: str, port: int) -> grpc.aio.Server:
@@ -34,10 +36,13 @@ async def start_grpc(engine, service: str, host: str, port: int) -> grpc.aio.Ser
 
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngine(engine), server)
     else:
-        raise SystemExit(f"--grpc-service {service!r}: expected sglang or vllm")
-    bound = server.add_insecure_port(f"{host}:{port}")
+        raise EngineConfigError(f"--grpc-service {service!r}: expected sglang or vllm")
+    try:  # grpcio raises on a port in use (older releases returned 0)
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as e:
+        raise EngineStartError(f"cannot bind the gRPC port {host}:{port} ({e})") from None
     if bound == 0:
-        raise SystemExit(f"cannot bind the gRPC port {host}:{port}")
+        raise EngineStartError(f"cannot bind the gRPC port {host}:{port}")
     await server.start()
     log.info("serving %s gRPC on %s:%d", service, host, port)
     return server

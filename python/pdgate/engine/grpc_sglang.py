@@ -126,7 +126,7 @@ def chunk(rid: str, seq: Seq, index: int, ids: list[int], start: int) -> pb.Gene
 class SglangScheduler(pb_grpc.SglangSchedulerServicer):
     def __init__(self, engine):
         self.e = engine
-        self.bundle = TokenizerBundle(engine.args.model)
+        self.bundle = TokenizerBundle(engine.config.model)
         feed_of(engine)  # from now on the KV event history is kept for SubscribeKvEvents
         self.started = time.time()
         self.last_receive = 0.0
@@ -175,7 +175,7 @@ class SglangScheduler(pb_grpc.SglangSchedulerServicer):
     async def GetModelInfo(self, request, context):
         e, c = self.e, self.e.cfg
         return pb.GetModelInfoResponse(
-            model_path=e.args.model, tokenizer_path=e.args.model, is_generation=True,
+            model_path=e.config.model, tokenizer_path=e.config.model, is_generation=True,
             weight_version=e.ctx.layout["fingerprint"], served_model_name=e.served_name,
             max_context_length=c.max_position, vocab_size=c.vocab_size, supports_vision=False, model_type="llama",
             eos_token_ids=list(e.tokenizer.eos_ids), pad_token_id=0,
@@ -188,7 +188,7 @@ class SglangScheduler(pb_grpc.SglangSchedulerServicer):
         e = self.e
         args = info_dict(e)
         args.update(pairing_keys(e))
-        args["max_running_requests"] = e.args.max_running_requests
+        args["max_running_requests"] = e.config.max_running_requests
         total = e.pool.num_pages * e.pool.page_size
         start = Timestamp()
         start.FromSeconds(int(self.started))
@@ -234,7 +234,7 @@ def scheduler_load(e) -> pb.SchedulerLoad:
     return pb.SchedulerLoad(
         dp_rank=0, num_running_reqs=running, num_waiting_reqs=waiting, num_total_reqs=d["num_live_reqs"],
         num_used_tokens=d["num_used_tokens"], max_total_num_tokens=d["max_total_num_tokens"],
-        token_usage=d["token_usage"], max_running_requests=e.args.max_running_requests,
+        token_usage=d["token_usage"], max_running_requests=e.config.max_running_requests,
         disaggregation=pb.DisaggregationMetrics(
             mode=e.mode,
             prefill_inflight_queue_reqs=(in_flight + dis["held_for_pull"]) if e.mode == "prefill" else 0,

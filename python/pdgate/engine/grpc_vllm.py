@@ -126,7 +126,7 @@ def input_logprobs(seq: Seq, k: int | None) -> pb.InputLogProbs | None:
 class VllmEngine(pb_grpc.VllmEngineServicer):
     def __init__(self, engine):
         self.e = engine
-        self.bundle = TokenizerBundle(engine.args.model)
+        self.bundle = TokenizerBundle(engine.config.model)
         feed_of(engine)  # from now on the KV event history is kept for SubscribeKvEvents
         self.started = time.time()
         self.last_receive = 0.0
@@ -217,8 +217,8 @@ class VllmEngine(pb_grpc.VllmEngineServicer):
     async def GetModelInfo(self, request, context):
         e, c = self.e, self.e.cfg
         return pb.GetModelInfoResponse(
-            model_path=e.args.model, is_generation=True, max_context_length=c.max_position, vocab_size=c.vocab_size,
-            supports_vision=False, served_model_name=e.served_name, tokenizer_path=e.args.model, model_type="llama",
+            model_path=e.config.model, is_generation=True, max_context_length=c.max_position, vocab_size=c.vocab_size,
+            supports_vision=False, served_model_name=e.served_name, tokenizer_path=e.config.model, model_type="llama",
             architectures=["LlamaForCausalLM"], eos_token_ids=list(e.tokenizer.eos_ids), pad_token_id=0,
             bos_token_id=e.tokenizer.bos_id if e.tokenizer.bos_id is not None else -1,
             max_req_input_len=c.max_position - 1)
@@ -233,7 +233,7 @@ class VllmEngine(pb_grpc.VllmEngineServicer):
             kv_role=k["kv_role"] if e.kv_transfer_config else "", kv_engine_id=e.engine_id,
             data_parallel_size=1, kv_cache_dtype=k["kv_cache_dtype"], block_size=k["block_size"],
             attention_backend=k["attention_backend"], model_dtype="float32",
-            max_num_seqs=e.args.max_running_requests)
+            max_num_seqs=e.config.max_running_requests)
 
     async def GetLoads(self, request, context):
         from .server import loads_dict
@@ -245,7 +245,7 @@ class VllmEngine(pb_grpc.VllmEngineServicer):
             dp_rank=0, num_running_reqs=d["num_running_reqs"], num_waiting_reqs=d["num_waiting_reqs"],
             num_total_reqs=d["num_live_reqs"], num_used_tokens=d["num_used_tokens"],
             max_total_num_tokens=d["max_total_num_tokens"], token_usage=d["token_usage"],
-            max_running_requests=self.e.args.max_running_requests)
+            max_running_requests=self.e.config.max_running_requests)
         return pb.GetLoadsResponse(timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                    version="pdgate-reference-0.1.0", dp_rank_count=1, loads=[load])
 

@@ -20,6 +20,7 @@ import os
 import shutil
 
 from .config import PRESETS, ModelConfig
+from .errors import EngineConfigError
 
 # The engine's HTTP chat path (tokenizer.chat_prompt), as a Jinja template: `<|role|>\ncontent\n`
 # per turn, then the assistant tag; content parts keep their text; BOS first as the engine's
@@ -115,7 +116,7 @@ def export(model: str, out_dir: str) -> list[str]:
         return [os.path.join(out_dir, f) for f in FILES]
     if os.path.isdir(model):
         return _export_checkpoint(model, out_dir)
-    raise SystemExit(f"--model {model!r}: not a preset ({', '.join(PRESETS)}) nor a directory")
+    raise EngineConfigError(f"--model {model!r}: not a preset ({', '.join(PRESETS)}) nor a directory")
 
 
 # The engine's weight names and their Hugging Face Llama names (HF stores matrices [out, in]).
@@ -189,7 +190,7 @@ def _export_checkpoint(src: str, out_dir: str) -> list[str]:
             shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
             written.append(os.path.join(out_dir, name))
     if not os.path.isfile(os.path.join(src, "tokenizer.json")):
-        raise SystemExit(f"{src}: no tokenizer.json to export")
+        raise EngineConfigError(f"{src}: no tokenizer.json to export")
     with open(os.path.join(src, "config.json")) as f:
         cfg = json.load(f)
     tc_path = os.path.join(out_dir, "tokenizer_config.json")

@@ -98,10 +98,10 @@ def fault_kill_point(engine, seqs: list[Seq], request: web.Request | None = None
     `--fault-drop-after-tokens N`: the same moment, on every request, the connection is closed
     instead (the engine lives on and aborts the request): a decode that dies mid-answer on
     every request, for breaker tests."""
-    n = getattr(engine.args, "fault_kill_after_tokens", 0)
+    n = engine.config.fault_kill_after_tokens
     if n and any(len(s.output_ids) >= n for s in seqs):
         os.kill(os.getpid(), signal.SIGKILL)
-    d = getattr(engine.args, "fault_drop_after_tokens", 0)
+    d = engine.config.fault_drop_after_tokens
     if d and request is not None and any(len(s.output_ids) >= d for s in seqs):
         if request.transport is not None:
             request.transport.close()

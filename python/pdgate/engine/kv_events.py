@@ -36,6 +36,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from .errors import EngineConfigError
+
 log = logging.getLogger("pdgate.engine.kv_events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -68,26 +70,29 @@ _TYPES = {"enable_kv_cache_events": bool, "publisher": (str, type(None)), "endpo
 
 
 def parse_config(text: str | dict | None) -> KVEventsConfig:
-    """`--kv-events-config` JSON -> config; SystemExit naming the problem otherwise."""
+    """`--kv-events-config` JSON (or its dict, or a parsed config) -> config; EngineConfigError
+    naming the problem otherwise."""
     if text is None:
         return KVEventsConfig()
+    if isinstance(text, KVEventsConfig):
+        return text
     try:
         raw = json.loads(text) if isinstance(text, str) else text
     except json.JSONDecodeError as e:
-        raise SystemExit(f"--kv-events-config is not JSON: {e}") from None
+        raise EngineConfigError(f"--kv-events-config is not JSON: {e}") from None
     if not isinstance(raw, dict):
-        raise SystemExit("--kv-events-config must be a JSON object")
+        raise EngineConfigError("--kv-events-config must be a JSON object")
     for k, v in raw.items():
         want = _TYPES.get(k)
         if want is None:
-            raise SystemExit(f"--kv-events-config: unknown field {k!r} (known: {', '.join(_TYPES)})")
+            raise EngineConfigError(f"--kv-events-config: unknown field {k!r} (known: {', '.join(_TYPES)})")
         if not isinstance(v, want) or (want is int and isinstance(v, bool)):
-            raise SystemExit(f"--kv-events-config: {k} has the wrong type ({v!r})")
+            raise EngineConfigError(f"--kv-events-config: {k} has the wrong type ({v!r})")
     cfg = KVEventsConfig(**raw)
     if cfg.publisher not in ("null", "zmq"):
-        raise SystemExit(f"--kv-events-config: publisher {cfg.publisher!r} is not one of null, zmq")
+        raise EngineConfigError(f"--kv-events-config: publisher {cfg.publisher!r} is not one of null, zmq")
     if min(cfg.buffer_steps, cfg.hwm, cfg.max_queue_size) < 1:
-        raise SystemExit("--kv-events-config: buffer_steps, hwm and max_queue_size must be >= 1")
+        raise EngineConfigError("--kv-events-config: buffer_steps, hwm and max_queue_size must be >= 1")
     return cfg
 
 

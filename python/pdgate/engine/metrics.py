@@ -63,7 +63,7 @@ def flavor_metrics(e, pool: dict):
     # Cached pages are evictable: free for new requests, as /v1/loads counts them.
     usage = (total - pool["free"] - pool.get("cached", 0)) / total if total else 0.0
     running, waiting = len(e.scheduler.running), e.scheduler.num_waiting
-    flavor = getattr(e.args, "api_flavor", "sglang")
+    flavor = e.config.api_flavor
     if flavor == "vllm":
         labels, values = ["engine", "model_name"], ["0", model]
         names = (("vllm:num_requests_running", "Number of requests in model execution batches.", running),

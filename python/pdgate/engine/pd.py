@@ -103,7 +103,7 @@ class PDDriver:
             meta = await push_receive(e.ctx, protocol, key, seq, addr)
         except EngineError:
             e.release(seq)
-            if protocol == "mooncake" and e.args.kv_load_failure_policy == "recompute":
+            if protocol == "mooncake" and e.config.kv_load_failure_policy == "recompute":
                 return await self._recompute(seq)
             raise
         except BaseException:
@@ -136,7 +136,7 @@ class PDDriver:
             # This decode will not pull (again): let the prefill free its blocks now. A pull
             # that reached the prefill has already ended its hold; the notice is then a no-op.
             self._spawn(release_remote(e.ctx, params))
-            if isinstance(err, EngineError) and e.args.kv_load_failure_policy == "recompute":
+            if isinstance(err, EngineError) and e.config.kv_load_failure_policy == "recompute":
                 return await self._recompute(seq)
             raise
         seq.meta_extra["kv_bytes_received"] = nbytes

@@ -15,6 +15,8 @@ from aiohttp import web
 
 from . import api_native, api_openai, metrics
 from .engine import Engine
+from .engine_config import EngineConfig
+from .errors import EngineStartError
 from .http_common import error_body, error_response, read_json
 from .items import GenItem
 from .kv_events import config_dict
@@ -34,7 +36,7 @@ def engine_app(engine: Engine) -> web.Application:
     r.add_get("/v1/models", api_openai.models)
     r.add_get("/health", health)
     r.add_get("/health_generate", health_generate)
-    if not getattr(engine.args, "vllm_endpoints_only", False):
+    if not engine.config.vllm_endpoints_only:
         # SGLang's own endpoints; a real vLLM server has none of them.
         r.add_get("/server_info", server_info)
         r.add_get("/get_server_info", server_info)
@@ -75,7 +77,7 @@ async def health(request: web.Request) -> web.Response:
     # --fault-slow-health: once the engine has taken a generation request, its checks stall as a
     # busy real engine's do (before, they answer, so a gateway counts it up); generations are not
     # slowed.
-    slow = getattr(e.args, "fault_slow_health", 0.0)
+    slow = e.config.fault_slow_health
     if slow > 0 and e.counters["requests"] > 0:
         await asyncio.sleep(slow)
     return web.Response(text="")
@@ -99,7 +101,7 @@ async def health_generate(request: web.Request) -> web.Response:
 
 
 def info_dict(e: Engine) -> dict:
-    a = e.args
+    a = e.config
     d = {k: v for k, v in vars(a).items() if not callable(v)}
     d.update({
         "model_path": a.model, "served_model_name": e.served_name, "tokenizer_path": a.model,
@@ -123,7 +125,7 @@ async def model_info(request: web.Request) -> web.Response:
     e: Engine = request.app["engine"]
     c = e.cfg
     return web.json_response({
-        "model_path": e.args.model, "tokenizer_path": e.args.model, "is_generation": True,
+        "model_path": e.config.model, "tokenizer_path": e.config.model, "is_generation": True,
         "preferred_sampling_params": None, "weight_version": e.ctx.layout["fingerprint"],
         "has_image_understanding": False, "has_audio_understanding": False,
         "model_type": "llama", "architectures": ["LlamaForCausalLM"],
@@ -150,7 +152,7 @@ def loads_dict(e: Engine) -> dict:
         "kv_pages": pool,
         "prefix_cache": e.prefix_cache_stats(),
         "disaggregation": {
-            "mode": e.mode, "transfer_backend": e.args.disaggregation_transfer_backend,
+            "mode": e.mode, "transfer_backend": e.config.disaggregation_transfer_backend,
             "kv_connector": (e.kv_transfer_config or {}).get("kv_connector"),
             "transfers_in_flight": e.ctx.table.live_counts(),
             "transfers_finished": dict(e.ctx.table.totals),
@@ -207,19 +209,25 @@ async def debug_transfers(request: web.Request) -> web.Response:
     return web.json_response({"transfers": request.app["engine"].ctx.table.snapshot()})
 
 
-async def serve(args) -> int:
-    """Run until SIGINT/SIGTERM. /health answers 503 until the engine is ready."""
-    engine = Engine(args)
+async def serve(config: EngineConfig) -> int:
+    """Run until SIGINT/SIGTERM. /health answers 503 until the engine is ready. Raises
+    `EngineConfigError` / `EngineStartError` when the worker cannot start."""
+    engine = Engine(config)
+    args = engine.config
     app = engine_app(engine)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
-    grpc_service = getattr(args, "grpc_service", None)
+    grpc_service = args.grpc_service
     http_port = args.port
     if grpc_service:
         from .grpc_server import sidecar_port
 
         http_port = sidecar_port(args)
-    await web.TCPSite(runner, args.host, http_port).start()
+    try:
+        await web.TCPSite(runner, args.host, http_port).start()
+    except OSError as e:
+        await runner.cleanup()
+        raise EngineStartError(f"cannot listen on http://{args.host}:{http_port} ({e})") from None
     log.info("listening on http://%s:%d", args.host, http_port)
     grpc_server = None
     if grpc_service:  # bound before the engine is ready, so a healthy sidecar means gRPC is up

@@ -55,6 +55,10 @@ class TransferContext:
     release: Callable[["Seq"], None]                   # free a sequence's pages (idempotent)
     port: int = 0                       # the TCP side channel, known once it listens
     backend: object | None = None       # optional data plane (MooncakeBackend) or None
+    # Test-only faults: a pause before each KV frame and pages per frame (0: by size), so a
+    # source can be killed mid-transfer.
+    fault_send_delay: float = 0.0
+    fault_frame_pages: int = 0
 
     def data_plane(self) -> dict | None:
         return self.backend.describe() if self.backend is not None else None

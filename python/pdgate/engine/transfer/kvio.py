@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from typing import Callable
 
 from ..sequence import EngineError
 from . import wire
 from .context import TransferContext, with_timeout
-
-# Fault injection for tests only: slow a source down so it can be killed mid-transfer.
-_FAULT_DELAY = float(os.environ.get("PDGATE_ENGINE_FAULT_SEND_DELAY", "0") or 0)
-_FAULT_FRAME_PAGES = int(os.environ.get("PDGATE_ENGINE_FAULT_FRAME_PAGES", "0") or 0)
 
 
 async def send_kv(ctx: TransferContext, writer: asyncio.StreamWriter, src: list[int],
@@ -28,10 +23,10 @@ async def send_kv(ctx: TransferContext, writer: asyncio.StreamWriter, src: list[
                           "kv_transfer_failed")
     if ctx.backend is not None and ctx.backend.compatible(peer) and src:
         return await _send_via_backend(ctx, writer, src, dst, tag, peer)
-    per, sent = _FAULT_FRAME_PAGES or wire.pages_per_frame(ctx.pool.page_bytes), 0
+    per, sent = ctx.fault_frame_pages or wire.pages_per_frame(ctx.pool.page_bytes), 0
     for i in range(0, len(src), per):
-        if _FAULT_DELAY:
-            await asyncio.sleep(_FAULT_DELAY)
+        if ctx.fault_send_delay:
+            await asyncio.sleep(ctx.fault_send_delay)
         hdr = {"op": "kv", "dst": dst[i:i + per], **tag}
         if i == 0:
             hdr["t0"] = time.time()  # lets the sink time the whole transfer (same-host clocks)

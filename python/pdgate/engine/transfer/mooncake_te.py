@@ -11,6 +11,7 @@ transport. If the two sides do not both use Mooncake, the pages travel as TCP fr
 
 from __future__ import annotations
 
+from ..errors import EngineStartError
 from ..kv import KVPool
 from .regions import compatible, describe_pool, regions
 
@@ -25,15 +26,15 @@ class MooncakeBackend:
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:
-            raise SystemExit(f"{INSTALL_HINT} ({e})") from e
+            raise EngineStartError(f"{INSTALL_HINT} ({e})") from e
         self.pool = pool
         self.te = TransferEngine()
         rc = self.te.initialize(host, "P2PHANDSHAKE", "tcp", "")
         if rc != 0:
-            raise SystemExit(f"Mooncake Transfer Engine initialize failed ({rc})")
+            raise EngineStartError(f"Mooncake Transfer Engine initialize failed ({rc})")
         rc = self.te.register_memory(pool.kv.ctypes.data, pool.kv.nbytes)
         if rc != 0:
-            raise SystemExit(f"Mooncake register_memory failed ({rc})")
+            raise EngineStartError(f"Mooncake register_memory failed ({rc})")
         self.session = f"{host}:{self.te.get_rpc_port()}"
 
     def describe(self) -> dict:

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 
+from ..errors import EngineStartError
 from ..kv import KVPool
 from .regions import compatible, describe_pool, regions
 
@@ -36,7 +37,7 @@ def _import_nixl():
         try:
             from nixl_cu12._api import nixl_agent, nixl_agent_config
         except ImportError as e:
-            raise SystemExit(f"{INSTALL_HINT} ({e})") from e
+            raise EngineStartError(f"{INSTALL_HINT} ({e})") from e
     return nixl_agent, nixl_agent_config
 
 

@@ -1,0 +1,118 @@
+"""`EngineConfig`: everything a reference engine worker is started with, as one typed value.
+
+The CLI (`cli.py`) builds it from its flags; a program builds it directly. Defaults are the
+CLI's defaults, except that nothing here reads the environment: the CLI takes the SGLang/vLLM
+environment variables it honours (timeouts, the side channel port, test fault hooks) into the
+fields itself. `resolved()` fills what one field implies for another and checks the whole; the
+engine resolves the config it is given, so a caller need not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .errors import EngineConfigError
+
+MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("tcp", "mooncake", "nixl")
+LOAD_FAILURE_POLICIES = ("fail", "recompute")
+API_FLAVORS = ("sglang", "vllm")
+GRPC_SERVICES = ("sglang", "vllm")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One worker's configuration; each field is the CLI flag of the same name (docs/engine.md)."""
+
+    model: str = "tiny"
+    served_model_name: Optional[str] = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    advertise_host: Optional[str] = None
+    seed: int = 0
+    page_size: int = 16
+    max_total_tokens: int = 65536
+    chunked_prefill_size: int = 8192
+    max_running_requests: int = 256
+    queue_timeout: float = 600.0
+    disaggregation_mode: Optional[str] = None        # None: from kv_transfer_config's kv_role
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "tcp"
+    kv_transfer_config: Any = None                   # vLLM's JSON text or its dict
+    kv_load_failure_policy: str = "fail"
+    transfer_port: int = 0
+    engine_id: Optional[str] = None
+    bootstrap_timeout: float = 300.0
+    waiting_timeout: float = 300.0
+    transfer_timeout: float = 60.0
+    kv_lease_timeout: float = 480.0
+    fault_kill_after_tokens: int = 0
+    fault_drop_after_tokens: int = 0
+    fault_slow_health: float = 0.0
+    fault_send_delay: float = 0.0                    # seconds before each KV frame (tests only)
+    fault_frame_pages: int = 0                       # pages per KV frame, 0: by size (tests only)
+    api_flavor: Optional[str] = None                 # None: vllm with kv_transfer_config, else sglang
+    vllm_endpoints_only: bool = False
+    enable_prefix_caching: bool = True
+    kv_events_config: Any = None                     # vLLM's KVEventsConfig JSON, dict or parsed
+    log_level: str = "info"
+    grpc_service: Optional[str] = None
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    def resolved(self) -> "EngineConfig":
+        """A copy with what one field implies for another filled in, checked as a whole;
+        `EngineConfigError` names the first problem. Resolving twice changes nothing."""
+        from .kv_events import parse_config  # zmq/msgpack only when a worker is configured
+
+        _check_choices(self)
+        kv = _transfer_config(self.kv_transfer_config)
+        events = parse_config(self.kv_events_config)
+        if events.active and not self.enable_prefix_caching:
+            raise EngineConfigError("--kv-events-config publishes the prefix cache's events: it needs prefix caching on")
+        mode = self.disaggregation_mode
+        if mode is None:
+            mode = {"kv_producer": "prefill", "kv_consumer": "decode"}.get((kv or {}).get("kv_role"), "null")
+        engine_id = self.engine_id
+        if kv and kv.get("engine_id") and not engine_id:
+            engine_id = str(kv["engine_id"])
+        advertise = self.advertise_host
+        if not advertise:
+            wildcard = self.host in ("0.0.0.0", "::", "")
+            advertise = socket.gethostbyname(socket.gethostname()) if wildcard else self.host
+        if self.page_size < 1 or self.max_total_tokens < self.page_size:
+            raise EngineConfigError("--page-size must be >= 1 and --max-total-tokens >= --page-size")
+        return self.replace(kv_transfer_config=kv, kv_events_config=events, disaggregation_mode=mode,
+                            api_flavor=self.api_flavor or ("vllm" if kv else "sglang"),
+                            vllm_endpoints_only=bool(self.vllm_endpoints_only), engine_id=engine_id,
+                            advertise_host=advertise)
+
+
+def _transfer_config(cfg: Any) -> Optional[dict]:
+    if isinstance(cfg, str):
+        try:
+            cfg = json.loads(cfg)
+        except json.JSONDecodeError as e:
+            raise EngineConfigError(f"--kv-transfer-config is not JSON: {e}") from None
+    if cfg is None:
+        return None
+    if not isinstance(cfg, dict) or "kv_connector" not in cfg:
+        raise EngineConfigError("--kv-transfer-config needs at least kv_connector")
+    return cfg
+
+
+def _check_choices(c: EngineConfig) -> None:
+    """What argparse's `choices` checks for the CLI, for configs built in code."""
+    for flag, value, allowed in (("--disaggregation-mode", c.disaggregation_mode, MODES),
+                                 ("--disaggregation-transfer-backend", c.disaggregation_transfer_backend,
+                                  TRANSFER_BACKENDS),
+                                 ("--kv-load-failure-policy", c.kv_load_failure_policy, LOAD_FAILURE_POLICIES),
+                                 ("--api-flavor", c.api_flavor, API_FLAVORS),
+                                 ("--grpc-service", c.grpc_service, GRPC_SERVICES)):
+        if value is not None and value not in allowed:
+            raise EngineConfigError(f"{flag} {value!r}: expected one of {', '.join(allowed)}")
