@@ -22,8 +22,8 @@ use serde_json::{Map, Value};
 use pdgate_core::plan::{LegBody, Mode};
 
 use super::Ctx;
-use crate::goodput::Finished;
-use crate::state::AppState;
+use crate::app::state::AppState;
+use crate::observe::goodput::{Finished, ResumedOn};
 
 /// The placement a plan's mode serves the request by (the `placement` label).
 pub fn placement_of(mode: Mode) -> &'static str {
@@ -419,17 +419,6 @@ pub struct Who {
     pub attempts: u32,
     /// The pairs (or workers) that continued the answer after its decode died, in order.
     pub resumed_on: Vec<ResumedOn>,
-}
-
-/// Where a resumed answer went on: the continuation's prefill and decode (PD) or worker.
-#[derive(Clone, Debug, Default, serde::Serialize)]
-pub struct ResumedOn {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub worker: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub prefill: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub decode: Option<String>,
 }
 
 /// How the response ended.

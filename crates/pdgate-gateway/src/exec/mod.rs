@@ -1,26 +1,27 @@
-//! Executing a request: the transaction (`transaction.rs`: admit → select → prepare → send →
-//! commit → relay → finish) run over a [`client::WorkerClient`] (HTTP: `http_client.rs`),
-//! with the plan of each attempt decided in core (`pdgate_core::plan`).
+//! Executing a request: the transaction (`transaction.rs`, open it first: admit → place →
+//! select → prepare → send → commit → relay → finish) run over a worker client
+//! (`crate::clients`), with the plan of each attempt decided in core (`pdgate_core::plan`).
 //!
 //! - `transaction`: the phases and the retry loop (before commit only);
+//! - `placement`:   PD mode: disaggregated, colocated or rejected early, and the cost model;
+//! - `kv_room`:     a disaggregated request waits for a decode with KV room;
 //! - `commit`:      the relayed leg from send to its first byte, and the non-stream answer;
 //! - `relay`:       the stream after commit, the prefill drain, the accounting at the end;
-//! - `client`:      the worker-client trait, its events and the abort guard;
-//! - `scheme_client`: each leg over its worker's wire (HTTP, or gRPC: `crate::grpc`);
+//! - `accounting`:  usage, TTFT/TPOT, the finished request's record for goodput;
 //! - `resume`:      continuing a stream on a new pair after its decode died;
-//! - `leg`:         HTTP leg helpers and the deadline errors;
-//! - `spans`:       the phase spans for `--enable-trace`.
+//! - `spans`:       the phase spans for `--enable-trace`;
+//! - `policy_rng`:  the routing rng (`--seed`).
+//!
+//! May use `fleet` (the snapshot, runtime counters, breakers), `clients`, `observe` and the
+//! leaves; never `admit`, `edge` or `app`.
 
 pub mod accounting;
-pub mod client;
 mod commit;
-pub mod http_client;
 pub mod kv_room;
-pub mod leg;
 pub mod placement;
+pub mod policy_rng;
 pub mod relay;
 mod resume;
-pub mod scheme_client;
 pub mod spans;
 mod transaction;
 
@@ -33,8 +34,8 @@ use pdgate_core::{GatewayError, KvMatch, RouteInput};
 use pdgate_protocol::ParsedRequest;
 use tokio::time::Instant;
 
-use crate::registry::Routing;
-use crate::state::AppState;
+use crate::app::state::AppState;
+use crate::fleet::registry::Routing;
 
 /// The most tokens one request adds to a worker's counters (2^40): far beyond any context
 /// length, small enough that no sum of requests overflows.
@@ -76,7 +77,7 @@ pub struct Ctx {
     pub ids_to_ledger: bool,
     /// The prompts as the first leg to a tokenizing worker client found them, for the other leg
     /// and retries; `Default` for a new prompt (a resume's continuation).
-    pub prompt_memo: crate::grpc::PromptMemo,
+    pub prompt_memo: crate::clients::grpc::PromptMemo,
 }
 
 impl Ctx {
@@ -137,7 +138,7 @@ impl Ctx {
     pub fn decide<T>(&self, routing: &Routing, text: Option<&str>, select: impl FnOnce(&RouteInput<'_>) -> T) -> T {
         let loads = self.state.loads(&routing.runtime);
         let held = self.kv_held(routing);
-        let blocks = crate::kv_sub::SnapshotBlocks { view: &self.state.kv_view, snap: &routing.snapshot };
+        let blocks = crate::fleet::kv_sub::SnapshotBlocks { view: &self.state.kv_view, snap: &routing.snapshot };
         let input = RouteInput {
             kv: held.as_ref().map(|h| KvMatch { prompt_tokens: h.prompt_tokens, held: &h.held, key: h.key, subscribed: &h.subscribed, blocks: &blocks }),
             text,

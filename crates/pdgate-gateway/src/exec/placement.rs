@@ -24,10 +24,9 @@ use pdgate_core::policy::{LoadView, SCAN_LIMIT};
 use pdgate_core::slo::SloTargets;
 use pdgate_core::{GatewayConfig, GatewayError, PoolSnapshot, WorkerRole};
 use pdgate_protocol::engine_load::TransferTotals;
-use prometheus::{GaugeVec, IntCounterVec, Opts, Registry};
 
 use super::Ctx;
-use crate::record::Record;
+use crate::observe::record::Record;
 use crate::render::{error_response, DROPPED_HEADER};
 
 /// Output tokens assumed for a request that does not bound them (no `max_tokens`).
@@ -94,54 +93,15 @@ impl Placer {
     pub fn fitted(&self) -> Fitted {
         self.model().fitted()
     }
-}
-
-/// `pdgate_placement_total{placement,reason}`, `pdgate_placement_recovery_total{choice,reason}`
-/// and the fitted parameters as `pdgate_placement_model{param}`.
-pub struct PlacementMetrics {
-    pub total: IntCounterVec,
-    pub recovery: IntCounterVec,
-    pub model: GaugeVec,
-}
-
-impl PlacementMetrics {
-    pub fn new(r: &Registry) -> Self {
-        let reg = |c: Box<dyn prometheus::core::Collector>, name: &str| r.register(c).unwrap_or_else(|e| panic!("metric {name}: {e}"));
-        let total = IntCounterVec::new(Opts::new("pdgate_placement_total", "PD-mode placement decisions by placement and reason"), &["placement", "reason"])
-            .unwrap_or_else(|e| panic!("metric pdgate_placement_total: {e}"));
-        reg(Box::new(total.clone()), "pdgate_placement_total");
-        let recovery = IntCounterVec::new(Opts::new("pdgate_placement_recovery_total", "Failures before commit by the recovery chosen and why"), &["choice", "reason"])
-            .unwrap_or_else(|e| panic!("metric pdgate_placement_recovery_total: {e}"));
-        reg(Box::new(recovery.clone()), "pdgate_placement_recovery_total");
-        let model = GaugeVec::new(Opts::new("pdgate_placement_model", "The placement cost model's fitted parameters"), &["param"])
-            .unwrap_or_else(|e| panic!("metric pdgate_placement_model: {e}"));
-        reg(Box::new(model.clone()), "pdgate_placement_model");
-        PlacementMetrics { total, recovery, model }
-    }
 
     /// Every reason at 0 for the configured mode's placements, so rates work from the start.
-    pub fn prime(&self, placer: &Placer) {
+    pub fn prime_metrics(&self, m: &crate::observe::placement_metrics::PlacementMetrics) {
         for reason in REASONS {
             for placement in ["disaggregated", "colocated", "rejected"] {
-                self.total.with_label_values(&[placement, reason]);
+                m.total.with_label_values(&[placement, reason]);
             }
         }
-        self.publish(&placer.fitted());
-    }
-
-    pub fn publish(&self, f: &Fitted) {
-        for (param, v) in [
-            ("prefill_base_ms", f.prefill_base_ms),
-            ("prefill_ms_per_token", f.prefill_ms_per_token),
-            ("link_setup_ms", f.link_setup_ms),
-            ("link_gib_per_s", f.link_gib_per_s),
-            ("decode_step_ms", f.decode_step_ms),
-            ("prefill_observations", f.prefill_observations as f64),
-            ("transfer_observations", f.transfer_observations as f64),
-            ("decode_observations", f.decode_observations as f64),
-        ] {
-            self.model.with_label_values(&[param]).set(v);
-        }
+        m.publish(&self.fitted());
     }
 }
 

@@ -27,11 +27,11 @@ use serde_json::Value;
 use tokio::time::{timeout_at, Instant};
 
 use super::accounting::{Account, Ending, StreamTally, Usage};
-use super::client::{AbortGuard, LegEvent, LegEvents, LegFuture};
 use super::resume::Resumer;
 use super::spans::RelayTrace;
-use crate::metrics::InflightGuard;
-use crate::state::AppState;
+use crate::app::state::AppState;
+use crate::clients::client::{AbortGuard, LegEvent, LegEvents, LegFuture};
+use crate::fleet::gauges::InflightGuard;
 
 /// How long the worker's end of a body may follow its `[DONE]` event.
 const TAIL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
@@ -73,7 +73,7 @@ pub fn drain_prefill(state: &Arc<AppState>, p: Option<PrefillLeg>, deadline: Ins
             let err = match timeout_at(deadline, p.answer).await {
                 Ok(Ok(_)) => return,
                 Ok(Err(e)) => e,
-                Err(_) => super::leg::deadline_error(Leg::Prefill),
+                Err(_) => crate::clients::leg::deadline_error(Leg::Prefill),
             };
             PrefillLeg::judge_late_error(&state, &p.url, p.sent, &err);
         });
@@ -167,7 +167,7 @@ pub struct Finish {
     pub guards: Vec<InflightGuard>,
     /// Held for its `Drop`: the relayed worker's queued work (KV tokens) ends with the response.
     #[allow(dead_code)]
-    pub tokens: Option<crate::token_load::TokenGuard>,
+    pub tokens: Option<crate::fleet::token_load::TokenGuard>,
 }
 
 impl Finish {
@@ -206,7 +206,7 @@ pub struct Relayed {
     /// First content token, usage (read, and stripped when the gateway asked for it).
     pub tally: StreamTally,
     /// The worker's live state, told after the first chunk whether the engine sends token ids.
-    pub learn_ids: Option<Arc<crate::registry::Runtime>>,
+    pub learn_ids: Option<Arc<crate::fleet::registry::Runtime>>,
     /// The leg's token ids, when its client keeps them aside instead of in the bytes (gRPC).
     pub ledger: Option<Arc<TokenLedger>>,
 }
@@ -422,8 +422,8 @@ impl StreamRelay {
     /// Ends the stream with the error event.
     fn error_event(&mut self, err: &GatewayError) -> Option<Bytes> {
         if let Some(f) = &self.finish {
-            let id = crate::edge::scope::request_id();
-            crate::edge::log_limit::warn_request(&f.state, id.as_deref(), "stream ended by an error after bytes reached the client", err, None);
+            let id = crate::observe::scope::request_id();
+            crate::observe::log_limit::warn_request(&f.state, id.as_deref(), "stream ended by an error after bytes reached the client", err, None);
         }
         self.relayed.trace.ended(Some(err));
         self.error = Some(err.code());
@@ -472,7 +472,7 @@ impl StreamRelay {
             if let Some(f) = &self.finish {
                 f.state.metrics.bad_worker_responses.with_label_values(&[leg.as_str(), "sse_event_too_long"]).inc();
             }
-            GatewayError::bad_worker_response(leg, format!("{} stream has an SSE event longer than {} bytes", super::leg::whose(leg), e.limit))
+            GatewayError::bad_worker_response(leg, format!("{} stream has an SSE event longer than {} bytes", crate::clients::leg::whose(leg), e.limit))
         })
     }
 
@@ -548,7 +548,7 @@ impl StreamRelay {
             let leg = self.relayed.leg;
             match event {
                 // Tokens were arriving (the first chunk came): the request outlived its deadline.
-                Err(_) => return self.fail(&super::leg::answering_deadline_error(leg)),
+                Err(_) => return self.fail(&crate::clients::leg::answering_deadline_error(leg)),
                 Ok(None) => match self.ended() {
                     Ok(tail) if tail.is_some() => return tail,
                     Ok(_) => {}

@@ -26,7 +26,7 @@ use tokio::time::Instant;
 use super::commit::Committed;
 use super::relay::StreamRelay;
 use super::Ctx;
-use crate::record::Record;
+use crate::observe::record::Record;
 
 /// What a stream needs to be resumed; attached to its relay at commit.
 pub struct Resumer {

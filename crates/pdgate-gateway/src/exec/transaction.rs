@@ -29,17 +29,17 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::accounting::{ask_for_usage_in, placement_of, Account, Ending, Usage, UsageAsk, Who};
-use super::client::{AbortGuard, LegRequest, WorkerClient};
 use super::commit::{relay_leg, Committed, RelayPlan, Watched};
 use super::placement;
 use super::relay::{Finish, PrefillLeg};
 use super::resume::Resumer;
 use super::{spans, AttemptFailure, Ctx};
-use crate::metrics::InflightGuard;
-use crate::record::{Record, ROUTE_HEADER};
-use crate::registry::Runtime;
+use crate::clients::client::{AbortGuard, LegRequest, WorkerClient};
+use crate::fleet::gauges::InflightGuard;
+use crate::fleet::registry::Runtime;
+use crate::fleet::token_load::TokenGuard;
+use crate::observe::record::{Record, ROUTE_HEADER};
 use crate::render::error_response;
-use crate::token_load::TokenGuard;
 
 /// Runs the request to its response: admit, then attempts until one commits or the error is
 /// final, then finish.
@@ -113,7 +113,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         // the client) even where retrying is off or over budget, up to --max-resumes.
         let resume = (!retry || refused) && super::resume::resume_whole(&ctx, err, &mut whole_resumes);
         if (!retry || refused) && !resume {
-            crate::edge::log_limit::warn_request(&ctx.state, Some(&ctx.request_id), "request failed", err, Some(&record.header_value()));
+            crate::observe::log_limit::warn_request(&ctx.state, Some(&ctx.request_id), "request failed", err, Some(&record.header_value()));
             let response = error_response(err);
             return finish(&ctx, response, &record, Some(err));
         }
@@ -466,7 +466,7 @@ fn finish(ctx: &Ctx, mut response: Response, record: &Record, err: Option<&Gatew
         headers.insert(crate::request_id::CLIENT_ID_HEADER, v);
     }
     let status = response.status();
-    crate::access_log::served(&ctx.request_id, ctx.client_request_id.as_deref(), ctx.route, record, status.as_u16(), ctx.started);
+    crate::observe::access_log::served(&ctx.request_id, ctx.client_request_id.as_deref(), ctx.route, record, status.as_u16(), ctx.started);
     ctx.state.metrics.requests.with_label_values(&[ctx.route, status.as_str()]).inc();
     if !status.is_success() {
         ctx.state.metrics.duration.with_label_values(&[ctx.route]).observe(ctx.started.elapsed().as_secs_f64());
