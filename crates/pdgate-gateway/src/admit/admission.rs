@@ -25,10 +25,20 @@ use pdgate_core::{GatewayConfig, GatewayError};
 
 use crate::admit::queue::{Denied, Permit, PriorityQueue};
 
-use crate::app::state::AppState;
+use crate::observe::goodput::Goodput;
+use crate::observe::metrics::Metrics;
 use crate::render::error_response;
 
-/// The limit, its queue and their counters. `None` in `AppState` when there is no limit.
+/// What the admission layer is handed (by `app`, when there is a limit): the limit and its
+/// queue, and where a refusal is reported.
+pub struct Admit {
+    pub admission: Admission,
+    pub config: Arc<GatewayConfig>,
+    pub metrics: Arc<Metrics>,
+    pub goodput: Arc<Goodput>,
+}
+
+/// The limit, its queue and their counters.
 pub struct Admission {
     queue: PriorityQueue,
     limit: usize,
@@ -121,8 +131,8 @@ pub fn request_priority(headers: &axum::http::HeaderMap, body: &serde_json::Map<
 
 /// The middleware on the inference routes (inside the API-key check, so an unauthenticated
 /// request never takes a place).
-pub async fn limit(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    let Some(admission) = state.admission.as_ref() else { return next.run(req).await };
+pub async fn limit(State(state): State<Arc<Admit>>, req: Request, next: Next) -> Response {
+    let admission = &state.admission;
     let started = Instant::now();
     let arrival_unix_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
     let priority = match priority_of(&req) {

@@ -25,16 +25,16 @@ use crate::request_id;
 
 pub fn router(state: Arc<AppState>) -> Router {
     let mut inference = Router::new().route("/v1/completions", post(completions)).route("/v1/chat/completions", post(chat_completions)).route("/generate", post(generate));
-    if state.admission.is_some() {
-        inference = inference.route_layer(middleware::from_fn_with_state(state.clone(), crate::admit::admission::limit));
+    if let Some(admit) = &state.admission {
+        inference = inference.route_layer(middleware::from_fn_with_state(admit.clone(), crate::admit::admission::limit));
     }
     // Layers added later run first: the key check comes before admission.
     let mut client = inference.route("/v1/models", get(models));
     // Without a key the check would pass every request: skip the middleware and its boxing.
     if state.config.api_key.as_deref().is_some_and(|k| !k.is_empty()) {
-        client = client.route_layer(middleware::from_fn_with_state(state.clone(), auth::client_key));
+        client = client.route_layer(middleware::from_fn_with_state(state.config.clone(), auth::client_key));
     }
-    let admin = workers_api::routes().route_layer(middleware::from_fn_with_state(state.clone(), auth::admin_key));
+    let admin = workers_api::routes().route_layer(middleware::from_fn_with_state(state.config.clone(), auth::admin_key)).with_state(state.fleet.clone());
     Router::new()
         .merge(client)
         .merge(admin)
@@ -84,7 +84,7 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
     }
     // Reading the body counts against the request's deadline.
     let deadline = Instant::now() + state.request_timeout();
-    let via = match state.edge.hops.outgoing(&headers) {
+    let via = match state.hops.outgoing(&headers) {
         Ok(v) => v,
         Err((err, kind)) => {
             state.metrics.edge.loops.with_label_values(&[kind]).inc();
@@ -152,7 +152,7 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
     let mut resp = scope::run(
         scope.clone(),
         execute(Ctx {
-            state,
+            state: state.exec.clone(),
             req,
             raw,
             request_id,
@@ -193,7 +193,7 @@ async fn liveness() -> Response {
 /// Ready when a request could be served now: PD mode needs a healthy prefill with a compatible
 /// healthy decode; regular mode a healthy worker.
 async fn readiness(State(state): State<Arc<AppState>>) -> Response {
-    let routing = state.registry.routing();
+    let routing = state.fleet.registry.routing();
     let snap = &routing.snapshot;
     let (ready, detail) = if state.config.pd_disaggregation {
         let p = snap.eligible(WorkerRole::Prefill).len();
@@ -214,7 +214,7 @@ async fn readiness(State(state): State<Arc<AppState>>) -> Response {
     } else {
         "not_ready"
     };
-    let mut body = json!({"status": word, "admin_api": auth::admin_api_mode(&state)});
+    let mut body = json!({"status": word, "admin_api": auth::admin_api_mode(&state.config)});
     if let (Some(b), Some(d)) = (body.as_object_mut(), detail.as_object()) {
         b.extend(d.clone());
     }
@@ -222,21 +222,21 @@ async fn readiness(State(state): State<Arc<AppState>>) -> Response {
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Response {
-    let data: Vec<_> = state.registry.routing().snapshot.models().into_iter().map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "pdgate"})).collect();
+    let data: Vec<_> = state.fleet.registry.routing().snapshot.models().into_iter().map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "pdgate"})).collect();
     Json(json!({"object": "list", "data": data})).into_response()
 }
 
 pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     // Exact at scrape time, whatever changed the registry since the last periodic refresh.
-    crate::fleet::discovery::refresh_worker_gauge(&state);
-    crate::fleet::gauges::refresh_workers(&state.metrics, &state.registry.list(), state.registry.breaker_config());
-    let routing = state.registry.routing();
-    crate::fleet::gauges::refresh_token_load(&state.metrics, &routing, &state.loads(&routing.runtime));
+    crate::fleet::discovery::refresh_worker_gauge(&state.fleet);
+    crate::fleet::gauges::refresh_workers(&state.metrics, &state.fleet.registry.list(), state.fleet.registry.breaker_config());
+    let routing = state.fleet.registry.routing();
+    crate::fleet::gauges::refresh_token_load(&state.metrics, &routing, &state.fleet.loads(&routing.runtime));
     if let Some(a) = &state.admission {
-        state.metrics.admission_waiting.set(a.waiting() as i64);
+        state.metrics.admission_waiting.set(a.admission.waiting() as i64);
     }
     state.goodput.refresh(&state.metrics.slo);
-    let text = state.metrics.render() + &state.kv_view.metrics_text();
+    let text = state.metrics.render() + &state.fleet.kv_view.metrics_text();
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 

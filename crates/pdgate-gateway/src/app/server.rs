@@ -139,17 +139,11 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     let limits = Limits::from_config(&config);
     let registry = Registry::new(Vec::new(), options, BreakerConfig::from_config(&config));
     let log_path = config.request_log.clone().unwrap_or_default();
-    let mut state = AppState::new(config, registry, upstream);
-    state.open_request_log().map_err(|source| StartError::RequestLog { path: log_path, source })?;
-    state.edge.own = own;
-    if let Some(t) = &tokenizer {
-        state.grpc.set_tokenizer(t.clone());
-    }
-    state.tokenizer = tokenizer;
+    let state = AppState::new(config, registry, upstream, own, tokenizer).map_err(|source| StartError::RequestLog { path: log_path, source })?;
     let state = Arc::new(state);
     // The static flags are the first source of membership changes (membership.rs).
     for spec in workers {
-        let _ = membership::apply(&state, Change::Add(Box::new(spec), Source::Static));
+        let _ = membership::apply(&state.fleet, Change::Add(Box::new(spec), Source::Static));
     }
     let edge_metrics = state.metrics.edge.clone();
     let threads = match connection_threads(state.config.connection_threads) {
@@ -157,9 +151,9 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
         n => Some(ConnThreads::start(n, edge_metrics.clone()).map_err(|source| StartError::Threads { n, source })?),
     };
     let (tx, rx) = watch::channel(false);
-    health::spawn_supervisor(&state, rx.clone());
-    load::spawn_poller(&state, rx.clone());
-    crate::fleet::discovery::spawn(&state, discovery, rx.clone());
+    health::spawn_supervisor(&state.fleet, rx.clone());
+    load::spawn_poller(&state.fleet, state.exec.clone(), rx.clone());
+    crate::fleet::discovery::spawn(&state.fleet, discovery, rx.clone());
     let metrics_addr = match crate::app::metrics_listener::spawn(&state, rx.clone()).await {
         Ok(a) => a,
         Err(e) => {

@@ -11,9 +11,8 @@ use axum::extract::{Request, State};
 use axum::http::header;
 use axum::middleware::Next;
 use axum::response::Response;
-use pdgate_core::GatewayError;
+use pdgate_core::{GatewayConfig, GatewayError};
 
-use crate::app::state::AppState;
 use crate::render::error_response;
 
 fn check(req: &Request, key: Option<&str>) -> Result<(), GatewayError> {
@@ -37,28 +36,28 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-pub async fn client_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    match check(&req, state.config.api_key.as_deref()) {
+pub async fn client_key(State(config): State<Arc<GatewayConfig>>, req: Request, next: Next) -> Response {
+    match check(&req, config.api_key.as_deref()) {
         Ok(()) => next.run(req).await,
         Err(e) => error_response(&e),
     }
 }
 
 /// How the worker API is guarded, as `/readiness` reports it.
-pub fn admin_api_mode(state: &AppState) -> &'static str {
-    if !state.config.admin_keys().is_empty() {
+pub fn admin_api_mode(config: &GatewayConfig) -> &'static str {
+    if !config.admin_keys().is_empty() {
         "key"
-    } else if state.config.admin_api_open {
+    } else if config.admin_api_open {
         "open"
     } else {
         "closed"
     }
 }
 
-pub async fn admin_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    let checked = match admin_api_mode(&state) {
+pub async fn admin_key(State(config): State<Arc<GatewayConfig>>, req: Request, next: Next) -> Response {
+    let checked = match admin_api_mode(&config) {
         "key" => {
-            let keys = state.config.admin_keys();
+            let keys = config.admin_keys();
             check_any(&req, &keys.iter().map(String::as_str).collect::<Vec<_>>())
         }
         "open" => Ok(()),

@@ -12,29 +12,3 @@ pub mod conn;
 pub mod hops;
 pub mod lanes;
 pub mod threads;
-
-use std::net::{Ipv4Addr, SocketAddr};
-
-/// Per-gateway edge state, one per `AppState`.
-pub struct Edge {
-    pub hops: hops::Hops,
-    /// This gateway's listener, for refusing workers that are this gateway.
-    pub own: crate::fleet::own_addr::OwnListener,
-    pub log: crate::observe::log_limit::LogLimiter,
-}
-
-impl Edge {
-    pub fn new() -> Self {
-        Edge {
-            hops: hops::Hops::new(),
-            own: crate::fleet::own_addr::OwnListener::new(SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0))),
-            log: crate::observe::log_limit::LogLimiter::default(),
-        }
-    }
-}
-
-impl Default for Edge {
-    fn default() -> Self {
-        Self::new()
-    }
-}

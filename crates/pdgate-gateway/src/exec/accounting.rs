@@ -22,7 +22,7 @@ use serde_json::{Map, Value};
 use pdgate_core::plan::{LegBody, Mode};
 
 use super::Ctx;
-use crate::app::state::AppState;
+use crate::exec::Exec;
 use crate::observe::goodput::{Finished, ResumedOn};
 
 /// The placement a plan's mode serves the request by (the `placement` label).
@@ -452,7 +452,7 @@ impl Account {
     }
 
     /// Records the finished request (metrics, goodput, log) at `now`.
-    pub fn finish(self, state: &AppState, end: Ending, now: Instant) -> SloResult {
+    pub fn finish(self, state: &Exec, end: Ending, now: Instant) -> SloResult {
         let failed = end.error.is_some() || !(200..300).contains(&end.status);
         let e2e = now.saturating_duration_since(self.arrival);
         // A whole (non-streamed) answer brings its first token with it.

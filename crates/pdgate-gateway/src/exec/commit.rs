@@ -195,7 +195,7 @@ async fn commit_and_relay(
     abort: &mut Option<AbortGuard>,
 ) -> Result<Committed, GatewayError> {
     let (deadline, leg) = (ctx.deadline, plan.leg);
-    let limits = ctx.state.upstream.limits;
+    let limits = ctx.state.fleet.upstream.limits;
     let req = LegRequest {
         url: plan.url.clone(),
         path: ctx.req.endpoint.path(),
@@ -255,7 +255,7 @@ async fn commit_and_relay(
     }
     let logprobs = if plan.merge_logprobs { Some(prefill_logprobs(&mut watched, deadline).await?) } else { None };
     // The relayed leg's real end: its whole answer, checked.
-    ctx.state.record_outcome(&plan.url, Outcome::Success);
+    ctx.state.fleet.record_outcome(&plan.url, Outcome::Success);
     drain_prefill(&ctx.state, watched.leg, deadline);
     observe_ttfb(ctx);
     let mut trace = RelayTrace::start();

@@ -199,7 +199,7 @@ fn sizes(ctx: &Ctx) -> Sizes {
 /// every worker counts 0). The tree counts bytes of text; they become tokens in proportion.
 fn cached_prefixes(ctx: &Ctx, snap: &PoolSnapshot) -> Vec<(usize, u64)> {
     let Some(text) = ctx.routing_text().filter(|t| !t.is_empty()) else { return Vec::new() };
-    let tree = ctx.state.tree.lock().unwrap_or_else(|p| p.into_inner());
+    let tree = ctx.state.fleet.tree.lock().unwrap_or_else(|p| p.into_inner());
     let per_byte = ctx.req.prompt_tokens as f64 / text.len() as f64;
     tree.matched_by_key(&text).into_iter().filter_map(|(url, bytes)| Some((snap.index_of(url)?, (bytes as f64 * per_byte).floor() as u64))).collect()
 }
@@ -218,8 +218,8 @@ pub fn place(ctx: &Ctx) -> Option<Decision> {
     if !ctx.state.config.pd_disaggregation || !placer.engaged() {
         return None;
     }
-    let routing = ctx.state.registry.routing();
-    let loads = ctx.state.loads(&routing.runtime);
+    let routing = ctx.state.fleet.registry.routing();
+    let loads = ctx.state.fleet.loads(&routing.runtime);
     let paths = Paths::for_mode(placer.mode);
     let cached = if paths.local { cached_prefixes(ctx, &routing.snapshot) } else { Vec::new() };
     let decision = {
@@ -282,8 +282,8 @@ pub fn recovery(ctx: &Ctx, left: Duration) -> Option<(Recovery, &'static str)> {
     if !ctx.state.config.pd_disaggregation || !placer.engaged() {
         return None;
     }
-    let routing = ctx.state.registry.routing();
-    let loads = ctx.state.loads(&routing.runtime);
+    let routing = ctx.state.fleet.registry.routing();
+    let loads = ctx.state.fleet.loads(&routing.runtime);
     let paths = Paths::for_mode(placer.mode);
     let cached = if paths.local { cached_prefixes(ctx, &routing.snapshot) } else { Vec::new() };
     let p = {

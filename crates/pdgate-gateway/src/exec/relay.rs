@@ -29,8 +29,8 @@ use tokio::time::{timeout_at, Instant};
 use super::accounting::{Account, Ending, StreamTally, Usage};
 use super::resume::Resumer;
 use super::spans::RelayTrace;
-use crate::app::state::AppState;
 use crate::clients::client::{AbortGuard, LegEvent, LegEvents, LegFuture};
+use crate::exec::Exec;
 use crate::fleet::gauges::InflightGuard;
 
 /// How long the worker's end of a body may follow its `[DONE]` event.
@@ -48,10 +48,10 @@ pub struct PrefillLeg {
 
 impl PrefillLeg {
     /// Records an error the prefill leg ended with, after the decode committed.
-    pub fn judge_late_error(state: &Arc<AppState>, url: &str, sent: std::time::Instant, err: &GatewayError) {
+    pub fn judge_late_error(state: &Arc<Exec>, url: &str, sent: std::time::Instant, err: &GatewayError) {
         tracing::warn!(error = %err, prefill = url, "prefill leg failed after the decode answered");
         state.metrics.leg_errors.with_label_values(&[Leg::Prefill.as_str(), &err.code()]).inc();
-        state.record_outcome(url, Outcome::of_attempt(err, sent));
+        state.fleet.record_outcome(url, Outcome::of_attempt(err, sent));
     }
 }
 
@@ -66,7 +66,7 @@ pub async fn wait_prefill(p: &mut Option<PrefillLeg>) -> Result<Bytes, GatewayEr
 /// Keeps reading a prefill answer nobody needs any more, so the engine sees its response
 /// consumed (closing early can abort its KV transfer), bounded by the request deadline. Its
 /// outcome still reaches the prefill's breaker.
-pub fn drain_prefill(state: &Arc<AppState>, p: Option<PrefillLeg>, deadline: Instant) {
+pub fn drain_prefill(state: &Arc<Exec>, p: Option<PrefillLeg>, deadline: Instant) {
     if let Some(p) = p {
         let state = state.clone();
         tokio::spawn(async move {
@@ -150,7 +150,7 @@ impl Rewriter {
 
 /// Accounting done when a response finishes or the client goes away.
 pub struct Finish {
-    pub state: Arc<AppState>,
+    pub state: Arc<Exec>,
     pub route: &'static str,
     pub protocol: &'static str,
     pub started: std::time::Instant,
@@ -390,7 +390,7 @@ impl StreamRelay {
     /// Tells the relayed worker's breaker how the stream went.
     fn record(&self, outcome: Outcome) {
         if let Some(f) = &self.finish {
-            f.state.record_outcome(&self.relayed.worker, outcome);
+            f.state.fleet.record_outcome(&self.relayed.worker, outcome);
         }
     }
 
@@ -423,7 +423,7 @@ impl StreamRelay {
     fn error_event(&mut self, err: &GatewayError) -> Option<Bytes> {
         if let Some(f) = &self.finish {
             let id = crate::observe::scope::request_id();
-            crate::observe::log_limit::warn_request(&f.state, id.as_deref(), "stream ended by an error after bytes reached the client", err, None);
+            crate::observe::log_limit::warn_request(&f.state.log, &f.state.metrics, id.as_deref(), "stream ended by an error after bytes reached the client", err, None);
         }
         self.relayed.trace.ended(Some(err));
         self.error = Some(err.code());
@@ -508,7 +508,7 @@ impl StreamRelay {
             if let Some(first) = self.first.take() {
                 // The worker answered: it is serving (the passive health signal).
                 if let Some(f) = &self.finish {
-                    f.state.registry.note_served(&self.relayed.worker);
+                    f.state.fleet.registry.note_served(&self.relayed.worker);
                 }
                 let out = self.process(first);
                 self.learn_ids();
@@ -573,7 +573,7 @@ impl StreamRelay {
                     if self.since_noted >= NOTE_SERVED_EVERY {
                         self.since_noted = 0;
                         if let Some(f) = &self.finish {
-                            f.state.registry.note_served(&self.relayed.worker);
+                            f.state.fleet.registry.note_served(&self.relayed.worker);
                         }
                     }
                     let out = self.process(data);

@@ -159,7 +159,7 @@ impl Resumer {
         if Instant::now() >= ctx.deadline {
             return self.refuse("deadline", err);
         }
-        let limit = ctx.state.registry.routing().snapshot.context_limit(ctx.req.model.as_deref());
+        let limit = ctx.state.fleet.registry.routing().snapshot.context_limit(ctx.req.model.as_deref());
         let progress = &self.tracker.as_ref()?.progress;
         let generated = progress.generated();
         let endpoint = if progress.native() { Endpoint::Generate } else { Endpoint::Completions };
@@ -206,8 +206,8 @@ impl Resumer {
             }
             Err(f) => {
                 if let Some(url) = &f.worker {
-                    ctx.state.record_outcome(url, Outcome::of_attempt(&f.error, ctx.started));
-                    ctx.state.note_worker_error(url, &f.error);
+                    ctx.state.fleet.record_outcome(url, Outcome::of_attempt(&f.error, ctx.started));
+                    ctx.state.fleet.note_worker_error(url, &f.error);
                     self.failed.push(url.clone());
                 }
                 metrics.resumes.with_label_values(&["failed", f.error.reason()]).inc();

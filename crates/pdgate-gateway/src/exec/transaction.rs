@@ -84,8 +84,8 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         let err = &failure.error;
         spans::failed(&attempt_span, err);
         if let Some(url) = &failure.worker {
-            ctx.state.record_outcome(url, Outcome::of_attempt(err, ctx.started));
-            ctx.state.note_worker_error(url, err);
+            ctx.state.fleet.record_outcome(url, Outcome::of_attempt(err, ctx.started));
+            ctx.state.fleet.note_worker_error(url, err);
         }
         let metrics = &ctx.state.metrics;
         if let Some(leg) = err.leg {
@@ -113,7 +113,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         // the client) even where retrying is off or over budget, up to --max-resumes.
         let resume = (!retry || refused) && super::resume::resume_whole(&ctx, err, &mut whole_resumes);
         if (!retry || refused) && !resume {
-            crate::observe::log_limit::warn_request(&ctx.state, Some(&ctx.request_id), "request failed", err, Some(&record.header_value()));
+            crate::observe::log_limit::warn_request(&ctx.state.log, &ctx.state.metrics, Some(&ctx.request_id), "request failed", err, Some(&record.header_value()));
             let response = error_response(err);
             return finish(&ctx, response, &record, Some(err));
         }
@@ -136,7 +136,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
 /// refuse it (400 naming the field) instead of letting it wait on the workers.
 fn admit(ctx: &Ctx) -> Result<(), GatewayError> {
     let Some((asked, field)) = ctx.req.max_tokens else { return Ok(()) };
-    let Some(limit) = ctx.state.registry.routing().snapshot.context_limit(ctx.req.model.as_deref()) else { return Ok(()) };
+    let Some(limit) = ctx.state.fleet.registry.routing().snapshot.context_limit(ctx.req.model.as_deref()) else { return Ok(()) };
     if asked > limit {
         return Err(GatewayError::invalid(Some(field), format!("'{field}' is {asked}, more than the model's context length of {limit} tokens")));
     }
@@ -168,7 +168,7 @@ pub(super) async fn attempt(ctx: &Ctx, failed: &[String], placed: Option<Placeme
     run(ctx, chosen, record.attempts, record.resumes).await.map_err(|error| {
         if mode == Mode::Pd(KvConnector::Mooncake) {
             if let Some(p) = &prefill_url {
-                ctx.state.forget_engine_id(p);
+                ctx.state.fleet.forget_engine_id(p);
             }
         }
         let worker = match error.leg {
@@ -194,7 +194,7 @@ struct Chosen {
 /// core turns the pick into the attempt's plan. A colocated placement in PD mode runs a
 /// regular plan on the regular pool.
 fn select(ctx: &Ctx, failed: &[String], placed: Option<Placement>) -> Result<Chosen, GatewayError> {
-    let routing = ctx.state.registry.routing();
+    let routing = ctx.state.fleet.registry.routing();
     let snap = &routing.snapshot;
     let mut exclude: Vec<usize> = failed.iter().filter_map(|u| snap.index_of(u)).collect();
     let text = ctx.routing_text();
@@ -270,11 +270,11 @@ async fn prepare_relayed(ctx: &Ctx, client: &Arc<dyn WorkerClient>, plan: &PdPla
         LegBody::FromPrefillAnswer | LegBody::SameAsRelayed => None,
         LegBody::NeedsEngineId { transfer_id, bootstrap_addr } => {
             let prefill = plan.prefill.as_ref().map(|p| p.url.as_str()).unwrap_or_default();
-            let engine = match ctx.state.cached_engine_id(prefill) {
+            let engine = match ctx.state.fleet.cached_engine_id(prefill) {
                 Some(id) => id,
                 None => {
                     let id = client.engine_id(prefill, bootstrap_addr, ctx.deadline).await?;
-                    ctx.state.store_engine_id(prefill, id.clone());
+                    ctx.state.fleet.store_engine_id(prefill, id.clone());
                     id
                 }
             };
@@ -298,7 +298,7 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
         ids_to_ledger: false,
         prompts: ctx.prompt_memo.clone(),
     };
-    let call = client.call(req, ctx.state.upstream.limits.max_response_bytes);
+    let call = client.call(req, ctx.state.fleet.upstream.limits.max_response_bytes);
     let mut abort = AbortGuard::new(client, &leg.url, &leg.abort);
     let (state, url, tokens) = (ctx.state.clone(), leg.url.clone(), ctx.req.prompt_tokens);
     // The leg's span is current while it is sent: the worker gets it as its `traceparent`.
@@ -322,7 +322,7 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
                 state.metrics.placement.publish(&state.placer.fitted());
             }
             if out.is_ok() && judge_success {
-                state.record_outcome(&url, Outcome::Success);
+                state.fleet.record_outcome(&url, Outcome::Success);
             }
             out
         }
@@ -345,7 +345,7 @@ async fn run(ctx: &Ctx, chosen: Chosen, attempts: u32, resumes: u32) -> Result<C
             let sent = send_prefill(ctx, &client, p, prefill_body(p, None)?, protocol, false, prefill_queued);
             let answer = sent.answer.await?;
             let body = nixl_decode_body(ctx, &p.url, &answer, &mut finish)?;
-            ctx.state.record_outcome(&p.url, Outcome::Success);
+            ctx.state.fleet.record_outcome(&p.url, Outcome::Success);
             watched.release = plan.release_prefill.as_ref().map(|how| AbortGuard::new(&client, &p.url, how));
             body
         }

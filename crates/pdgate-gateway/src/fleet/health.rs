@@ -18,14 +18,14 @@ use serde_json::Value;
 use tokio::sync::watch;
 use tokio::time::{timeout, MissedTickBehavior};
 
-use crate::app::state::AppState;
 use crate::clients::engine_info::{model_cards, server_info_facts, EngineInfo};
 use crate::fleet::registry::Entry;
+use crate::fleet::Fleet;
 
 /// Checks in flight at once, so a large fleet does not open thousands of sockets per round.
 const CONCURRENT_CHECKS: usize = 64;
 
-pub fn spawn_supervisor(state: &Arc<AppState>, mut shutdown: watch::Receiver<bool>) {
+pub fn spawn_supervisor(state: &Arc<Fleet>, mut shutdown: watch::Receiver<bool>) {
     let state = state.clone();
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(state.config.health_check_interval_secs.max(1)));
@@ -43,7 +43,7 @@ pub fn spawn_supervisor(state: &Arc<AppState>, mut shutdown: watch::Receiver<boo
 
 /// One check of one worker, recorded. Also used right after a worker is added. With
 /// `--disable-health-check` the worker is not asked and counts as healthy.
-pub async fn check_and_record(state: &AppState, entry: Entry) {
+pub async fn check_and_record(state: &Fleet, entry: Entry) {
     let cfg = &state.config;
     let checked = if cfg.disable_health_check { Ok(()) } else { check(state, &entry.spec.url).await };
     let probe = match &checked {
@@ -95,7 +95,7 @@ pub async fn check_and_record(state: &AppState, entry: Entry) {
 /// Entering or leaving panic routing for `role`: a warning naming the workers it now routes to
 /// although their checks go unanswered, counted in `pdgate_health_panic_total{role}`, and the
 /// `pdgate_health_panic{role}` gauge.
-fn announce_panic(state: &AppState, role: WorkerRole, was: bool) {
+fn announce_panic(state: &Fleet, role: WorkerRole, was: bool) {
     let routing = state.registry.routing();
     let snap = &routing.snapshot;
     let now = snap.in_panic(role);
@@ -119,7 +119,7 @@ fn announce_panic(state: &AppState, role: WorkerRole, was: bool) {
 /// One health check of the worker at `base` (`--health-check-endpoint`), as the supervisor
 /// makes it: healthy only on a 2xx read in full within `--health-check-timeout-secs`. Also
 /// asked when a request got no answer by its deadline (state.rs `ask_worker`).
-pub async fn probe(state: &AppState, base: &str) -> bool {
+pub async fn probe(state: &Fleet, base: &str) -> bool {
     check(state, base).await.is_ok()
 }
 
@@ -134,7 +134,7 @@ pub struct CheckFailure {
 
 /// One health check of the worker at `base`, with the reason when it fails: unreachable,
 /// a non-2xx status, a broken body or no answer within the timeout.
-pub async fn check(state: &AppState, base: &str) -> Result<(), CheckFailure> {
+pub async fn check(state: &Fleet, base: &str) -> Result<(), CheckFailure> {
     if pdgate_core::worker::is_grpc_url(base) {
         // gRPC workers: the service's HealthCheck (the endpoint flag is HTTP's).
         let limit = Duration::from_secs(state.config.health_check_timeout_secs.max(1));
@@ -161,7 +161,7 @@ pub async fn check(state: &AppState, base: &str) -> Result<(), CheckFailure> {
 }
 
 /// GETs a worker's JSON endpoint within the health-check timeout.
-pub async fn get_json(state: &AppState, url: &str) -> Option<Value> {
+pub async fn get_json(state: &Fleet, url: &str) -> Option<Value> {
     let limit = Duration::from_secs(state.config.health_check_timeout_secs.max(1));
     let body = timeout(limit, async {
         let resp = state.upstream.get(url, Leg::Regular).await.ok()?;
@@ -178,7 +178,7 @@ pub async fn get_json(state: &AppState, url: &str) -> Option<Value> {
 /// Models from `/v1/models`; mode and runtime from `/server_info` (SGLang, reference engine);
 /// the context length from the model cards' `max_model_len` (vLLM, SGLang, reference engine),
 /// else `/server_info`'s `context_length` (SGLang).
-pub async fn engine_info(state: &AppState, base: &str) -> EngineInfo {
+pub async fn engine_info(state: &Fleet, base: &str) -> EngineInfo {
     if pdgate_core::worker::is_grpc_url(base) {
         return state.grpc.engine_info(base, Duration::from_secs(state.config.health_check_timeout_secs.max(1))).await;
     }

@@ -12,13 +12,13 @@ use futures_util::StreamExt;
 use http_body_util::BodyExt;
 use pdgate_core::policy::LoadView;
 use pdgate_core::{KvLayout, Leg};
-use pdgate_protocol::engine_load::{self, EngineLoad};
+use pdgate_protocol::engine_load::{self, EngineLoad, TransferTotals};
 use tokio::sync::watch;
 use tokio::time::{timeout, MissedTickBehavior};
 
-use crate::app::state::AppState;
 use crate::fleet::health::get_json;
 use crate::fleet::registry::{Entry, Runtime};
+use crate::fleet::Fleet;
 
 /// Polls in flight at once.
 const CONCURRENT_POLLS: usize = 64;
@@ -80,7 +80,7 @@ impl LoadView for GatewayLoads<'_> {
     }
 }
 
-pub fn stale_after_ms(state: &AppState) -> u64 {
+pub fn stale_after_ms(state: &Fleet) -> u64 {
     if state.config.load_poll_interval_secs == 0 {
         0
     } else {
@@ -88,7 +88,13 @@ pub fn stale_after_ms(state: &AppState) -> u64 {
     }
 }
 
-pub fn spawn_poller(state: &Arc<AppState>, mut shutdown: watch::Receiver<bool>) {
+/// Where the engines' cumulative KV-transfer counters go: the placement cost model
+/// (exec/placement.rs). The fleet reports them; the decision owns what they teach.
+pub trait TransferSink: Send + Sync {
+    fn observe_transfers(&self, worker: &str, totals: TransferTotals);
+}
+
+pub fn spawn_poller(state: &Arc<Fleet>, transfers: Arc<dyn TransferSink>, mut shutdown: watch::Receiver<bool>) {
     let interval = state.config.load_poll_interval_secs;
     if interval == 0 {
         return;
@@ -103,7 +109,7 @@ pub fn spawn_poller(state: &Arc<AppState>, mut shutdown: watch::Receiver<bool>) 
                 _ = shutdown.changed() => return,
             }
             let entries: Vec<Entry> = state.registry.list().into_iter().filter(|e| e.health.healthy).collect();
-            futures_util::stream::iter(entries).for_each_concurrent(CONCURRENT_POLLS, |e| poll_one(&state, e)).await;
+            futures_util::stream::iter(entries).for_each_concurrent(CONCURRENT_POLLS, |e| poll_one(&state, &*transfers, e)).await;
         }
     });
 }
@@ -121,7 +127,7 @@ enum Source {
 
 const SOURCES: [Source; 3] = [Source::Loads, Source::GetLoad, Source::Metrics];
 
-async fn poll_one(state: &AppState, entry: Entry) {
+async fn poll_one(state: &Fleet, transfers: &dyn TransferSink, entry: Entry) {
     let rt = &entry.runtime;
     // The source that answered last time first; the others only when it does not.
     let last = rt.load_source.load(Ordering::Relaxed);
@@ -150,9 +156,7 @@ async fn poll_one(state: &AppState, entry: Entry) {
     state.metrics.worker_load.with_label_values(&[&entry.spec.url, entry.spec.role.as_str()]).set(requests.map_or(-1, |l| l as i64));
     // The engine's KV transfers since its last report: the placement's transfer fit.
     if let Some(t) = report.as_ref().and_then(|r| r.transfers) {
-        if state.placer.observe_transfer_totals(&entry.spec.url, t) {
-            state.metrics.placement.publish(&state.placer.fitted());
-        }
+        transfers.observe_transfers(&entry.spec.url, t);
     }
     if let Some(r) = report.filter(|r| r.block_size.is_some() || r.cache_dtype.is_some()) {
         let layout = KvLayout { page_size: r.block_size, kv_dtype: r.cache_dtype.clone(), ..KvLayout::default() };
@@ -160,7 +164,7 @@ async fn poll_one(state: &AppState, entry: Entry) {
     }
 }
 
-async fn fetch(state: &AppState, base: &str, source: Source) -> Option<EngineLoad> {
+async fn fetch(state: &Fleet, base: &str, source: Source) -> Option<EngineLoad> {
     match source {
         Source::Loads => engine_load::from_sglang_loads(&get_json(state, &format!("{base}/v1/loads")).await?),
         Source::GetLoad => engine_load::from_sglang_get_load(&get_json(state, &format!("{base}/get_load")).await?),
@@ -173,7 +177,7 @@ async fn fetch(state: &AppState, base: &str, source: Source) -> Option<EngineLoa
 const MAX_METRICS_BYTES: usize = 4 * 1024 * 1024;
 
 /// GETs a text page within the health-check timeout.
-async fn get_text(state: &AppState, url: &str) -> Option<String> {
+async fn get_text(state: &Fleet, url: &str) -> Option<String> {
     let limit = Duration::from_secs(state.config.health_check_timeout_secs.max(1));
     timeout(limit, async {
         let resp = state.upstream.get(url, Leg::Regular).await.ok()?;

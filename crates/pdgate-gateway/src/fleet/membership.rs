@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use pdgate_core::WorkerSpec;
 
-use crate::app::state::AppState;
 use crate::fleet::registry::{Entry, RegistryError, Source};
+use crate::fleet::Fleet;
 
 /// How often a draining worker is checked for its last in-flight request.
 const DRAIN_POLL: Duration = Duration::from_millis(50);
@@ -28,7 +28,7 @@ pub enum Change {
 }
 
 /// Applies one change; returns the worker's entry as it is after the change.
-pub fn apply(state: &Arc<AppState>, change: Change) -> Result<Entry, RegistryError> {
+pub fn apply(state: &Arc<Fleet>, change: Change) -> Result<Entry, RegistryError> {
     match change {
         // A registered Mooncake engine id seeds the worker's runtime record (registry.rs).
         Change::Add(spec, source) => {
@@ -52,7 +52,7 @@ pub fn apply(state: &Arc<AppState>, change: Change) -> Result<Entry, RegistryErr
     }
 }
 
-fn drain(state: &Arc<AppState>, key: &str) -> Result<Entry, RegistryError> {
+fn drain(state: &Arc<Fleet>, key: &str) -> Result<Entry, RegistryError> {
     let entry = state.registry.start_drain(key)?;
     let state = state.clone();
     let (id, url) = (entry.id.clone(), entry.spec.url.clone());
@@ -73,4 +73,56 @@ fn drain(state: &Arc<AppState>, key: &str) -> Result<Entry, RegistryError> {
         }
     });
     Ok(entry)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use pdgate_core::breaker::BreakerConfig;
+    use pdgate_core::radix::RadixTree;
+    use pdgate_core::{GatewayConfig, KvConnector, PairingMode, SnapshotOptions, WorkerRole, WorkerSpec};
+
+    use super::{apply, Change};
+    use crate::clients::grpc::GrpcClient;
+    use crate::clients::upstream::Upstream;
+    use crate::fleet::kv_sub::{KvView, SubTimings};
+    use crate::fleet::own_addr::OwnListener;
+    use crate::fleet::registry::{Registry, Source};
+    use crate::fleet::Fleet;
+
+    const URL: &str = "grpc://127.0.0.1:1";
+
+    /// A fleet alone, as the gateway builds it (app/state.rs), with no listener.
+    fn fleet() -> Arc<Fleet> {
+        let config = GatewayConfig::default();
+        let options = SnapshotOptions { default_connector: KvConnector::Bootstrap, pairing_mode: PairingMode::Lenient };
+        Arc::new(Fleet {
+            registry: Registry::new(Vec::new(), options, BreakerConfig::default()),
+            upstream: Upstream::from_config(&config).unwrap(),
+            grpc: Arc::new(GrpcClient::new()),
+            kv_view: KvView::new(1, config.kv_index_max_blocks, SubTimings::default()),
+            routes_on_events: false,
+            tree: Mutex::new(RadixTree::new()),
+            uses_tree: false,
+            own: OwnListener::new(std::net::SocketAddr::from(([0, 0, 0, 0], 0))),
+            metrics: Arc::default(),
+            log: Arc::default(),
+            config: Arc::new(config),
+        })
+    }
+
+    /// A removed gRPC worker's cached connection is dropped (apply → Fleet::forget_worker).
+    #[tokio::test]
+    async fn removing_a_worker_drops_its_connection_and_only_its_own() {
+        let state = fleet();
+        let entry = apply(&state, Change::Add(Box::new(WorkerSpec::new(URL, WorkerRole::Regular).unwrap()), Source::Api)).unwrap();
+        let other = "grpc://127.0.0.1:2";
+        state.grpc.cache_unconnected(URL);
+        state.grpc.cache_unconnected(other);
+        assert!(state.grpc.has_connection(URL));
+        apply(&state, Change::Remove(entry.id)).unwrap();
+        assert!(!state.grpc.has_connection(URL), "the removed worker's channel is still cached");
+        assert!(state.grpc.has_connection(other));
+    }
 }

@@ -16,13 +16,13 @@ use pdgate_core::{GatewayError, WorkerRegistration, WorkerRole, WorkerSpec};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::app::state::AppState;
 use crate::fleet::health::{check_and_record, engine_info};
 use crate::fleet::membership::{self, Change};
 use crate::fleet::registry::{Entry, RegistryError, Source};
+use crate::fleet::Fleet;
 use crate::render::error_response;
 
-pub fn routes() -> Router<Arc<AppState>> {
+pub fn routes() -> Router<Arc<Fleet>> {
     Router::new().route("/workers", get(list).post(add)).route("/workers/{id}", get(one).delete(remove).put(update))
 }
 
@@ -36,7 +36,7 @@ fn parse<T: for<'de> Deserialize<'de>>(body: &Bytes) -> Result<T, GatewayError> 
     serde_json::from_slice(body).map_err(|e| GatewayError::invalid(None, format!("invalid worker request: {e}")))
 }
 
-pub fn worker_json(state: &AppState, e: &Entry) -> Value {
+pub fn worker_json(state: &Fleet, e: &Entry) -> Value {
     let connector = e.spec.connector(state.config.kv_connector);
     let polled = e.runtime.polled_load.load(Ordering::Relaxed);
     json!({
@@ -67,7 +67,7 @@ pub fn worker_json(state: &AppState, e: &Entry) -> Value {
     })
 }
 
-async fn list(State(state): State<Arc<AppState>>) -> Response {
+async fn list(State(state): State<Arc<Fleet>>) -> Response {
     let workers: Vec<Value> = state.registry.list().iter().map(|e| worker_json(&state, e)).collect();
     Json(json!({"workers": workers, "total": workers.len()})).into_response()
 }
@@ -76,7 +76,7 @@ fn not_found(id: &str) -> Response {
     error_response(&GatewayError::missing(format!("no worker with id or URL {id:?}")))
 }
 
-async fn one(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+async fn one(State(state): State<Arc<Fleet>>, Path(id): Path<String>) -> Response {
     match state.registry.get(&id) {
         Some(e) => Json(worker_json(&state, &e)).into_response(),
         None => not_found(&id),
@@ -84,17 +84,17 @@ async fn one(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Resp
 }
 
 /// The body of `POST /workers`, checked by the one registration parser (pdgate-core).
-fn build_spec(state: &AppState, body: &Bytes) -> Result<WorkerSpec, GatewayError> {
+fn build_spec(state: &Fleet, body: &Bytes) -> Result<WorkerSpec, GatewayError> {
     let reg = parse::<WorkerRegistration>(body)?;
     reg.into_spec(state.config.pd_disaggregation).map_err(|e| GatewayError::invalid(Some(e.param), e.message))
 }
 
-async fn add(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn add(State(state): State<Arc<Fleet>>, body: Bytes) -> Response {
     let result = async {
         let spec = build_spec(&state, &body)?;
-        if state.edge.own.is_me(&spec.url).await {
+        if state.own.is_me(&spec.url).await {
             state.metrics.edge.loops.with_label_values(&["registration"]).inc();
-            return Err(GatewayError::invalid(Some("url"), state.edge.own.refusal(&spec.url)));
+            return Err(GatewayError::invalid(Some("url"), state.own.refusal(&spec.url)));
         }
         // What the engine says about itself must not contradict the registration.
         let info = engine_info(&state, &spec.url).await;
@@ -125,14 +125,14 @@ async fn add(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     }
 }
 
-async fn remove(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+async fn remove(State(state): State<Arc<Fleet>>, Path(id): Path<String>) -> Response {
     match membership::apply(&state, Change::Drain(id.clone())) {
         Ok(e) => (StatusCode::ACCEPTED, Json(json!({"id": e.id, "url": e.spec.url, "status": "draining"}))).into_response(),
         Err(_) => not_found(&id),
     }
 }
 
-async fn update(State(state): State<Arc<AppState>>, Path(id): Path<String>, body: Bytes) -> Response {
+async fn update(State(state): State<Arc<Fleet>>, Path(id): Path<String>, body: Bytes) -> Response {
     let req = match parse::<UpdateWorker>(&body) {
         Ok(r) => r,
         Err(e) => return error_response(&e),

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use pdgate_core::GatewayError;
 
-use crate::app::state::AppState;
+use crate::observe::metrics::Metrics;
 
 /// Longest value (error text, route record) written into one warning line, in characters.
 pub const MAX_VALUE_CHARS: usize = 200;
@@ -91,12 +91,12 @@ impl LogLimiter {
 /// The one warning line of a failed request (or of a stream cut after bytes went out): the
 /// request id, the error code, the error and the route record truncated, rate-limited per
 /// identical message. Left-out lines are counted in `pdgate_log_lines_suppressed_total`.
-pub fn warn_request(state: &AppState, request_id: Option<&str>, what: &'static str, err: &GatewayError, route: Option<&str>) {
+pub fn warn_request(log: &LogLimiter, metrics: &Metrics, request_id: Option<&str>, what: &'static str, err: &GatewayError, route: Option<&str>) {
     let code = err.code();
     let error = truncate(&err.message, MAX_VALUE_CHARS);
     let key = format!("{what}\u{0}{code}\u{0}{error}");
-    match state.edge.log.check(&key, Instant::now()) {
-        Verdict::Suppress => state.metrics.edge.log_suppressed.inc(),
+    match log.check(&key, Instant::now()) {
+        Verdict::Suppress => metrics.edge.log_suppressed.inc(),
         Verdict::Log { suppressed } => {
             let request_id = truncate(request_id.unwrap_or("-"), MAX_VALUE_CHARS);
             let route = truncate(route.unwrap_or(""), MAX_VALUE_CHARS);

@@ -102,6 +102,12 @@ impl GrpcClient {
         workers.remove(url);
     }
 
+    /// Tests: caches a connection to `url` that was never made.
+    #[cfg(test)]
+    pub fn cache_unconnected(&self, url: &str) {
+        self.workers.lock().unwrap_or_else(|p| p.into_inner()).insert(url.to_string(), Arc::new(Wire::unconnected(url)));
+    }
+
     /// Whether a connection to `url` is cached.
     pub fn has_connection(&self, url: &str) -> bool {
         self.workers.lock().unwrap_or_else(|p| p.into_inner()).contains_key(url)

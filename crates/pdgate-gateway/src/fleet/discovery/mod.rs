@@ -16,7 +16,7 @@ use std::time::Duration;
 use pdgate_core::GatewayConfig;
 use tokio::sync::watch;
 
-use crate::app::state::AppState;
+use crate::fleet::Fleet;
 
 #[cfg(feature = "kubernetes")]
 mod pod;
@@ -53,7 +53,7 @@ pub async fn prepare(config: &GatewayConfig) -> Result<Prepared, String> {
 }
 
 /// Starts discovery when it was prepared; runs until `shutdown` turns true.
-pub fn spawn(state: &Arc<AppState>, prepared: Prepared, shutdown: watch::Receiver<bool>) {
+pub fn spawn(state: &Arc<Fleet>, prepared: Prepared, shutdown: watch::Receiver<bool>) {
     #[cfg(feature = "kubernetes")]
     if let Some(client) = prepared.client {
         tokio::spawn(run::run(state.clone(), client, shutdown));
@@ -64,7 +64,7 @@ pub fn spawn(state: &Arc<AppState>, prepared: Prepared, shutdown: watch::Receive
     spawn_gauge_refresh(state, shutdown);
 }
 
-fn spawn_gauge_refresh(state: &Arc<AppState>, mut shutdown: watch::Receiver<bool>) {
+fn spawn_gauge_refresh(state: &Arc<Fleet>, mut shutdown: watch::Receiver<bool>) {
     let state = state.clone();
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(GAUGE_REFRESH);
@@ -78,7 +78,7 @@ fn spawn_gauge_refresh(state: &Arc<AppState>, mut shutdown: watch::Receiver<bool
 }
 
 /// `pdgate_workers{source}`: the registry's workers by where they came from.
-pub fn refresh_worker_gauge(state: &AppState) {
+pub fn refresh_worker_gauge(state: &Fleet) {
     use crate::fleet::registry::Source;
     let entries = state.registry.list();
     for source in [Source::Static, Source::Api, Source::Discovery] {

@@ -20,7 +20,7 @@ use tokio::sync::watch;
 use super::pod::{pod_key, verdict, RoleSelector, Selector, Verdict};
 use super::state::{desired, Change, PodSet};
 use super::sync::Syncer;
-use crate::app::state::AppState;
+use crate::fleet::Fleet;
 
 /// Registry re-sync without events: retries edits that had to wait (a URL still draining).
 const RESYNC: Duration = Duration::from_secs(1);
@@ -92,7 +92,7 @@ fn watch_streams(client: Client, config: &GatewayConfig, roles: &[RoleSelector])
 }
 
 /// Runs discovery until shutdown.
-pub async fn run(state: Arc<AppState>, client: Client, mut shutdown: watch::Receiver<bool>) {
+pub async fn run(state: Arc<Fleet>, client: Client, mut shutdown: watch::Receiver<bool>) {
     let roles = role_selectors(&state.config);
     // Export the counter at 0 from the start.
     state.metrics.discovery_watch_restarts.with_label_values(&[] as &[&str]).inc_by(0);
@@ -124,7 +124,7 @@ pub async fn run(state: Arc<AppState>, client: Client, mut shutdown: watch::Rece
     }
 }
 
-fn judged(state: &AppState, pod: &Pod, role: &RoleSelector) -> (String, Verdict) {
+fn judged(state: &Fleet, pod: &Pod, role: &RoleSelector) -> (String, Verdict) {
     let key = pod_key(pod);
     let v = verdict(pod, role, state.config.service_discovery_port);
     match &v {
@@ -138,7 +138,7 @@ fn judged(state: &AppState, pod: &Pod, role: &RoleSelector) -> (String, Verdict)
     (key, v)
 }
 
-fn handle(state: &AppState, role: &RoleSelector, set: &mut PodSet, ev: Result<Event<Pod>, watcher::Error>) {
+fn handle(state: &Fleet, role: &RoleSelector, set: &mut PodSet, ev: Result<Event<Pod>, watcher::Error>) {
     let count = |kind: &str| state.metrics.discovery_events.with_label_values(&[kind]).inc();
     let change = match ev {
         Ok(Event::Init) => {

@@ -7,10 +7,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use crate::app::state::AppState;
 use crate::fleet::health::check_and_record;
 use crate::fleet::membership::{self, Change};
 use crate::fleet::registry::{Entry, RegistryError, Source};
+use crate::fleet::Fleet;
 
 use super::pod::Candidate;
 
@@ -34,7 +34,7 @@ fn same_worker(e: &Entry, c: &Candidate) -> bool {
 }
 
 impl Syncer {
-    pub fn sync(&mut self, state: &Arc<AppState>, desired: &BTreeMap<String, Candidate>) {
+    pub fn sync(&mut self, state: &Arc<Fleet>, desired: &BTreeMap<String, Candidate>) {
         let entries = state.registry.list();
         let mut present: BTreeMap<&str, &Entry> = BTreeMap::new();
         for e in &entries {
@@ -66,12 +66,12 @@ impl Syncer {
         super::refresh_worker_gauge(state);
     }
 
-    fn add(&mut self, state: &Arc<AppState>, c: &Candidate) {
+    fn add(&mut self, state: &Arc<Fleet>, c: &Candidate) {
         // A pod at this gateway's own address (e.g. selectors that match the gateway's pod).
-        if state.edge.own.is_me_literal(&c.spec.url) == Some(true) {
+        if state.own.is_me_literal(&c.spec.url) == Some(true) {
             state.metrics.edge.loops.with_label_values(&["registration"]).inc();
-            if matches!(state.edge.log.check(&c.spec.url, std::time::Instant::now()), crate::observe::log_limit::Verdict::Log { .. }) {
-                tracing::warn!(worker = %c.spec.url, "discovered pod skipped: {}", state.edge.own.refusal(&c.spec.url));
+            if matches!(state.log.check(&c.spec.url, std::time::Instant::now()), crate::observe::log_limit::Verdict::Log { .. }) {
+                tracing::warn!(worker = %c.spec.url, "discovered pod skipped: {}", state.own.refusal(&c.spec.url));
             }
             return;
         }
