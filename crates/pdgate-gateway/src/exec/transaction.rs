@@ -32,7 +32,7 @@ use super::accounting::{ask_for_usage_in, placement_of, Account, Ending, Usage, 
 use super::commit::{relay_leg, Committed, RelayPlan, Watched};
 use super::placement;
 use super::relay::{Finish, PrefillLeg};
-use super::resume::Resumer;
+use super::resume::{Continuing, Resumer};
 use super::{spans, AttemptFailure, Ctx};
 use crate::clients::client::{AbortGuard, LegRequest, WorkerClient};
 use crate::fleet::gauges::InflightGuard;
@@ -53,7 +53,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
     drop(admit_span);
     // Learns, before the legs are built, whether this stream could be resumed (then the decode
     // is asked for token ids).
-    let mut resumer = Resumer::prepare(&mut ctx);
+    let mut resumer = Resumer::prepare(&mut ctx, continue_stream);
     // Then how its token counts are learned: a stream whose ids are tracked need not make its
     // engine send the usage event too (PD does: the decode's cached-token report is in it).
     let tracks_ids = resumer.as_ref().is_some_and(Resumer::tracking);
@@ -141,6 +141,16 @@ fn admit(ctx: &Ctx) -> Result<(), GatewayError> {
         return Err(GatewayError::invalid(Some(field), format!("'{field}' is {asked}, more than the model's context length of {limit} tokens")));
     }
     Ok(())
+}
+
+/// A resumed stream's continuation (`resume.rs`): one attempt, its pair chosen as for a retry.
+fn continue_stream<'a>(ctx: &'a Ctx, failed: &'a [String], record: &'a mut Record) -> Continuing<'a> {
+    Box::pin(async move {
+        Ok(match attempt(ctx, failed, None, record).await? {
+            Committed::Stream { relay, .. } => Some(*relay),
+            Committed::Whole(_) => None,
+        })
+    })
 }
 
 /// One attempt: select → prepare → send → commit → relay. Also how a resume continues a

@@ -10,7 +10,7 @@
 use pdgate_core::GatewayError;
 use serde_json::{Map, Value};
 
-use super::request::{Call, Shape};
+use super::shape::{Call, Shape};
 
 fn bad(param: &str, message: impl Into<String>) -> GatewayError {
     GatewayError::invalid(Some(param), message)

@@ -8,7 +8,7 @@
 //!
 //! - `pb`:       the generated messages and clients (scripts/gen_grpc_protos);
 //! - `request`:  JSON body → sampling, logprob ask, answer shape (`prompts`: the prompt ids,
-//!   batches included; `calls`: the `GenerateRequest`s a leg is sent as);
+//!   batches included; `calls`: the `GenerateRequest`s a leg is sent as; `shape`: those types);
 //! - `response`: token events → JSON / SSE (`logprobs`: their JSON shapes);
 //! - `wire`:     the two services behind one interface (which one from `GetModelInfo`);
 //! - `fetched`, `tokenizer_zip`: the tokenizer from the worker's `GetTokenizer` when the
@@ -21,6 +21,7 @@ pub mod pb;
 mod prompts;
 pub mod request;
 pub mod response;
+pub mod shape;
 mod sse_chunk;
 mod tokenizer_zip;
 mod wire;

@@ -9,7 +9,7 @@ use pdgate_core::GatewayError;
 use pdgate_tokenizer::ModelTokenizer;
 use serde_json::{Map, Value};
 
-use super::request::Route;
+use super::shape::Route;
 use crate::prompt_ids::{prompt_token_ids, PromptKind};
 
 /// The prompts of one request, and whether the body gave a list (a batch: `/generate` then
