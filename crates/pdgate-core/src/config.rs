@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::pairing::PairingMode;
 use crate::placement::{CostPriors, PlacementMode};
+pub use crate::registration::parse_label;
 use crate::worker::{KvConnector, WorkerRole, WorkerSpec};
 
 /// Routing policy names. Every policy is a pure function over a pool snapshot (see `policy`).
@@ -573,13 +574,6 @@ pub fn parse_control_plane_key(entry: &str) -> Result<ControlPlaneKey, String> {
         "user" => Err(format!("--control-plane-api-keys entry {id:?}: the read-only `user` role is not supported yet; use `admin`")),
         other => Err(format!("--control-plane-api-keys entry {id:?}: unknown role {other:?} (expected admin)")),
     }
-}
-
-/// One `KEY=VALUE` label of a selector; `None` when malformed (no `=` or an empty key).
-pub fn parse_label(kv: &str) -> Option<(&str, &str)> {
-    let (k, v) = kv.split_once('=')?;
-    let k = k.trim();
-    (!k.is_empty() && !v.contains('=')).then_some((k, v.trim()))
 }
 
 impl Default for GatewayConfig {

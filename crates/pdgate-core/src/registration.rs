@@ -130,7 +130,7 @@ pub fn from_tokens(tokens: &[String], role: WorkerRole) -> Result<WorkerRegistra
         } else if let Some(ep) = token.strip_prefix("kv_events_replay=") {
             reg.kv_events_replay = Some(ep.to_string());
         } else if let Some(kv) = token.strip_prefix("label=") {
-            let (k, v) = crate::config::parse_label(kv).ok_or_else(|| format!("label {kv:?} after {flag} {url}: expected label=KEY=VALUE"))?;
+            let (k, v) = parse_label(kv).ok_or_else(|| format!("label {kv:?} after {flag} {url}: expected label=KEY=VALUE"))?;
             reg.labels.insert(k.to_string(), v.to_string());
         } else if i == 0 && role == WorkerRole::Prefill {
             reg.bootstrap_port = parse_port(token)?;
@@ -139,6 +139,14 @@ pub fn from_tokens(tokens: &[String], role: WorkerRole) -> Result<WorkerRegistra
         }
     }
     Ok(reg)
+}
+
+/// One `KEY=VALUE` label (a worker's `label=K=V`, a discovery selector); `None` when
+/// malformed (no `=` or an empty key).
+pub fn parse_label(kv: &str) -> Option<(&str, &str)> {
+    let (k, v) = kv.split_once('=')?;
+    let k = k.trim();
+    (!k.is_empty() && !v.contains('=')).then_some((k, v.trim()))
 }
 
 /// A KV event endpoint the gateway connects to: `tcp://host:port`, a concrete host (the
