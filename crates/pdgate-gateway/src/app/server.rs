@@ -136,6 +136,9 @@ pub async fn start(config: GatewayConfig) -> Result<RunningGateway, StartError> 
     for line in pdgate_core::armed::armed_refusals(&config) {
         tracing::info!("refusals: {line}");
     }
+    for line in config.warnings() {
+        tracing::warn!("{line}");
+    }
     let limits = Limits::from_config(&config);
     let registry = Registry::new(Vec::new(), options, BreakerConfig::from_config(&config));
     let log_path = config.request_log.clone().unwrap_or_default();

@@ -231,16 +231,19 @@ pub fn place(ctx: &Ctx) -> Option<Decision> {
     Some(decision)
 }
 
-/// The place phase of a request: the first attempt's placement (recorded in the header under
-/// `colocated` and `conditional`, and for every rejection), then, for a disaggregated request,
-/// the wait for decode KV room (`kv_room`). `Err` is the refusal to answer at once (and to
-/// account as failed).
+/// The place phase of a request: the first attempt's placement (recorded in the header for
+/// every PD-mode request: `--pd-placement disaggregated` without a decision names its mode),
+/// then, for a disaggregated request, the wait for decode KV room (`kv_room`). `Err` is the
+/// refusal to answer at once (and to account as failed).
 pub async fn place_request(ctx: &Ctx, record: &mut Record) -> Result<Option<Placement>, (Response, GatewayError)> {
     let decision = place(ctx);
+    if ctx.state.config.pd_disaggregation {
+        record.placement = Some(match &decision {
+            Some(d) => (d.placement.as_str(), d.reason),
+            None => (Placement::Disaggregated.as_str(), "placement_disaggregated"),
+        });
+    }
     if let Some(d) = &decision {
-        if ctx.state.placer.mode != PlacementMode::Disaggregated || d.placement == Placement::Reject {
-            record.placement = Some((d.placement.as_str(), d.reason));
-        }
         if d.placement == Placement::Reject {
             record.placed_as = Placement::Reject.as_str();
             return Err(rejection(d, &ctx.slo));
