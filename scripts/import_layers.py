@@ -5,7 +5,8 @@ For each crate's src/, every file is a node and every `crate::...` / `super::...
 names is an edge to the file that defines the module. Reports:
   - import circles (strongly connected components) of more than two files; none are allowed;
   - in pdgate-gateway, every edge that goes up the stage order (STAGES below); none allowed.
-Exit status 1 if either is found. `-v` prints every edge.
+Also prints which stage imports which. Exit status 1 if either is found. `-v` prints every
+edge.
 
     python3 scripts/import_layers.py [-v]
 """
@@ -138,6 +139,15 @@ def main():
         if crate == "pdgate-gateway":
             rank = lambda k: STAGES.index(k[0]) if k and k[0] in STAGES else -1
             up = [(a, b) for a in sorted(edges) for b in sorted(edges[a]) if rank(a) >= 0 and rank(b) >= 0 and rank(b) < rank(a)]
+            stage_edges = {}
+            for a in edges:
+                for b in edges[a]:
+                    if rank(a) >= 0 and rank(b) >= 0 and a[0] != b[0]:
+                        stage_edges.setdefault(a[0], set()).add(b[0])
+            print("  stage imports:")
+            for s in STAGES:
+                if s in stage_edges:
+                    print(f"    {s} -> {' '.join(x for x in STAGES if x in stage_edges[s])}")
             print(f"  imports up the stage order ({' > '.join(STAGES)}): {len(up)}")
             for a, b in up:
                 print(f"    {name(a)} -> {name(b)}")
