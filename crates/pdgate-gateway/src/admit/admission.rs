@@ -6,7 +6,7 @@
 //! `x-pdgate-priority` header (an integer, higher first, default 0), then first come first
 //! served; when `queue_size` requests already wait it is answered 429 at once, unless it
 //! outranks the lowest waiter, which is then shed (429) in its place; one that waited
-//! `queue_timeout` is answered 408, as SMG answers both. The line is `admission_queue.rs`
+//! `queue_timeout` is answered 408, as SMG answers both. The line is `queue.rs`
 //! (tower's `ConcurrencyLimit` cannot order by priority). Early rejection by predicted TTFT and
 //! the wait for decode KV room happen later, in the transaction (exec/placement.rs,
 //! exec/kv_room.rs).

@@ -118,7 +118,7 @@ fn announce_panic(state: &Fleet, role: WorkerRole, was: bool) {
 
 /// One health check of the worker at `base` (`--health-check-endpoint`), as the supervisor
 /// makes it: healthy only on a 2xx read in full within `--health-check-timeout-secs`. Also
-/// asked when a request got no answer by its deadline (state.rs `ask_worker`).
+/// asked when a request got no answer by its deadline (`Fleet::ask_worker`, fleet/mod.rs).
 pub async fn probe(state: &Fleet, base: &str) -> bool {
     check(state, base).await.is_ok()
 }

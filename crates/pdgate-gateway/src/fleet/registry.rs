@@ -52,7 +52,7 @@ pub struct Runtime {
     pub breaker: Mutex<Breaker>,
     /// The health probe asked by no-answer timeouts ([`Judgement::Probe`]): `None` when none is
     /// in flight, `Some(n)` while one is, with the `n` timeouts that take its verdict. At most
-    /// one probe per worker, however many requests of a burst time out (state.rs).
+    /// one probe per worker, however many requests of a burst time out (`Fleet::ask_worker`).
     pub probe: Mutex<Option<u32>>,
     /// Mooncake prefill: the engine id in use, seeded from the registration (`kv_engine_id`)
     /// or learned from its bootstrap `/query`; cleared when a transfer with it failed.
