@@ -15,6 +15,8 @@ echo "== cargo fmt --check, cargo clippy -D warnings"
 # Formatting and lints first: they take seconds and fail for reasons a test run would bury.
 cargo fmt --all --check
 cargo clippy -q --workspace --all-targets -- -D warnings
+# Imports run one way between the gateway's stages, no import circle over two files (issue 28).
+"$PY" scripts/import_layers.py >/dev/null || "$PY" scripts/import_layers.py
 if command -v cargo-machete >/dev/null 2>&1; then
     cargo machete  # unused dependencies (installed by .ci/run)
 fi

@@ -42,7 +42,7 @@ class GatewayOptions(TypedDict, total=False):
     port: int
     """--port: Port to listen on (0 picks a free port). Default: 30000. Range: 0 to 65535."""
     worker_urls: list[str] | tuple[str, ...]
-    """--worker-urls: Regular (non-PD) workers: one pool, each request to one worker."""
+    """--worker-urls: Regular (non-PD) workers: one pool, each request to one worker (in PD mode, the colocated pool of --pd-placement). Each URL may be followed by `kv_connector=NAME`, `kv_events=tcp://HOST:PORT`, `kv_events_replay=tcp://HOST:PORT` and `label=KEY=VALUE` (repeatable), as for --decode."""
     pd_disaggregation: bool
     """--pd-disaggregation: Run in prefill/decode disaggregated mode."""
     prefill: list[str | list[str | int | None] | tuple[str | int | None, ...] | PrefillWorker] | tuple[str | list[str | int | None] | tuple[str | int | None, ...] | PrefillWorker, ...]

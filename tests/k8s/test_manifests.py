@@ -175,7 +175,7 @@ def pre_stop_sleep(container: dict[str, Any]) -> int:
 
 def gateway_drain_seconds(argv: list[str]) -> int:
     """How long the gateway drains in-flight requests after SIGTERM: `--shutdown-grace-period-secs`
-    where the gateway has that option (the ConfigMap's value, else its default), else server.rs's
+    where the gateway has that option (the ConfigMap's value, else its default), else app/server.rs's
     fixed DRAIN_TIMEOUT."""
     try:
         from pdgate import _core
@@ -185,7 +185,7 @@ def gateway_drain_seconds(argv: list[str]) -> int:
         names = {o["name"] for o in json.loads(_core.config_schema())["options"]}
         if "shutdown_grace_period_secs" in names:
             return int(json.loads(_core.parse_cli(argv))["shutdown_grace_period_secs"])
-    source = (REPO / "crates" / "pdgate-gateway" / "src" / "server.rs").read_text()
+    source = (REPO / "crates" / "pdgate-gateway" / "src" / "app" / "server.rs").read_text()
     (seconds,) = re.findall(r"const DRAIN_TIMEOUT: Duration = Duration::from_secs\((\d+)\);", source)
     return int(seconds)
 

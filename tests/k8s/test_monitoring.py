@@ -2,7 +2,7 @@
 Operator: `kubernetes-validate` ships only the built-in API schemas and the CRDs' schemas are not
 available offline, so they get a structural check of the fields the operator needs), the dashboard
 and its ConfigMap, every metric and label the dashboard and the alerts use against those the
-gateway registers (crates/pdgate-gateway/src/metrics.rs), and, with `promtool` installed (Debian
+gateway registers (crates/pdgate-gateway/src/observe/metrics.rs), and, with `promtool` installed (Debian
 package `prometheus`), the rules and queries parsed and the alerts unit-tested
 (alert_rules_test.yaml).
 """
@@ -22,7 +22,7 @@ import yaml
 from manifests import DEPLOY, MONITORING, REPO, by_kind, dashboard_configmap, kustomization, one, validate
 
 DASHBOARD = DEPLOY / "dashboards" / "pdgate.json"
-METRICS_RS = REPO / "crates" / "pdgate-gateway" / "src" / "metrics.rs"
+METRICS_RS = REPO / "crates" / "pdgate-gateway" / "src" / "observe" / "metrics.rs"
 DASHBOARD_METRICS = [
     "pdgate_requests_total", "pdgate_request_duration_seconds", "pdgate_time_to_first_byte_seconds",
     "pdgate_pd_leg_duration_seconds", "pdgate_retries_total", "pdgate_worker_errors_total", "pdgate_worker_inflight",

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::pairing::PairingMode;
 use crate::placement::{CostPriors, PlacementMode};
+pub use crate::registration::parse_label;
 use crate::worker::{KvConnector, WorkerRole, WorkerSpec};
 
 /// Routing policy names. Every policy is a pure function over a pool snapshot (see `policy`).
@@ -60,7 +61,10 @@ pub struct GatewayConfig {
     #[arg(long, default_value_t = 30000)]
     pub port: u16,
 
-    /// Regular (non-PD) workers: one pool, each request to one worker.
+    /// Regular (non-PD) workers: one pool, each request to one worker (in PD mode, the colocated
+    /// pool of --pd-placement). Each URL may be followed by `kv_connector=NAME`,
+    /// `kv_events=tcp://HOST:PORT`, `kv_events_replay=tcp://HOST:PORT` and `label=KEY=VALUE`
+    /// (repeatable), as for --decode.
     #[arg(long, num_args = 1.., value_name = "URL")]
     pub worker_urls: Vec<String>,
 
@@ -575,13 +579,6 @@ pub fn parse_control_plane_key(entry: &str) -> Result<ControlPlaneKey, String> {
     }
 }
 
-/// One `KEY=VALUE` label of a selector; `None` when malformed (no `=` or an empty key).
-pub fn parse_label(kv: &str) -> Option<(&str, &str)> {
-    let (k, v) = kv.split_once('=')?;
-    let k = k.trim();
-    (!k.is_empty() && !v.contains('=')).then_some((k, v.trim()))
-}
-
 impl Default for GatewayConfig {
     fn default() -> Self {
         // The clap defaults are the only defaults: parse an empty command line.
@@ -718,15 +715,9 @@ impl GatewayConfig {
     /// Cross-field checks that neither clap nor serde express.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
-        if self.pd_disaggregation {
-            // In PD mode, regular workers are the colocated pool of --pd-placement.
-            if !self.worker_urls.is_empty() && self.pd_placement == PlacementMode::Disaggregated {
-                return bad(
-                    "--worker-urls is for regular mode; use --prefill/--decode with --pd-disaggregation (or give it with --pd-placement colocated|conditional: the colocated pool)"
-                        .into(),
-                );
-            }
-        } else if !self.prefill.is_empty() || !self.decode.is_empty() {
+        // In PD mode, --worker-urls is the colocated pool of --pd-placement, accepted in every
+        // mode (unused under `disaggregated`: see `warnings`).
+        if !self.pd_disaggregation && (!self.prefill.is_empty() || !self.decode.is_empty()) {
             return bad("--prefill/--decode need --pd-disaggregation".into());
         }
         if self.request_timeout_secs == 0 {
@@ -929,8 +920,9 @@ impl GatewayConfig {
     /// The statically configured workers, parsed and checked.
     pub fn workers(&self) -> Result<Vec<WorkerSpec>, ConfigError> {
         let mut out = Vec::new();
-        for url in &self.worker_urls {
-            let reg = crate::registration::WorkerRegistration::new(url.clone(), WorkerRole::Regular);
+        // `--worker-urls URL [kv_events=...] [label=K=V]... URL ...`: the tokens of --decode.
+        for tokens in crate::registration::worker_url_groups(&self.worker_urls).map_err(ConfigError::Invalid)? {
+            let reg = crate::registration::from_tokens(tokens, WorkerRole::Regular).map_err(ConfigError::Invalid)?;
             out.push(reg.into_spec(false).map_err(|e| ConfigError::Invalid(e.message))?);
         }
         out.extend(self.prefill_args()?);
@@ -945,6 +937,18 @@ impl GatewayConfig {
             }
         }
         Ok(out)
+    }
+
+    /// What a valid configuration still does not do as asked, for the start-up log.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.pd_disaggregation && self.pd_placement == PlacementMode::Disaggregated && !self.worker_urls.is_empty() {
+            out.push(format!(
+                "--worker-urls gives a colocated pool of {} worker(s) that --pd-placement disaggregated never uses (every request runs on a prefill/decode pair); use --pd-placement colocated or conditional to route to it",
+                crate::registration::worker_url_groups(&self.worker_urls).map_or(0, |g| g.len())
+            ));
+        }
+        out
     }
 
     /// `--prefill URL [PORT] ...` occurrences as worker specs.

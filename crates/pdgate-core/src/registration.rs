@@ -117,7 +117,7 @@ impl WorkerRegistration {
 /// [kv_engine_id=ID] [label=K=V]...` (a port only for a prefill, right after the URL; `none`
 /// for the engine default).
 pub fn from_tokens(tokens: &[String], role: WorkerRole) -> Result<WorkerRegistration, String> {
-    let flag = role.as_str();
+    let flag = if role == WorkerRole::Regular { "worker-urls" } else { role.as_str() };
     let (url, rest) = tokens.split_first().ok_or_else(|| format!("--{flag} needs a URL"))?;
     let mut reg = WorkerRegistration::new(url.clone(), role);
     for (i, token) in rest.iter().enumerate() {
@@ -130,7 +130,7 @@ pub fn from_tokens(tokens: &[String], role: WorkerRole) -> Result<WorkerRegistra
         } else if let Some(ep) = token.strip_prefix("kv_events_replay=") {
             reg.kv_events_replay = Some(ep.to_string());
         } else if let Some(kv) = token.strip_prefix("label=") {
-            let (k, v) = crate::config::parse_label(kv).ok_or_else(|| format!("label {kv:?} after {flag} {url}: expected label=KEY=VALUE"))?;
+            let (k, v) = parse_label(kv).ok_or_else(|| format!("label {kv:?} after {flag} {url}: expected label=KEY=VALUE"))?;
             reg.labels.insert(k.to_string(), v.to_string());
         } else if i == 0 && role == WorkerRole::Prefill {
             reg.bootstrap_port = parse_port(token)?;
@@ -139,6 +139,39 @@ pub fn from_tokens(tokens: &[String], role: WorkerRole) -> Result<WorkerRegistra
         }
     }
     Ok(reg)
+}
+
+/// `--worker-urls` as workers: each URL with the tokens after it that are a worker's fields
+/// (`kv_connector=`, `kv_engine_id=`, `kv_events=`, `kv_events_replay=`, `label=`), as a
+/// `--decode` takes them. Any other token starts the next worker, so `--worker-urls A B` is two.
+pub fn worker_url_groups(tokens: &[String]) -> Result<Vec<&[String]>, String> {
+    const FIELDS: [&str; 5] = ["kv_connector=", "kv_engine_id=", "kv_events=", "kv_events_replay=", "label="];
+    let mut groups: Vec<&[String]> = Vec::new();
+    let mut start = None;
+    for (i, token) in tokens.iter().enumerate() {
+        if FIELDS.iter().any(|f| token.starts_with(f)) {
+            if start.is_none() {
+                return Err(format!("--worker-urls: {token:?} comes before any worker URL"));
+            }
+            continue;
+        }
+        if let Some(s) = start {
+            groups.push(&tokens[s..i]);
+        }
+        start = Some(i);
+    }
+    if let Some(s) = start {
+        groups.push(&tokens[s..]);
+    }
+    Ok(groups)
+}
+
+/// One `KEY=VALUE` label (a worker's `label=K=V`, a discovery selector); `None` when
+/// malformed (no `=` or an empty key).
+pub fn parse_label(kv: &str) -> Option<(&str, &str)> {
+    let (k, v) = kv.split_once('=')?;
+    let k = k.trim();
+    (!k.is_empty() && !v.contains('=')).then_some((k, v.trim()))
 }
 
 /// A KV event endpoint the gateway connects to: `tcp://host:port`, a concrete host (the
@@ -173,6 +206,22 @@ mod tests {
 
     fn tokens(t: &[&str]) -> Vec<String> {
         t.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// Issue 28: `--worker-urls` takes a worker's fields after its URL, as `--decode` does.
+    #[test]
+    fn worker_urls_group_each_url_with_its_fields() {
+        let t = tokens(&["http://a:1", "kv_events=tcp://a:5557", "label=zone=x", "label=gpu=h100", "http://b:1", "http://c:1", "kv_connector=nixl"]);
+        let groups = worker_url_groups(&t).unwrap();
+        assert_eq!(groups, vec![&t[0..4], &t[4..5], &t[5..7]]);
+        let a = from_tokens(groups[0], WorkerRole::Regular).unwrap().into_spec(false).unwrap();
+        assert_eq!(a.kv_events.as_deref(), Some("tcp://a:5557"));
+        assert_eq!((a.labels.get("zone").map(String::as_str), a.labels.get("gpu").map(String::as_str)), (Some("x"), Some("h100")));
+        assert_eq!(from_tokens(groups[2], WorkerRole::Regular).unwrap().into_spec(false).unwrap().kv_connector, Some(KvConnector::Nixl));
+        // Plain URLs stay one worker each; a field before any URL is refused.
+        assert_eq!(worker_url_groups(&tokens(&["http://a:1", "http://b:1"])).unwrap().len(), 2);
+        assert!(worker_url_groups(&tokens(&["label=zone=x", "http://a:1"])).unwrap_err().contains("before any worker URL"));
+        assert!(worker_url_groups(&[]).unwrap().is_empty());
     }
 
     #[test]

@@ -68,10 +68,12 @@ fn bad_configs_are_refused_with_a_reason() {
         r#"{"unknown_option": 1}"#,
         r#"{"pd_disaggregation": true, "prefill": [["http://p:1", "notaport"]]}"#,
         r#"{"pd_disaggregation": true, "prefill": [{"url": "http://p:1", "kv_connector": "lmcache"}]}"#,
-        r#"{"worker_urls": ["http://a:1"], "pd_disaggregation": true}"#,
         r#"{"decode": ["http://d:1"]}"#,
         r#"{"worker_urls": ["ftp://a:1"]}"#,
         r#"{"worker_urls": ["http://a:1", "http://a:1/"]}"#,
+        r#"{"worker_urls": ["label=zone=a", "http://a:1"]}"#,
+        r#"{"worker_urls": ["http://a:1", "kv_events=tcp://*:5557"]}"#,
+        r#"{"worker_urls": ["http://a:1", "kv_engine_id=e1"]}"#,
     ] {
         assert!(GatewayConfig::from_json(bad).is_err(), "{bad} should be refused");
     }
@@ -153,4 +155,37 @@ fn env_fallbacks_fill_only_unset_options_through_the_given_lookup() {
     assert_eq!(c.api_key.as_deref(), Some("from-flag"), "the flag wins");
     let names: Vec<&str> = pdgate_core::config::ENV_FALLBACKS.iter().map(|(_, v)| *v).collect();
     assert_eq!(names, ["PDGATE_API_KEY", "PDGATE_ADMIN_API_KEY"]);
+}
+
+/// Issue 28: `--worker-urls` takes the tokens `--decode` takes after each URL (the JSON view is
+/// the same token list), so a regular worker's registration has every field from every source.
+#[test]
+fn worker_urls_take_a_workers_fields_after_its_url() {
+    let config = cli(&["--worker-urls", "http://a:1", "kv_events=tcp://a:5557", "kv_events_replay=tcp://a:5558", "label=zone=x", "http://b:1", "--worker-urls", "http://c:1"]);
+    let workers = config.workers().unwrap();
+    let urls: Vec<&str> = workers.iter().map(|w| w.url.as_str()).collect();
+    assert_eq!(urls, ["http://a:1", "http://b:1", "http://c:1"]);
+    assert_eq!((workers[0].kv_events.as_deref(), workers[0].kv_events_replay.as_deref()), (Some("tcp://a:5557"), Some("tcp://a:5558")));
+    assert_eq!(workers[0].labels.get("zone").map(String::as_str), Some("x"));
+    assert!(workers[1].kv_events.is_none() && workers[1].labels.is_empty());
+    let from_json = GatewayConfig::from_json(&config.to_json()).unwrap();
+    assert_eq!(from_json.workers().unwrap(), workers);
+}
+
+/// Issue 28: the colocated pool is accepted in every --pd-placement mode; under
+/// `disaggregated` it is unused and the start-up log says so.
+#[test]
+fn worker_urls_are_accepted_in_every_pd_placement() {
+    for mode in ["disaggregated", "colocated", "conditional"] {
+        let config =
+            cli(&["--pd-disaggregation", "--pd-placement", mode, "--prefill", "http://p:1", "--decode", "http://d:1", "--worker-urls", "http://c:1", "label=pool=colocated"]);
+        config.validate().unwrap();
+        assert_eq!(config.workers().unwrap().len(), 3, "{mode}");
+        let warnings = config.warnings();
+        assert_eq!(warnings.len(), usize::from(mode == "disaggregated"), "{mode}: {warnings:?}");
+    }
+    let warned = cli(&["--pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:1", "--worker-urls", "http://c:1"]).warnings();
+    assert!(warned[0].contains("1 worker(s)") && warned[0].contains("never uses"), "{warned:?}");
+    assert!(cli(&["--worker-urls", "http://c:1"]).warnings().is_empty(), "regular mode uses its workers");
+    assert!(GatewayConfig::from_json(r#"{"worker_urls": ["http://a:1"], "pd_disaggregation": true}"#).is_ok());
 }

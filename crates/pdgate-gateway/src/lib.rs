@@ -1,47 +1,45 @@
-//! pdgate-gateway: the running gateway. HTTP front, upstream client, the PD executors, health
-//! checks, metrics. Decisions are delegated to `pdgate-core`; wire formats to
-//! `pdgate-protocol`. This crate does the IO and keeps it thin.
+//! pdgate-gateway: the running gateway. Decisions are delegated to `pdgate-core`; wire formats
+//! to `pdgate-protocol`. This crate does the IO and keeps it thin.
+//!
+//! Its folders are the stages of a request, in the request's order, and imports run one way:
+//! a stage uses the stages below it, never one above (`scripts/import_layers.py` checks it).
+//!
+//! ```text
+//! app      start/stop, the routes, the handles each stage gets (AppState)
+//!  │
+//! edge     connections, their threads and limits, loop detection, API keys
+//! admit    --max-concurrent-requests and its priority queue
+//! exec     a request as one transaction: place → select → plan → legs → commit → relay → finish
+//!  │         (reads the fleet's snapshot, runs its legs over a worker client)
+//! fleet    which workers there are and what is known of them: registry, membership, health,
+//!  │         load, discovery, KV events, the /workers API
+//! clients  talking to one worker: the WorkerClient trait, HTTP (own h1 client) and gRPC, TLS
+//! observe  metrics, goodput, request/access logs, decision records, logging, traces
+//! ```
+//!
+//! Below every stage, three leaves that import nothing of this crate: `render` (the one place a
+//! `GatewayError` becomes an HTTP response), `request_id` (minting the ids legs rendezvous on)
+//! and `prompt_ids` (a prompt's token ids for KV-event routing).
 
-mod access_log;
-mod admission;
-mod admission_queue;
-mod auth;
-mod discovery;
+mod admit;
+mod app;
+mod clients;
 mod edge;
 mod exec;
-mod front;
-mod goodput;
-pub mod grpc;
-mod h1_client;
-mod health;
-pub mod kv_sub;
-mod load;
-mod log_file;
-mod membership;
-mod metrics;
-mod metrics_listener;
-mod policy_rng;
+mod fleet;
+mod observe;
 pub mod prompt_ids;
-mod record;
-mod registry;
 mod render;
 mod request_id;
-mod request_log;
-mod server;
-mod state;
-mod telemetry;
-mod token_load;
-mod tracing_export;
-mod upstream;
-mod worker_tls;
-mod workers_api;
 
-pub use log_file::LOG_FILE;
+pub use app::server::{start, RunningGateway, StartError};
+pub use clients::grpc;
+pub use fleet::kv_sub;
+pub use observe::log_file::LOG_FILE;
+pub use observe::record::ROUTE_HEADER;
+pub use observe::telemetry::init_logging;
+pub use observe::tracing_export::flush as flush_traces;
 pub use pdgate_core::GatewayConfig;
-pub use record::ROUTE_HEADER;
-pub use server::{start, RunningGateway, StartError};
-pub use telemetry::init_logging;
-pub use tracing_export::flush as flush_traces;
 
 /// The environment variable `pdgate-gateway` (and `pdgate launch`) read the worker key from
 /// when `--worker-api-key` is not given; read by the binaries, never by the config schema.

@@ -76,10 +76,11 @@ async fn a_request_predicted_to_miss_its_ttft_is_refused_at_once() {
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["code"], "overloaded");
     assert_eq!(p.log().count() + d.log().count(), 0, "no leg was sent");
-    // A short one fits and is served; in disaggregated mode the header carries no placement.
+    // A short one fits and is served; in disaggregated mode the header names its placement too
+    // (issue 28: every PD-mode response does).
     let (status, short) = route_of(&url, 100).await;
     assert_eq!(status, 200);
-    assert!(!short.contains("placement="), "{short}");
+    assert!(short.contains("placement=disaggregated; reason=placement_disaggregated"), "{short}");
 }
 
 /// A bootstrap pair behind a gateway whose cost model believes prefill costs 1 ms per token:
@@ -153,7 +154,29 @@ async fn early_rejection_off_lets_the_long_prompt_through() {
                      "prefill": [[p.url, 8998]], "decode": [d.url]});
     let (_gw, url) = gateway(cfg).await;
     wait_ready(&url).await;
-    assert_eq!(route_of(&url, 10_000).await.0, 200);
+    let (status, route) = route_of(&url, 10_000).await;
+    assert_eq!(status, 200);
+    // No decision was run, and the header still names the placement (issue 28).
+    assert!(route.contains("placement=disaggregated; reason=placement_disaggregated"), "{route}");
+}
+
+/// Issue 28: `--worker-urls` is accepted under `--pd-placement disaggregated` (the colocated
+/// pool, unused): every request still runs on the pair, and says so.
+#[tokio::test]
+async fn a_colocated_pool_is_accepted_and_unused_when_disaggregated() {
+    let rdv = Arc::new(Rendezvous::default());
+    let (p, d) = (spawn("prefill", rdv.clone(), Fault::None).await, spawn("decode", rdv, Fault::None).await);
+    let r = spawn("regular", Default::default(), Fault::None).await;
+    let cfg = json!({"pd_disaggregation": true, "pd_placement": "disaggregated", "chars_per_token": 1.0,
+                     "prefill": [[p.url, 8998]], "decode": [d.url], "worker_urls": [r.url, "label=pool=colocated"]});
+    let (_gw, url) = gateway(cfg).await;
+    wait_ready(&url).await;
+    for _ in 0..3 {
+        let (status, route) = route_of(&url, 100).await;
+        assert_eq!(status, 200);
+        assert!(route.starts_with("protocol=bootstrap") && route.contains("placement=disaggregated"), "{route}");
+    }
+    assert_eq!(r.log().count(), 0, "the colocated pool is not used under disaggregated");
 }
 
 #[tokio::test]

@@ -31,10 +31,10 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower_service::Service;
 
-use super::log_limit::{truncate, MAX_VALUE_CHARS};
-use super::scope::{self, RequestScope};
 use super::threads::{self, ConnThreads};
-use crate::metrics::EdgeMetrics;
+use crate::observe::log_limit::{truncate, MAX_VALUE_CHARS};
+use crate::observe::metrics::EdgeMetrics;
+use crate::observe::scope::{self, RequestScope};
 use crate::render::error_response;
 
 /// How long accepting pauses after an accept error other than a client's reset (e.g. out of
@@ -319,7 +319,7 @@ mod tests {
 
     async fn panics_are_answered_500(threads: usize) {
         let app = Router::new().route("/panic", get(boom)).route("/ok", get(|| async { "fine" }));
-        let metrics = crate::metrics::Metrics::new().edge;
+        let metrics = crate::observe::metrics::Metrics::new().edge;
         let threads = (threads > 0).then(|| ConnThreads::start(threads, metrics.clone()).unwrap());
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -357,7 +357,7 @@ mod tests {
     #[tokio::test]
     async fn a_shedding_thread_says_connection_close_in_a_response_then_closes_after_it() {
         let app = Router::new().route("/ok", get(|| async { "fine" }));
-        let metrics = crate::metrics::Metrics::new().edge;
+        let metrics = crate::observe::metrics::Metrics::new().edge;
         let threads = ConnThreads::start(1, metrics.clone()).unwrap();
         let shed = threads.shedder();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -11,7 +11,7 @@
 //! The threads stop when `ConnThreads` is dropped: each waits on a oneshot whose sender it
 //! holds; its runtime is dropped then, which cancels whatever it still runs.
 
-use std::cell::{Cell, OnceCell};
+use std::cell::OnceCell;
 use std::io;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -24,30 +24,13 @@ use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use super::lanes;
-use crate::metrics::EdgeMetrics;
+use crate::observe::metrics::EdgeMetrics;
 
 /// How often each thread's load is read and shedding decided.
 const WINDOW: Duration = Duration::from_millis(250);
 
 thread_local! {
-    /// Which connection thread this is: 1..=N on one, 0 elsewhere (the caller's runtime).
-    static LANE: Cell<usize> = const { Cell::new(0) };
     static STATE: OnceCell<Arc<LaneState>> = const { OnceCell::new() };
-}
-
-/// Tests: runs `f` as if on connection thread `lane`.
-#[cfg(test)]
-pub fn as_lane<R>(lane: usize, f: impl FnOnce() -> R) -> R {
-    let before = LANE.with(|l| l.replace(lane));
-    let r = f();
-    LANE.with(|l| l.set(before));
-    r
-}
-
-/// The connection thread the caller runs on (1..=N), or 0 off them. Per-thread state that
-/// must not be shared across event loops (idle worker sockets: h1_client/pool.rs) keys on it.
-pub fn lane() -> usize {
-    LANE.with(Cell::get)
 }
 
 /// Whether the response being answered now on this thread should close its connection (the
@@ -88,7 +71,7 @@ impl ConnThreads {
             stops.push(stop);
             let state = state.clone();
             std::thread::Builder::new().name(format!("pdgate-conn-{}", i + 1)).spawn(move || {
-                LANE.with(|l| l.set(i + 1));
+                crate::clients::h1_client::pool::set_lane(i + 1);
                 STATE.with(|s| {
                     let _ = s.set(state);
                 });

@@ -22,8 +22,8 @@ use serde_json::{Map, Value};
 use pdgate_core::plan::{LegBody, Mode};
 
 use super::Ctx;
-use crate::goodput::Finished;
-use crate::state::AppState;
+use crate::exec::Exec;
+use crate::observe::goodput::{Finished, ResumedOn};
 
 /// The placement a plan's mode serves the request by (the `placement` label).
 pub fn placement_of(mode: Mode) -> &'static str {
@@ -421,17 +421,6 @@ pub struct Who {
     pub resumed_on: Vec<ResumedOn>,
 }
 
-/// Where a resumed answer went on: the continuation's prefill and decode (PD) or worker.
-#[derive(Clone, Debug, Default, serde::Serialize)]
-pub struct ResumedOn {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub worker: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub prefill: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub decode: Option<String>,
-}
-
 /// How the response ended.
 pub struct Ending {
     pub status: u16,
@@ -463,7 +452,7 @@ impl Account {
     }
 
     /// Records the finished request (metrics, goodput, log) at `now`.
-    pub fn finish(self, state: &AppState, end: Ending, now: Instant) -> SloResult {
+    pub fn finish(self, state: &Exec, end: Ending, now: Instant) -> SloResult {
         let failed = end.error.is_some() || !(200..300).contains(&end.status);
         let e2e = now.saturating_duration_since(self.arrival);
         // A whole (non-streamed) answer brings its first token with it.

@@ -23,12 +23,12 @@ use tokio::time::{timeout_at, Instant};
 use tracing::Instrument;
 
 use super::accounting::{usage_of, StreamTally};
-use super::client::{AbortGuard, LegEvent, LegEvents, LegRequest, WorkerClient};
-use super::leg::{self, answering_deadline_error, deadline_error};
 use super::relay::{drain_prefill, wait_prefill, Finish, PrefillLeg, Relayed, Rewriter, StreamRelay};
 use super::resume::Resumer;
 use super::spans::{self, RelayTrace};
 use super::Ctx;
+use crate::clients::client::{AbortGuard, LegEvent, LegEvents, LegRequest, WorkerClient};
+use crate::clients::leg::{self, answering_deadline_error, deadline_error};
 
 /// What the relay does to the answer, from the plan.
 pub struct RelayPlan {
@@ -38,7 +38,7 @@ pub struct RelayPlan {
     pub scan_usage: bool,
     /// The relayed worker, to learn from its first chunk whether it sends token ids
     /// ([`UsageAsk::UnlessIds`](super::accounting::UsageAsk)).
-    pub learn_ids: Option<Arc<crate::registry::Runtime>>,
+    pub learn_ids: Option<Arc<crate::fleet::registry::Runtime>>,
 }
 
 /// Whether an error means the leg already ended at its worker (it failed or answered badly
@@ -195,7 +195,7 @@ async fn commit_and_relay(
     abort: &mut Option<AbortGuard>,
 ) -> Result<Committed, GatewayError> {
     let (deadline, leg) = (ctx.deadline, plan.leg);
-    let limits = ctx.state.upstream.limits;
+    let limits = ctx.state.fleet.upstream.limits;
     let req = LegRequest {
         url: plan.url.clone(),
         path: ctx.req.endpoint.path(),
@@ -255,7 +255,7 @@ async fn commit_and_relay(
     }
     let logprobs = if plan.merge_logprobs { Some(prefill_logprobs(&mut watched, deadline).await?) } else { None };
     // The relayed leg's real end: its whole answer, checked.
-    ctx.state.record_outcome(&plan.url, Outcome::Success);
+    ctx.state.fleet.record_outcome(&plan.url, Outcome::Success);
     drain_prefill(&ctx.state, watched.leg, deadline);
     observe_ttfb(ctx);
     let mut trace = RelayTrace::start();

@@ -41,8 +41,8 @@ pub async fn wait_for(mut has_room: impl FnMut() -> bool, until: Instant) -> boo
 pub async fn admit(ctx: &Ctx) -> Result<(), GatewayError> {
     let need = ctx.req.prompt_tokens.saturating_add(ctx.req.max_tokens.map_or(DEFAULT_OUTPUT_TOKENS, |(n, _)| n));
     let room = || {
-        let routing = ctx.state.registry.routing();
-        decode_has_room(&routing.snapshot, &ctx.state.loads(&routing.runtime), need)
+        let routing = ctx.state.fleet.registry.routing();
+        decode_has_room(&routing.snapshot, &ctx.state.fleet.loads(&routing.runtime), need)
     };
     let limit = Duration::from_secs(ctx.state.config.queue_timeout_secs);
     let until = ctx.deadline.min(Instant::now() + limit);

@@ -1,49 +1,110 @@
-//! Executing a request: the transaction (`transaction.rs`: admit → select → prepare → send →
-//! commit → relay → finish) run over a [`client::WorkerClient`] (HTTP: `http_client.rs`),
-//! with the plan of each attempt decided in core (`pdgate_core::plan`).
+//! Executing a request: the transaction (`transaction.rs`, open it first: admit → place →
+//! select → prepare → send → commit → relay → finish) run over a worker client
+//! (`crate::clients`), with the plan of each attempt decided in core (`pdgate_core::plan`).
 //!
 //! - `transaction`: the phases and the retry loop (before commit only);
+//! - `placement`:   PD mode: disaggregated, colocated or rejected early, and the cost model;
+//! - `kv_room`:     a disaggregated request waits for a decode with KV room;
 //! - `commit`:      the relayed leg from send to its first byte, and the non-stream answer;
 //! - `relay`:       the stream after commit, the prefill drain, the accounting at the end;
-//! - `client`:      the worker-client trait, its events and the abort guard;
-//! - `scheme_client`: each leg over its worker's wire (HTTP, or gRPC: `crate::grpc`);
+//! - `accounting`:  usage, TTFT/TPOT, the finished request's record for goodput;
 //! - `resume`:      continuing a stream on a new pair after its decode died;
-//! - `leg`:         HTTP leg helpers and the deadline errors;
-//! - `spans`:       the phase spans for `--enable-trace`.
+//! - `spans`:       the phase spans for `--enable-trace`;
+//! - `policy_rng`:  the routing rng (`--seed`).
+//!
+//! May use `fleet` (the snapshot, runtime counters, breakers), `clients`, `observe` and the
+//! leaves; never `admit`, `edge` or `app`.
 
 pub mod accounting;
-pub mod client;
 mod commit;
-pub mod http_client;
 pub mod kv_room;
-pub mod leg;
 pub mod placement;
+pub mod policy_rng;
 pub mod relay;
 mod resume;
-pub mod scheme_client;
 pub mod spans;
 mod transaction;
 
 pub use transaction::execute;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use bytes::Bytes;
-use pdgate_core::{GatewayError, KvMatch, RouteInput};
+use pdgate_core::retry::RetryPolicy;
+use pdgate_core::retry_budget::RetryBudget;
+use pdgate_core::{GatewayConfig, GatewayError, KvMatch, Policy, RouteInput};
 use pdgate_protocol::ParsedRequest;
 use tokio::time::Instant;
 
-use crate::registry::Routing;
-use crate::state::AppState;
+use crate::clients::client::WorkerClient;
+use crate::fleet::registry::Routing;
+use crate::fleet::Fleet;
+use crate::observe::goodput::Goodput;
+use crate::observe::log_limit::LogLimiter;
+use crate::observe::metrics::Metrics;
 
 /// The most tokens one request adds to a worker's counters (2^40): far beyond any context
 /// length, small enough that no sum of requests overflows.
 const MAX_COUNTED_TOKENS: u64 = 1 << 40;
 
+/// What the transaction uses, one per gateway: the fleet it reads and reports outcomes to,
+/// the worker client it runs legs over, the policies, the retry budget, the placement model,
+/// and what it reports to (metrics, goodput, the log limiter). Built by `app`.
+pub struct Exec {
+    pub config: Arc<GatewayConfig>,
+    pub fleet: Arc<Fleet>,
+    /// The worker client the transaction runs its legs over (HTTP, or gRPC by URL scheme).
+    pub client: Arc<dyn WorkerClient>,
+    pub regular_policy: Box<dyn Policy>,
+    pub prefill_policy: Box<dyn Policy>,
+    pub decode_policy: Box<dyn Policy>,
+    pub retry: RetryPolicy,
+    /// Retries across all requests stay within this budget (see `pdgate_core::retry_budget`).
+    pub retry_budget: Mutex<RetryBudget>,
+    /// The round-robin sequence.
+    pub sequence: AtomicU64,
+    /// The routing rng (`--seed`, policy_rng.rs).
+    pub policy_rng: policy_rng::PolicyRng,
+    /// `--pd-placement`, early rejection and the cost model (placement.rs).
+    pub placer: Arc<placement::Placer>,
+    /// `--model-path` / `--tokenizer-path`'s tokenizer, loaded at start-up (prompt_ids.rs).
+    pub tokenizer: Option<Arc<pdgate_tokenizer::ModelTokenizer>>,
+    pub metrics: Arc<Metrics>,
+    pub goodput: Arc<Goodput>,
+    pub log: Arc<LogLimiter>,
+}
+
+impl Exec {
+    /// A request's first attempt: it earns its share of retries for everyone.
+    pub fn retry_budget_deposit(&self) {
+        self.retry_budget.lock().unwrap_or_else(|p| p.into_inner()).deposit(tokio::time::Instant::now().into_std());
+    }
+
+    /// Whether the shared budget allows one more retry now (and spends it if so).
+    pub fn retry_budget_withdraw(&self) -> bool {
+        self.retry_budget.lock().unwrap_or_else(|p| p.into_inner()).try_withdraw(tokio::time::Instant::now().into_std())
+    }
+
+    /// One step of the round-robin sequence.
+    pub fn next_sequence(&self) -> u64 {
+        self.sequence.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// The load poller's transfer counters teach the placement cost model (fleet/load.rs).
+impl crate::fleet::load::TransferSink for Exec {
+    fn observe_transfers(&self, worker: &str, totals: pdgate_protocol::engine_load::TransferTotals) {
+        if self.placer.observe_transfer_totals(worker, totals) {
+            self.metrics.placement.publish(&self.placer.fitted());
+        }
+    }
+}
+
 /// One client request on its way through the gateway.
 #[derive(Clone)]
 pub struct Ctx {
-    pub state: Arc<AppState>,
+    pub state: Arc<Exec>,
     pub req: ParsedRequest,
     /// The client's body as received; forwarded unchanged where no rewrite is needed.
     pub raw: Bytes,
@@ -76,7 +137,7 @@ pub struct Ctx {
     pub ids_to_ledger: bool,
     /// The prompts as the first leg to a tokenizing worker client found them, for the other leg
     /// and retries; `Default` for a new prompt (a resume's continuation).
-    pub prompt_memo: crate::grpc::PromptMemo,
+    pub prompt_memo: crate::clients::grpc::PromptMemo,
 }
 
 impl Ctx {
@@ -103,7 +164,7 @@ impl Ctx {
 
     /// The prompt text, only when a policy reads it (copying it for the others would be waste).
     pub fn routing_text(&self) -> Option<String> {
-        if self.state.uses_tree() {
+        if self.state.fleet.uses_tree {
             self.req.routing_text()
         } else {
             None
@@ -120,14 +181,14 @@ impl Ctx {
     /// What the workers' KV event views hold of this prompt, by snapshot index; `None` unless
     /// a cache_aware pool routes on events, some worker publishes them, and the prompt has ids.
     fn kv_held(&self, routing: &Routing) -> Option<Held> {
-        if !self.state.routes_on_events || !self.state.kv_view.any_watched() {
+        if !self.state.fleet.routes_on_events || !self.state.fleet.kv_view.any_watched() {
             return None;
         }
         let ids = self.routing_ids().filter(|ids| !ids.is_empty())?;
         // Fixed keys: every replica computes the same key for the same prompt.
         let mut h = std::collections::hash_map::DefaultHasher::new();
         std::hash::Hash::hash(ids, &mut h);
-        let (held, subscribed) = self.state.kv_view.held_in(&routing.snapshot, ids);
+        let (held, subscribed) = self.state.fleet.kv_view.held_in(&routing.snapshot, ids);
         Some(Held { prompt_tokens: ids.len(), held, key: std::hash::Hasher::finish(&h), subscribed })
     }
 
@@ -135,9 +196,9 @@ impl Ctx {
     /// key, the text, the KV event match and, when a policy reads it, the radix tree (locked
     /// for the decision only).
     pub fn decide<T>(&self, routing: &Routing, text: Option<&str>, select: impl FnOnce(&RouteInput<'_>) -> T) -> T {
-        let loads = self.state.loads(&routing.runtime);
+        let loads = self.state.fleet.loads(&routing.runtime);
         let held = self.kv_held(routing);
-        let blocks = crate::kv_sub::SnapshotBlocks { view: &self.state.kv_view, snap: &routing.snapshot };
+        let blocks = crate::fleet::kv_sub::SnapshotBlocks { view: &self.state.fleet.kv_view, snap: &routing.snapshot };
         let input = RouteInput {
             kv: held.as_ref().map(|h| KvMatch { prompt_tokens: h.prompt_tokens, held: &h.held, key: h.key, subscribed: &h.subscribed, blocks: &blocks }),
             text,
@@ -148,10 +209,10 @@ impl Ctx {
             output_tokens: self.output_tokens(),
             ..RouteInput::default()
         };
-        if !self.state.uses_tree() {
+        if !self.state.fleet.uses_tree {
             return select(&input);
         }
-        let tree = self.state.tree.lock().unwrap_or_else(|p| p.into_inner());
+        let tree = self.state.fleet.tree.lock().unwrap_or_else(|p| p.into_inner());
         select(&RouteInput { tree: Some(&tree), ..input })
     }
 
@@ -171,8 +232,8 @@ impl Ctx {
     /// Records that the request's text went to `url`, for the cache-aware policies.
     pub fn remember(&self, text: Option<&str>, url: &str) {
         if let Some(text) = text {
-            let mut tree = self.state.tree.lock().unwrap_or_else(|p| p.into_inner());
-            self.state.remember(&mut tree, text, url);
+            let mut tree = self.state.fleet.tree.lock().unwrap_or_else(|p| p.into_inner());
+            self.state.fleet.remember(&mut tree, text, url);
         }
     }
 }
@@ -204,9 +265,9 @@ impl From<GatewayError> for AttemptFailure {
 /// workers are given back, since this choice is not sent.
 pub(crate) fn admit_all(ctx: &Ctx, snap: &pdgate_core::PoolSnapshot, workers: &[usize]) -> Option<usize> {
     for (k, &w) in workers.iter().enumerate() {
-        if !ctx.state.admit(&snap.worker(w).spec.url) {
+        if !ctx.state.fleet.admit(&snap.worker(w).spec.url) {
             for &earlier in &workers[..k] {
-                ctx.state.registry.end_probe(&snap.worker(earlier).spec.url);
+                ctx.state.fleet.registry.end_probe(&snap.worker(earlier).spec.url);
             }
             return Some(w);
         }

@@ -24,10 +24,9 @@ use pdgate_core::policy::{LoadView, SCAN_LIMIT};
 use pdgate_core::slo::SloTargets;
 use pdgate_core::{GatewayConfig, GatewayError, PoolSnapshot, WorkerRole};
 use pdgate_protocol::engine_load::TransferTotals;
-use prometheus::{GaugeVec, IntCounterVec, Opts, Registry};
 
 use super::Ctx;
-use crate::record::Record;
+use crate::observe::record::Record;
 use crate::render::{error_response, DROPPED_HEADER};
 
 /// Output tokens assumed for a request that does not bound them (no `max_tokens`).
@@ -94,54 +93,15 @@ impl Placer {
     pub fn fitted(&self) -> Fitted {
         self.model().fitted()
     }
-}
-
-/// `pdgate_placement_total{placement,reason}`, `pdgate_placement_recovery_total{choice,reason}`
-/// and the fitted parameters as `pdgate_placement_model{param}`.
-pub struct PlacementMetrics {
-    pub total: IntCounterVec,
-    pub recovery: IntCounterVec,
-    pub model: GaugeVec,
-}
-
-impl PlacementMetrics {
-    pub fn new(r: &Registry) -> Self {
-        let reg = |c: Box<dyn prometheus::core::Collector>, name: &str| r.register(c).unwrap_or_else(|e| panic!("metric {name}: {e}"));
-        let total = IntCounterVec::new(Opts::new("pdgate_placement_total", "PD-mode placement decisions by placement and reason"), &["placement", "reason"])
-            .unwrap_or_else(|e| panic!("metric pdgate_placement_total: {e}"));
-        reg(Box::new(total.clone()), "pdgate_placement_total");
-        let recovery = IntCounterVec::new(Opts::new("pdgate_placement_recovery_total", "Failures before commit by the recovery chosen and why"), &["choice", "reason"])
-            .unwrap_or_else(|e| panic!("metric pdgate_placement_recovery_total: {e}"));
-        reg(Box::new(recovery.clone()), "pdgate_placement_recovery_total");
-        let model = GaugeVec::new(Opts::new("pdgate_placement_model", "The placement cost model's fitted parameters"), &["param"])
-            .unwrap_or_else(|e| panic!("metric pdgate_placement_model: {e}"));
-        reg(Box::new(model.clone()), "pdgate_placement_model");
-        PlacementMetrics { total, recovery, model }
-    }
 
     /// Every reason at 0 for the configured mode's placements, so rates work from the start.
-    pub fn prime(&self, placer: &Placer) {
+    pub fn prime_metrics(&self, m: &crate::observe::placement_metrics::PlacementMetrics) {
         for reason in REASONS {
             for placement in ["disaggregated", "colocated", "rejected"] {
-                self.total.with_label_values(&[placement, reason]);
+                m.total.with_label_values(&[placement, reason]);
             }
         }
-        self.publish(&placer.fitted());
-    }
-
-    pub fn publish(&self, f: &Fitted) {
-        for (param, v) in [
-            ("prefill_base_ms", f.prefill_base_ms),
-            ("prefill_ms_per_token", f.prefill_ms_per_token),
-            ("link_setup_ms", f.link_setup_ms),
-            ("link_gib_per_s", f.link_gib_per_s),
-            ("decode_step_ms", f.decode_step_ms),
-            ("prefill_observations", f.prefill_observations as f64),
-            ("transfer_observations", f.transfer_observations as f64),
-            ("decode_observations", f.decode_observations as f64),
-        ] {
-            self.model.with_label_values(&[param]).set(v);
-        }
+        m.publish(&self.fitted());
     }
 }
 
@@ -239,7 +199,7 @@ fn sizes(ctx: &Ctx) -> Sizes {
 /// every worker counts 0). The tree counts bytes of text; they become tokens in proportion.
 fn cached_prefixes(ctx: &Ctx, snap: &PoolSnapshot) -> Vec<(usize, u64)> {
     let Some(text) = ctx.routing_text().filter(|t| !t.is_empty()) else { return Vec::new() };
-    let tree = ctx.state.tree.lock().unwrap_or_else(|p| p.into_inner());
+    let tree = ctx.state.fleet.tree.lock().unwrap_or_else(|p| p.into_inner());
     let per_byte = ctx.req.prompt_tokens as f64 / text.len() as f64;
     tree.matched_by_key(&text).into_iter().filter_map(|(url, bytes)| Some((snap.index_of(url)?, (bytes as f64 * per_byte).floor() as u64))).collect()
 }
@@ -258,8 +218,8 @@ pub fn place(ctx: &Ctx) -> Option<Decision> {
     if !ctx.state.config.pd_disaggregation || !placer.engaged() {
         return None;
     }
-    let routing = ctx.state.registry.routing();
-    let loads = ctx.state.loads(&routing.runtime);
+    let routing = ctx.state.fleet.registry.routing();
+    let loads = ctx.state.fleet.loads(&routing.runtime);
     let paths = Paths::for_mode(placer.mode);
     let cached = if paths.local { cached_prefixes(ctx, &routing.snapshot) } else { Vec::new() };
     let decision = {
@@ -271,16 +231,19 @@ pub fn place(ctx: &Ctx) -> Option<Decision> {
     Some(decision)
 }
 
-/// The place phase of a request: the first attempt's placement (recorded in the header under
-/// `colocated` and `conditional`, and for every rejection), then, for a disaggregated request,
-/// the wait for decode KV room (`kv_room`). `Err` is the refusal to answer at once (and to
-/// account as failed).
+/// The place phase of a request: the first attempt's placement (recorded in the header for
+/// every PD-mode request: `--pd-placement disaggregated` without a decision names its mode),
+/// then, for a disaggregated request, the wait for decode KV room (`kv_room`). `Err` is the
+/// refusal to answer at once (and to account as failed).
 pub async fn place_request(ctx: &Ctx, record: &mut Record) -> Result<Option<Placement>, (Response, GatewayError)> {
     let decision = place(ctx);
+    if ctx.state.config.pd_disaggregation {
+        record.placement = Some(match &decision {
+            Some(d) => (d.placement.as_str(), d.reason),
+            None => (Placement::Disaggregated.as_str(), "placement_disaggregated"),
+        });
+    }
     if let Some(d) = &decision {
-        if ctx.state.placer.mode != PlacementMode::Disaggregated || d.placement == Placement::Reject {
-            record.placement = Some((d.placement.as_str(), d.reason));
-        }
         if d.placement == Placement::Reject {
             record.placed_as = Placement::Reject.as_str();
             return Err(rejection(d, &ctx.slo));
@@ -322,8 +285,8 @@ pub fn recovery(ctx: &Ctx, left: Duration) -> Option<(Recovery, &'static str)> {
     if !ctx.state.config.pd_disaggregation || !placer.engaged() {
         return None;
     }
-    let routing = ctx.state.registry.routing();
-    let loads = ctx.state.loads(&routing.runtime);
+    let routing = ctx.state.fleet.registry.routing();
+    let loads = ctx.state.fleet.loads(&routing.runtime);
     let paths = Paths::for_mode(placer.mode);
     let cached = if paths.local { cached_prefixes(ctx, &routing.snapshot) } else { Vec::new() };
     let p = {

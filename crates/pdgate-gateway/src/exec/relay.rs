@@ -27,11 +27,11 @@ use serde_json::Value;
 use tokio::time::{timeout_at, Instant};
 
 use super::accounting::{Account, Ending, StreamTally, Usage};
-use super::client::{AbortGuard, LegEvent, LegEvents, LegFuture};
 use super::resume::Resumer;
 use super::spans::RelayTrace;
-use crate::metrics::InflightGuard;
-use crate::state::AppState;
+use crate::clients::client::{AbortGuard, LegEvent, LegEvents, LegFuture};
+use crate::exec::Exec;
+use crate::fleet::gauges::InflightGuard;
 
 /// How long the worker's end of a body may follow its `[DONE]` event.
 const TAIL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
@@ -48,10 +48,10 @@ pub struct PrefillLeg {
 
 impl PrefillLeg {
     /// Records an error the prefill leg ended with, after the decode committed.
-    pub fn judge_late_error(state: &Arc<AppState>, url: &str, sent: std::time::Instant, err: &GatewayError) {
+    pub fn judge_late_error(state: &Arc<Exec>, url: &str, sent: std::time::Instant, err: &GatewayError) {
         tracing::warn!(error = %err, prefill = url, "prefill leg failed after the decode answered");
         state.metrics.leg_errors.with_label_values(&[Leg::Prefill.as_str(), &err.code()]).inc();
-        state.record_outcome(url, Outcome::of_attempt(err, sent));
+        state.fleet.record_outcome(url, Outcome::of_attempt(err, sent));
     }
 }
 
@@ -66,14 +66,14 @@ pub async fn wait_prefill(p: &mut Option<PrefillLeg>) -> Result<Bytes, GatewayEr
 /// Keeps reading a prefill answer nobody needs any more, so the engine sees its response
 /// consumed (closing early can abort its KV transfer), bounded by the request deadline. Its
 /// outcome still reaches the prefill's breaker.
-pub fn drain_prefill(state: &Arc<AppState>, p: Option<PrefillLeg>, deadline: Instant) {
+pub fn drain_prefill(state: &Arc<Exec>, p: Option<PrefillLeg>, deadline: Instant) {
     if let Some(p) = p {
         let state = state.clone();
         tokio::spawn(async move {
             let err = match timeout_at(deadline, p.answer).await {
                 Ok(Ok(_)) => return,
                 Ok(Err(e)) => e,
-                Err(_) => super::leg::deadline_error(Leg::Prefill),
+                Err(_) => crate::clients::leg::deadline_error(Leg::Prefill),
             };
             PrefillLeg::judge_late_error(&state, &p.url, p.sent, &err);
         });
@@ -150,7 +150,7 @@ impl Rewriter {
 
 /// Accounting done when a response finishes or the client goes away.
 pub struct Finish {
-    pub state: Arc<AppState>,
+    pub state: Arc<Exec>,
     pub route: &'static str,
     pub protocol: &'static str,
     pub started: std::time::Instant,
@@ -167,7 +167,7 @@ pub struct Finish {
     pub guards: Vec<InflightGuard>,
     /// Held for its `Drop`: the relayed worker's queued work (KV tokens) ends with the response.
     #[allow(dead_code)]
-    pub tokens: Option<crate::token_load::TokenGuard>,
+    pub tokens: Option<crate::fleet::token_load::TokenGuard>,
 }
 
 impl Finish {
@@ -206,7 +206,7 @@ pub struct Relayed {
     /// First content token, usage (read, and stripped when the gateway asked for it).
     pub tally: StreamTally,
     /// The worker's live state, told after the first chunk whether the engine sends token ids.
-    pub learn_ids: Option<Arc<crate::registry::Runtime>>,
+    pub learn_ids: Option<Arc<crate::fleet::registry::Runtime>>,
     /// The leg's token ids, when its client keeps them aside instead of in the bytes (gRPC).
     pub ledger: Option<Arc<TokenLedger>>,
 }
@@ -390,7 +390,7 @@ impl StreamRelay {
     /// Tells the relayed worker's breaker how the stream went.
     fn record(&self, outcome: Outcome) {
         if let Some(f) = &self.finish {
-            f.state.record_outcome(&self.relayed.worker, outcome);
+            f.state.fleet.record_outcome(&self.relayed.worker, outcome);
         }
     }
 
@@ -422,8 +422,8 @@ impl StreamRelay {
     /// Ends the stream with the error event.
     fn error_event(&mut self, err: &GatewayError) -> Option<Bytes> {
         if let Some(f) = &self.finish {
-            let id = crate::edge::scope::request_id();
-            crate::edge::log_limit::warn_request(&f.state, id.as_deref(), "stream ended by an error after bytes reached the client", err, None);
+            let id = crate::observe::scope::request_id();
+            crate::observe::log_limit::warn_request(&f.state.log, &f.state.metrics, id.as_deref(), "stream ended by an error after bytes reached the client", err, None);
         }
         self.relayed.trace.ended(Some(err));
         self.error = Some(err.code());
@@ -472,7 +472,7 @@ impl StreamRelay {
             if let Some(f) = &self.finish {
                 f.state.metrics.bad_worker_responses.with_label_values(&[leg.as_str(), "sse_event_too_long"]).inc();
             }
-            GatewayError::bad_worker_response(leg, format!("{} stream has an SSE event longer than {} bytes", super::leg::whose(leg), e.limit))
+            GatewayError::bad_worker_response(leg, format!("{} stream has an SSE event longer than {} bytes", crate::clients::leg::whose(leg), e.limit))
         })
     }
 
@@ -508,7 +508,7 @@ impl StreamRelay {
             if let Some(first) = self.first.take() {
                 // The worker answered: it is serving (the passive health signal).
                 if let Some(f) = &self.finish {
-                    f.state.registry.note_served(&self.relayed.worker);
+                    f.state.fleet.registry.note_served(&self.relayed.worker);
                 }
                 let out = self.process(first);
                 self.learn_ids();
@@ -548,7 +548,7 @@ impl StreamRelay {
             let leg = self.relayed.leg;
             match event {
                 // Tokens were arriving (the first chunk came): the request outlived its deadline.
-                Err(_) => return self.fail(&super::leg::answering_deadline_error(leg)),
+                Err(_) => return self.fail(&crate::clients::leg::answering_deadline_error(leg)),
                 Ok(None) => match self.ended() {
                     Ok(tail) if tail.is_some() => return tail,
                     Ok(_) => {}
@@ -573,7 +573,7 @@ impl StreamRelay {
                     if self.since_noted >= NOTE_SERVED_EVERY {
                         self.since_noted = 0;
                         if let Some(f) = &self.finish {
-                            f.state.registry.note_served(&self.relayed.worker);
+                            f.state.fleet.registry.note_served(&self.relayed.worker);
                         }
                     }
                     let out = self.process(data);

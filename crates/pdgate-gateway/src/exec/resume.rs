@@ -10,10 +10,14 @@
 //! without `[DONE]`), the relay calls [`Resumer::resume`]: the prompt ids plus every generated
 //! id go as a `/v1/completions` request with `max_tokens` reduced by what was generated, through
 //! a normal attempt (`transaction::attempt`: select, plan, new room or transfer id, both legs)
-//! that avoids the workers that failed this request, within the request's deadline. Its stream
+//! that avoids the workers that failed this request, within the request's deadline. The
+//! transaction hands that attempt in ([`Continue`]), so this file does not import it back. Its stream
 //! is rewritten to read as the rest of the first one (same id, choice index, usage of the
 //! whole answer). At most `--max-resumes` continuations; what happened is counted in
 //! `pdgate_resumes_total{result,reason}` and logged.
+
+use std::future::Future;
+use std::pin::Pin;
 
 use bytes::Bytes;
 use pdgate_core::breaker::Outcome;
@@ -23,10 +27,16 @@ use pdgate_protocol::{Endpoint, ParsedRequest};
 use serde_json::Value;
 use tokio::time::Instant;
 
-use super::commit::Committed;
 use super::relay::StreamRelay;
-use super::Ctx;
-use crate::record::Record;
+use super::{AttemptFailure, Ctx};
+use crate::observe::record::Record;
+
+/// Runs a continuation as one normal attempt, avoiding the workers given; `Ok(None)` when it
+/// answered whole instead of as a stream. Handed in by the transaction (`transaction.rs`).
+pub type Continue = for<'a> fn(&'a Ctx, &'a [String], &'a mut Record) -> Continuing<'a>;
+
+/// A continuation's attempt, running.
+pub type Continuing<'a> = Pin<Box<dyn Future<Output = Result<Option<StreamRelay>, AttemptFailure>> + Send + 'a>>;
 
 /// What a stream needs to be resumed; attached to its relay at commit.
 pub struct Resumer {
@@ -42,13 +52,15 @@ pub struct Resumer {
     first_route: Record,
     /// Why the last death was not resumed, for the stream's error event.
     why_not: Option<String>,
+    /// How a continuation runs (the transaction's attempt).
+    run: Continue,
 }
 
 impl Resumer {
     /// `None` when nothing can be resumed: `--max-resumes 0`, or a whole (non-stream) answer,
     /// which the retry loop already re-sends before any byte reached the client. For a request
     /// that can be continued exactly, the decode is asked for token ids.
-    pub fn prepare(ctx: &mut Ctx) -> Option<Resumer> {
+    pub fn prepare(ctx: &mut Ctx, run: Continue) -> Option<Resumer> {
         let left = ctx.state.config.max_resumes;
         if left == 0 || !ctx.req.stream {
             return None;
@@ -70,7 +82,7 @@ impl Resumer {
             ctx.req.add_field("return_token_ids", Value::Bool(true));
             ctx.ids_to_ledger = true;
         }
-        Some(Resumer { ctx: None, refused, tracker, left, failed: Vec::new(), first_route: Record::default(), why_not: None })
+        Some(Resumer { ctx: None, refused, tracker, left, failed: Vec::new(), first_route: Record::default(), why_not: None, run })
     }
 
     /// The stream committed: keep what a continuation will need (`Ctx::for_resume`).
@@ -159,7 +171,7 @@ impl Resumer {
         if Instant::now() >= ctx.deadline {
             return self.refuse("deadline", err);
         }
-        let limit = ctx.state.registry.routing().snapshot.context_limit(ctx.req.model.as_deref());
+        let limit = ctx.state.fleet.registry.routing().snapshot.context_limit(ctx.req.model.as_deref());
         let progress = &self.tracker.as_ref()?.progress;
         let generated = progress.generated();
         let endpoint = if progress.native() { Endpoint::Generate } else { Endpoint::Completions };
@@ -189,25 +201,25 @@ impl Resumer {
         let cont = Ctx { req, raw: Bytes::new(), request_id, prompt_ids: Default::default(), prompt_memo: Default::default(), ..ctx.clone() };
         let mut record = Record::default();
         let metrics = &ctx.state.metrics;
-        match super::transaction::attempt(&cont, &self.failed, None, &mut record).await {
-            Ok(Committed::Stream { relay, .. }) => {
+        match (self.run)(&cont, &self.failed, &mut record).await {
+            Ok(Some(relay)) => {
                 metrics.resumes.with_label_values(&["resumed", "decode_died"]).inc();
                 tracing::info!(request_id = %ctx.request_id, continuation_id = %cont.request_id, dead, generated, error = %err,
                     from = %self.first_route.full(), to = %record.full(), "stream resumed on a new pair after its decode died");
                 if let Some(t) = self.tracker.as_mut() {
                     t.begin_continuation();
                 }
-                Some(*relay)
+                Some(relay)
             }
-            Ok(Committed::Whole(_)) => {
+            Ok(None) => {
                 metrics.resumes.with_label_values(&["failed", "not_a_stream"]).inc();
                 self.why_not = Some("the continuation was not a stream".into());
                 None
             }
             Err(f) => {
                 if let Some(url) = &f.worker {
-                    ctx.state.record_outcome(url, Outcome::of_attempt(&f.error, ctx.started));
-                    ctx.state.note_worker_error(url, &f.error);
+                    ctx.state.fleet.record_outcome(url, Outcome::of_attempt(&f.error, ctx.started));
+                    ctx.state.fleet.note_worker_error(url, &f.error);
                     self.failed.push(url.clone());
                 }
                 metrics.resumes.with_label_values(&["failed", f.error.reason()]).inc();

@@ -20,8 +20,8 @@ use pdgate_core::{GatewayError, Leg};
 use tracing::field::Empty;
 use tracing::Span;
 
+use crate::observe::tracing_export::{enabled, record_error, TARGET};
 use crate::render::ErrorCode;
-use crate::tracing_export::{enabled, record_error, TARGET};
 
 /// The admission phase.
 pub fn admit() -> Span {

@@ -29,17 +29,17 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::accounting::{ask_for_usage_in, placement_of, Account, Ending, Usage, UsageAsk, Who};
-use super::client::{AbortGuard, LegRequest, WorkerClient};
 use super::commit::{relay_leg, Committed, RelayPlan, Watched};
 use super::placement;
 use super::relay::{Finish, PrefillLeg};
-use super::resume::Resumer;
+use super::resume::{Continuing, Resumer};
 use super::{spans, AttemptFailure, Ctx};
-use crate::metrics::InflightGuard;
-use crate::record::{Record, ROUTE_HEADER};
-use crate::registry::Runtime;
+use crate::clients::client::{AbortGuard, LegRequest, WorkerClient};
+use crate::fleet::gauges::InflightGuard;
+use crate::fleet::registry::Runtime;
+use crate::fleet::token_load::TokenGuard;
+use crate::observe::record::{Record, ROUTE_HEADER};
 use crate::render::error_response;
-use crate::token_load::TokenGuard;
 
 /// Runs the request to its response: admit, then attempts until one commits or the error is
 /// final, then finish.
@@ -53,7 +53,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
     drop(admit_span);
     // Learns, before the legs are built, whether this stream could be resumed (then the decode
     // is asked for token ids).
-    let mut resumer = Resumer::prepare(&mut ctx);
+    let mut resumer = Resumer::prepare(&mut ctx, continue_stream);
     // Then how its token counts are learned: a stream whose ids are tracked need not make its
     // engine send the usage event too (PD does: the decode's cached-token report is in it).
     let tracks_ids = resumer.as_ref().is_some_and(Resumer::tracking);
@@ -84,8 +84,8 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         let err = &failure.error;
         spans::failed(&attempt_span, err);
         if let Some(url) = &failure.worker {
-            ctx.state.record_outcome(url, Outcome::of_attempt(err, ctx.started));
-            ctx.state.note_worker_error(url, err);
+            ctx.state.fleet.record_outcome(url, Outcome::of_attempt(err, ctx.started));
+            ctx.state.fleet.note_worker_error(url, err);
         }
         let metrics = &ctx.state.metrics;
         if let Some(leg) = err.leg {
@@ -113,7 +113,7 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         // the client) even where retrying is off or over budget, up to --max-resumes.
         let resume = (!retry || refused) && super::resume::resume_whole(&ctx, err, &mut whole_resumes);
         if (!retry || refused) && !resume {
-            crate::edge::log_limit::warn_request(&ctx.state, Some(&ctx.request_id), "request failed", err, Some(&record.header_value()));
+            crate::observe::log_limit::warn_request(&ctx.state.log, &ctx.state.metrics, Some(&ctx.request_id), "request failed", err, Some(&record.header_value()));
             let response = error_response(err);
             return finish(&ctx, response, &record, Some(err));
         }
@@ -136,11 +136,21 @@ pub async fn execute(mut ctx: Ctx) -> Response {
 /// refuse it (400 naming the field) instead of letting it wait on the workers.
 fn admit(ctx: &Ctx) -> Result<(), GatewayError> {
     let Some((asked, field)) = ctx.req.max_tokens else { return Ok(()) };
-    let Some(limit) = ctx.state.registry.routing().snapshot.context_limit(ctx.req.model.as_deref()) else { return Ok(()) };
+    let Some(limit) = ctx.state.fleet.registry.routing().snapshot.context_limit(ctx.req.model.as_deref()) else { return Ok(()) };
     if asked > limit {
         return Err(GatewayError::invalid(Some(field), format!("'{field}' is {asked}, more than the model's context length of {limit} tokens")));
     }
     Ok(())
+}
+
+/// A resumed stream's continuation (`resume.rs`): one attempt, its pair chosen as for a retry.
+fn continue_stream<'a>(ctx: &'a Ctx, failed: &'a [String], record: &'a mut Record) -> Continuing<'a> {
+    Box::pin(async move {
+        Ok(match attempt(ctx, failed, None, record).await? {
+            Committed::Stream { relay, .. } => Some(*relay),
+            Committed::Whole(_) => None,
+        })
+    })
 }
 
 /// One attempt: select → prepare → send → commit → relay. Also how a resume continues a
@@ -168,7 +178,7 @@ pub(super) async fn attempt(ctx: &Ctx, failed: &[String], placed: Option<Placeme
     run(ctx, chosen, record.attempts, record.resumes).await.map_err(|error| {
         if mode == Mode::Pd(KvConnector::Mooncake) {
             if let Some(p) = &prefill_url {
-                ctx.state.forget_engine_id(p);
+                ctx.state.fleet.forget_engine_id(p);
             }
         }
         let worker = match error.leg {
@@ -194,7 +204,7 @@ struct Chosen {
 /// core turns the pick into the attempt's plan. A colocated placement in PD mode runs a
 /// regular plan on the regular pool.
 fn select(ctx: &Ctx, failed: &[String], placed: Option<Placement>) -> Result<Chosen, GatewayError> {
-    let routing = ctx.state.registry.routing();
+    let routing = ctx.state.fleet.registry.routing();
     let snap = &routing.snapshot;
     let mut exclude: Vec<usize> = failed.iter().filter_map(|u| snap.index_of(u)).collect();
     let text = ctx.routing_text();
@@ -270,11 +280,11 @@ async fn prepare_relayed(ctx: &Ctx, client: &Arc<dyn WorkerClient>, plan: &PdPla
         LegBody::FromPrefillAnswer | LegBody::SameAsRelayed => None,
         LegBody::NeedsEngineId { transfer_id, bootstrap_addr } => {
             let prefill = plan.prefill.as_ref().map(|p| p.url.as_str()).unwrap_or_default();
-            let engine = match ctx.state.cached_engine_id(prefill) {
+            let engine = match ctx.state.fleet.cached_engine_id(prefill) {
                 Some(id) => id,
                 None => {
                     let id = client.engine_id(prefill, bootstrap_addr, ctx.deadline).await?;
-                    ctx.state.store_engine_id(prefill, id.clone());
+                    ctx.state.fleet.store_engine_id(prefill, id.clone());
                     id
                 }
             };
@@ -298,7 +308,7 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
         ids_to_ledger: false,
         prompts: ctx.prompt_memo.clone(),
     };
-    let call = client.call(req, ctx.state.upstream.limits.max_response_bytes);
+    let call = client.call(req, ctx.state.fleet.upstream.limits.max_response_bytes);
     let mut abort = AbortGuard::new(client, &leg.url, &leg.abort);
     let (state, url, tokens) = (ctx.state.clone(), leg.url.clone(), ctx.req.prompt_tokens);
     // The leg's span is current while it is sent: the worker gets it as its `traceparent`.
@@ -322,7 +332,7 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
                 state.metrics.placement.publish(&state.placer.fitted());
             }
             if out.is_ok() && judge_success {
-                state.record_outcome(&url, Outcome::Success);
+                state.fleet.record_outcome(&url, Outcome::Success);
             }
             out
         }
@@ -345,7 +355,7 @@ async fn run(ctx: &Ctx, chosen: Chosen, attempts: u32, resumes: u32) -> Result<C
             let sent = send_prefill(ctx, &client, p, prefill_body(p, None)?, protocol, false, prefill_queued);
             let answer = sent.answer.await?;
             let body = nixl_decode_body(ctx, &p.url, &answer, &mut finish)?;
-            ctx.state.record_outcome(&p.url, Outcome::Success);
+            ctx.state.fleet.record_outcome(&p.url, Outcome::Success);
             watched.release = plan.release_prefill.as_ref().map(|how| AbortGuard::new(&client, &p.url, how));
             body
         }
@@ -466,7 +476,7 @@ fn finish(ctx: &Ctx, mut response: Response, record: &Record, err: Option<&Gatew
         headers.insert(crate::request_id::CLIENT_ID_HEADER, v);
     }
     let status = response.status();
-    crate::access_log::served(&ctx.request_id, ctx.client_request_id.as_deref(), ctx.route, record, status.as_u16(), ctx.started);
+    crate::observe::access_log::served(&ctx.request_id, ctx.client_request_id.as_deref(), ctx.route, record, status.as_u16(), ctx.started);
     ctx.state.metrics.requests.with_label_values(&[ctx.route, status.as_str()]).inc();
     if !status.is_success() {
         ctx.state.metrics.duration.with_label_values(&[ctx.route]).observe(ctx.started.elapsed().as_secs_f64());
