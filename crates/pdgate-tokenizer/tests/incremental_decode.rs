@@ -146,9 +146,11 @@ fn stream_decoder_stops_on_string_spanning_tokens_and_on_eos() {
 /// The text a stream decoder with `tail` writes for `ids`, one token at a time, then finished.
 fn streamed(tok: &ModelTokenizer, ids: &[u32], tail: ReplacementTail) -> String {
     let mut stream = tok.stream_decoder(false, vec![], vec![], true).with_tail(tail);
-    let mut text: String = ids.iter().map(|id| stream.push(*id).expect("push").text).collect();
-    text += &stream.finish().expect("finish");
-    text
+    let mut text = String::new();
+    for id in ids {
+        text += &stream.push(*id).unwrap_or_else(|e| panic!("push: {e}")).text;
+    }
+    text + &stream.finish().unwrap_or_else(|e| panic!("finish: {e}"))
 }
 
 #[test]
