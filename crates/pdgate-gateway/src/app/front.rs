@@ -25,6 +25,7 @@ use crate::request_id;
 
 pub fn router(state: Arc<AppState>) -> Router {
     let mut inference = Router::new().route("/v1/completions", post(completions)).route("/v1/chat/completions", post(chat_completions)).route("/generate", post(generate));
+    inference = crate::app::messages::routes(inference);
     if let Some(admit) = &state.admission {
         inference = inference.route_layer(middleware::from_fn_with_state(admit.clone(), crate::admit::admission::limit));
     }
@@ -34,6 +35,8 @@ pub fn router(state: Arc<AppState>) -> Router {
     if state.config.api_key.as_deref().is_some_and(|k| !k.is_empty()) {
         client = client.route_layer(middleware::from_fn_with_state(state.config.clone(), auth::client_key));
     }
+    // Outermost: the Messages routes' refusals (key, admission, validation) in Anthropic's shape.
+    client = client.route_layer(middleware::from_fn(crate::app::messages::anthropic_errors));
     let admin = workers_api::routes().route_layer(middleware::from_fn_with_state(state.config.clone(), auth::admin_key)).with_state(state.fleet.clone());
     Router::new()
         .merge(client)
@@ -59,7 +62,7 @@ async fn generate(State(s): State<Arc<AppState>>, req: Request) -> Response {
     admit(s, Endpoint::Generate, req).await
 }
 
-fn client_error(state: &AppState, route: &'static str, err: &GatewayError, started: std::time::Instant) -> Response {
+pub(crate) fn client_error(state: &AppState, route: &'static str, err: &GatewayError, started: std::time::Instant) -> Response {
     let resp = error_response(err);
     state.metrics.requests.with_label_values(&[route, resp.status().as_str()]).inc();
     crate::observe::access_log::refused(route, resp.status().as_u16(), &err.code(), started);
@@ -69,12 +72,23 @@ fn client_error(state: &AppState, route: &'static str, err: &GatewayError, start
 /// Admission: not a loop, body within the limit and in time, valid JSON of the right shape,
 /// then execution.
 async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Response {
+    admit_as(state, endpoint, endpoint.path(), req, Ok).await
+}
+
+/// `admit` for a route that runs as `endpoint` after translating its body (`rewrite`, e.g. the
+/// Messages API to chat completions); `route` names it in metrics and logs.
+pub(crate) async fn admit_as(
+    state: Arc<AppState>,
+    endpoint: Endpoint,
+    route: &'static str,
+    req: Request,
+    rewrite: impl FnOnce(axum::body::Bytes) -> Result<axum::body::Bytes, GatewayError>,
+) -> Response {
     // The whole request, not the HeaderMap extractor: that one clones every header.
     let (parts, body) = req.into_parts();
     let headers = parts.headers;
     let started = std::time::Instant::now();
     let arrival_unix_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
-    let route = endpoint.path();
     if state.is_draining() {
         // Graceful shutdown: refuse at once, and close the connection so the client's next
         // request goes to another replica.
@@ -106,6 +120,10 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
             let err = if too_large { GatewayError::payload_too_large(limit) } else { GatewayError::invalid(None, format!("could not read the request body: {e}")) };
             return client_error(&state, route, &err, started);
         }
+    };
+    let raw = match rewrite(raw) {
+        Ok(r) => r,
+        Err(e) => return client_error(&state, route, &e, started),
     };
     let req = match parse_request(endpoint, &raw, &state.limits) {
         Ok(r) => r,
