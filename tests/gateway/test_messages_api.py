@@ -30,6 +30,8 @@ pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny"
 MAX_TOKENS = 16
 LIMIT = 64 * 1024
+# The SDK (2.17) has no sampling parameters of its own; the API still takes them.
+GREEDY = {"temperature": 0}
 
 SYSTEM = "You answer briefly."
 CONVERSATIONS = {
@@ -60,6 +62,9 @@ class Fleet:
             pd_disaggregation=True, kv_connector=connector, port=0, request_timeout_secs=60,
             prefill=[[purl, self.prefill.bootstrap_port]], decode=[durl], max_payload_size=LIMIT,
             health_check_interval_secs=1, health_success_threshold=1)
+        # The gRPC fleet's gateway has the model's tokenizer (gRPC workers need it), so it
+        # counts tokens itself; the HTTP fleets' ask a worker.
+        self.tokenizes = grpc
         if grpc:
             options["model_path"] = model_dir
         self.gw = pdgate.Gateway(**options)
@@ -126,7 +131,7 @@ def system_kw(system: str | None) -> dict:
 def test_an_answer_equals_the_chat_answer(fleet: Fleet, case: str) -> None:
     system, messages = CONVERSATIONS[case]
     want = chat_answer(fleet, system, messages)
-    got = fleet.anthropic().messages.create(model=MODEL, max_tokens=MAX_TOKENS, temperature=0, messages=messages, **system_kw(system))
+    got = fleet.anthropic().messages.create(model=MODEL, max_tokens=MAX_TOKENS, extra_body=GREEDY, messages=messages, **system_kw(system))
     assert got.type == "message" and got.role == "assistant" and got.model == MODEL and got.id.startswith("msg_")
     assert [b.type for b in got.content] == ["text"]
     assert got.content[0].text == want.choices[0].message.content
@@ -140,7 +145,7 @@ def test_an_answer_equals_the_chat_answer(fleet: Fleet, case: str) -> None:
 def test_a_stream_is_anthropics_event_sequence_with_the_chat_text(fleet: Fleet, case: str) -> None:
     system, messages = CONVERSATIONS[case]
     want = chat_answer(fleet, system, messages)
-    with fleet.anthropic().messages.stream(model=MODEL, max_tokens=MAX_TOKENS, temperature=0, messages=messages,
+    with fleet.anthropic().messages.stream(model=MODEL, max_tokens=MAX_TOKENS, extra_body=GREEDY, messages=messages,
                                            **system_kw(system)) as s:
         events = [e.type for e in s if e.type in {"message_start", "content_block_start", "content_block_delta",
                                                      "content_block_stop", "message_delta", "message_stop"}]
@@ -171,7 +176,7 @@ def test_stop_sequences_stop_the_answer_as_they_stop_chat(fleet: Fleet) -> None:
         pytest.skip("the tiny model's answer has no printable character to stop on")
     stop = printable[0]
     want = chat_answer(fleet, None, messages, stop=[stop])
-    got = fleet.anthropic().messages.create(model=MODEL, max_tokens=MAX_TOKENS, temperature=0, messages=messages, stop_sequences=[stop])
+    got = fleet.anthropic().messages.create(model=MODEL, max_tokens=MAX_TOKENS, extra_body=GREEDY, messages=messages, stop_sequences=[stop])
     assert got.content[0].text == want.choices[0].message.content
     assert stop not in got.content[0].text
     # The reference engine does not report which stop string matched (vLLM's `stop_reason`):
@@ -182,8 +187,11 @@ def test_stop_sequences_stop_the_answer_as_they_stop_chat(fleet: Fleet) -> None:
 def test_count_tokens_is_the_chat_prompt_count(fleet: Fleet) -> None:
     system, messages = CONVERSATIONS["system_multi_turn"]
     want = chat_answer(fleet, system, messages).usage.prompt_tokens
+    before = fleet.engine_requests()
     got = fleet.anthropic().messages.count_tokens(model=MODEL, system=system, messages=messages)
     assert got.input_tokens == want
+    asked = fleet.engine_requests() - before
+    assert asked == (0 if fleet.tokenizes else 2), "count_tokens: the gateway's tokenizer, else one PD run"
 
 
 def test_tools_and_tool_turns_reach_the_worker_as_chat_tools(fleet: Fleet) -> None:
@@ -197,7 +205,7 @@ def test_tools_and_tool_turns_reach_the_worker_as_chat_tools(fleet: Fleet) -> No
         {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]},
     ]
-    got = fleet.anthropic().messages.create(model=MODEL, max_tokens=MAX_TOKENS, temperature=0, messages=messages, tools=tools,
+    got = fleet.anthropic().messages.create(model=MODEL, max_tokens=MAX_TOKENS, extra_body=GREEDY, messages=messages, tools=tools,
                                             tool_choice={"type": "auto"})
     chat = [
         {"role": "user", "content": "Weather in Paris?"},
@@ -249,17 +257,65 @@ def test_bad_input_is_refused_in_anthropics_shape_and_reaches_no_worker(fleet: F
 def test_gateway_errors_are_anthropic_errors() -> None:
     """No healthy worker: pdgate's 503 reaches the SDK as Anthropic's overloaded error, and an
     API key (sent as the SDK sends it, `x-api-key`) is checked like a bearer one."""
-    dead = "http://127.0.0.1:9"
-    with pdgate.Gateway(pd_disaggregation=True, port=0, prefill=[[dead, None]], decode=[dead], api_key="k",
+    with pdgate.Gateway(pd_disaggregation=True, port=0, prefill=[["http://127.0.0.1:9", None]], decode=["http://127.0.0.1:10"], api_key="k",
                         request_timeout_secs=5) as gw:
-        with pytest.raises(anthropic.AuthenticationError):
+        # pdgate's key check: a wrong key is 403 (permission_error), a missing one 401.
+        with pytest.raises(anthropic.PermissionDeniedError):
             anthropic.Anthropic(base_url=gw.url, api_key="wrong", max_retries=0).messages.create(
                 model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "x"}])
-        r = httpx.post(gw.url + "/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]},
-                       headers={"x-api-key": "k"}, timeout=30)
+        body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+        r = httpx.post(gw.url + "/v1/messages", json=body, timeout=30)
+        assert (r.status_code, r.json()["error"]["type"]) == (401, "authentication_error"), r.text
+        r = httpx.post(gw.url + "/v1/messages", json=body, headers={"x-api-key": "k"}, timeout=30)
         assert r.status_code == 503, r.text
         assert r.json()["type"] == "error" and r.json()["error"]["type"] == "overloaded_error", r.text
         with pytest.raises(anthropic.APIStatusError) as e:
             anthropic.Anthropic(base_url=gw.url, api_key="k", max_retries=0).messages.create(
                 model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "x"}])
         assert e.value.status_code == 503
+
+
+def anthropic_events(url: str, body: dict) -> list[tuple[str, dict]]:
+    """A raw Messages stream as (event name, data); checks every data line is JSON."""
+    out: list[tuple[str, dict]] = []
+    name = None
+    with httpx.stream("POST", url + "/v1/messages", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                assert name is not None, line
+                out.append((name, json.loads(line[len("data: "):])))
+                name = None
+    return out
+
+
+def test_a_stream_whose_decode_is_killed_stays_a_valid_messages_stream() -> None:
+    """The decode SIGKILLs itself after its 5th token (test_resume.py's fault hook); the gateway
+    resumes the chat stream on the other decode, and the client reads one valid Anthropic event
+    sequence whose text is the uninterrupted answer (a plain engine's, on greedy decoding)."""
+    from tests.gateway.test_resume import Fleet as ResumeFleet, until_killed
+
+    messages = [{"role": "user", "content": "resume this chat"}]
+    body = {"model": MODEL, "max_tokens": 24, "temperature": 0, "messages": messages}
+    plain = ReferenceWorker(mode="null", model=MODEL)
+    plain.start(timeout=90)
+    try:
+        want = httpx.post(plain.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "max_tokens": 24, "temperature": 0, "messages": messages}).json()
+    finally:
+        plain.stop()
+    assert want["usage"]["completion_tokens"] > 5, "the answer must outlive the kill point"
+    with ResumeFleet(max_resumes=None) as fleet:
+        for got in until_killed(fleet, lambda: anthropic_events(fleet.gw.url, body)):
+            names = [n for n, _ in got]
+            assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"], names
+            assert "error" not in names, got
+            assert names.count("content_block_start") == names.count("content_block_stop") == 1, names
+            text = "".join(d["delta"]["text"] for n, d in got if n == "content_block_delta")
+            assert text == want["choices"][0]["message"]["content"]
+            delta = got[-2][1]
+            assert delta["usage"]["output_tokens"] == want["usage"]["completion_tokens"]
+            assert delta["usage"]["input_tokens"] + delta["usage"].get("cache_read_input_tokens", 0) == want["usage"]["prompt_tokens"]
+        assert fleet.metric('pdgate_resumes_total{reason="decode_died",result="resumed"}') == 1.0
