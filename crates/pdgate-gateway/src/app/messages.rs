@@ -163,11 +163,14 @@ pub async fn anthropic_errors(req: Request, next: Next) -> Response {
         return Response::from_parts(parts, body);
     }
     let bytes = axum::body::to_bytes(body, 1 << 20).await.unwrap_or_default();
-    if serde_json::from_slice::<Value>(&bytes).ok().and_then(|v| v.get("type").cloned()) == Some(json!("error")) {
+    let request_id = parts.headers.get("x-request-id").and_then(|v| v.to_str().ok());
+    let out = match serde_json::from_slice::<Value>(&bytes) {
         // Already Anthropic's (ours).
-        return Response::from_parts(parts, Body::from(bytes));
-    }
+        Ok(v) if v.get("type") == Some(&json!("error")) => v,
+        _ => error::from_openai(status.as_u16(), &bytes),
+    };
+    let out = error::with_request_id(out, request_id);
     parts.headers.remove(header::CONTENT_LENGTH);
     parts.headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    Response::from_parts(parts, Body::from(error::from_openai(status.as_u16(), &bytes).to_string()))
+    Response::from_parts(parts, Body::from(out.to_string()))
 }

@@ -21,14 +21,15 @@ pub fn error_type(status: u16) -> &'static str {
 
 /// The Anthropic error body for an error response of `status` whose body was `body` (pdgate's
 /// `{"error": {"message", "code", ...}}`, or anything a worker sent): the message is kept, and
-/// pdgate's code, which says more than the type, is prefixed to it.
+/// pdgate's code, which says more than the type (but for `invalid_request`), is prefixed to it.
 pub fn from_openai(status: u16, body: &[u8]) -> Value {
     let parsed: Option<Value> = serde_json::from_slice(body).ok();
     let err = parsed.as_ref().and_then(|v| v.get("error"));
     let message = match err {
         Some(Value::Object(e)) => {
             let msg = e.get("message").and_then(Value::as_str).unwrap_or("error");
-            match e.get("code").and_then(Value::as_str).filter(|c| !c.is_empty()) {
+            // A client mistake's code says nothing the type does not.
+            match e.get("code").and_then(Value::as_str).filter(|c| !c.is_empty() && *c != "invalid_request") {
                 Some(code) => format!("{code}: {msg}"),
                 None => msg.to_string(),
             }
@@ -37,6 +38,14 @@ pub fn from_openai(status: u16, body: &[u8]) -> Value {
         _ => String::from_utf8_lossy(body).chars().take(500).collect(),
     };
     body_of(error_type(status), &message)
+}
+
+/// Anthropic's error body; `with_request_id` adds the top-level `request_id` its API sends.
+pub fn with_request_id(mut body: Value, request_id: Option<&str>) -> Value {
+    if let (Some(id), Some(o)) = (request_id, body.as_object_mut()) {
+        o.insert("request_id".into(), Value::String(id.to_string()));
+    }
+    body
 }
 
 pub fn body_of(error_type: &str, message: &str) -> Value {

@@ -15,6 +15,7 @@ pub mod answer;
 pub mod error;
 pub mod request;
 pub mod stream;
+mod stream_scan;
 
 #[cfg(test)]
 mod tests;

@@ -12,6 +12,7 @@ use serde_json::{json, Value};
 
 use super::answer::usage;
 use super::error::{body_of, from_stream_error};
+use super::stream_scan::text_delta;
 use super::{message_id, stop_reason};
 use crate::sse::SseDecoder;
 
@@ -101,6 +102,15 @@ impl MessagesStream {
             self.done(out);
             return;
         }
+        if self.phase == Phase::Open {
+            if let Some(text) = text_delta(data.as_bytes()) {
+                if let Some(raw) = text.filter(|t| !t.is_empty()) {
+                    self.open(Block::Text, None, out);
+                    text_event(out, self.index, raw);
+                }
+                return;
+            }
+        }
         let Ok(v) = serde_json::from_str::<Value>(data) else {
             self.error(body_of("api_error", "the worker sent an event that is not JSON"), out);
             return;
@@ -119,7 +129,9 @@ impl MessagesStream {
         if let Some(delta) = choice.get("delta") {
             if let Some(text) = delta.get("content").and_then(Value::as_str).filter(|t| !t.is_empty()) {
                 self.open(Block::Text, None, out);
-                emit(out, "content_block_delta", &json!({"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": text}}));
+                let mut raw = Vec::with_capacity(text.len() + 2);
+                let _ = serde_json::to_writer(&mut raw, text);
+                text_event(out, self.index, &raw[1..raw.len() - 1]);
             }
             for call in delta.get("tool_calls").and_then(Value::as_array).map(Vec::as_slice).unwrap_or(&[]) {
                 self.tool_delta(call, out);
@@ -207,6 +219,15 @@ impl MessagesStream {
         emit(out, "error", &body);
         self.phase = Phase::Ended;
     }
+}
+
+/// A `text_delta` event; `raw` is the text as the contents of a JSON string (escaped).
+fn text_event(out: &mut Vec<u8>, index: u64, raw: &[u8]) {
+    out.extend_from_slice(b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":");
+    out.extend_from_slice(index.to_string().as_bytes());
+    out.extend_from_slice(b",\"delta\":{\"type\":\"text_delta\",\"text\":\"");
+    out.extend_from_slice(raw);
+    out.extend_from_slice(b"\"}}\n\n");
 }
 
 /// One SSE event with its name, as Anthropic writes them.

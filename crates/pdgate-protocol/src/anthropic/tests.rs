@@ -268,4 +268,21 @@ fn errors_take_anthropic_types_by_status() {
     let body = br#"{"error":{"message":"no healthy worker","type":"service_unavailable","code":"no_worker_available","param":null}}"#;
     assert_eq!(from_openai(503, body), json!({"type": "error", "error": {"type": "overloaded_error", "message": "no_worker_available: no healthy worker"}}));
     assert_eq!(from_openai(502, b"bad gateway")["error"]["message"], json!("bad gateway"));
+    let invalid = br#"{"error":{"message":"max_tokens: Field required","type":"invalid_request_error","code":"invalid_request","param":"max_tokens"}}"#;
+    assert_eq!(from_openai(400, invalid)["error"]["message"], json!("max_tokens: Field required"));
+    assert_eq!(super::error::with_request_id(from_openai(400, invalid), Some("r1"))["request_id"], json!("r1"));
+}
+
+#[test]
+fn stream_text_with_escapes_is_the_same_on_the_fast_path() {
+    let texts = ["plain", "a \"quoted\" word", "line\nbreak\t\\", "é ☃ \u{1F600}", "\u{1}ctl"];
+    let mut wire = chunk(json!({"role": "assistant", "content": ""}), None);
+    for t in texts {
+        wire.push_str(&chunk(json!({"content": t}), None));
+    }
+    wire.push_str("data: [DONE]\n\n");
+    let mut s = MessagesStream::new("tiny".into(), vec![]);
+    let evs = events(&s.feed(wire.as_bytes()));
+    let got: Vec<Value> = evs.iter().filter(|(n, _)| n == "content_block_delta").map(|(_, d)| d["delta"]["text"].clone()).collect();
+    assert_eq!(got, texts.iter().map(|t| json!(t)).collect::<Vec<_>>());
 }
