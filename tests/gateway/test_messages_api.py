@@ -13,6 +13,8 @@ render them (U+FFFD included), never read.
 from __future__ import annotations
 
 import json
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
@@ -47,11 +49,12 @@ CONVERSATIONS = {
 class Fleet:
     """One prefill, one decode, a gateway; `kind` picks the placement and worker kind."""
 
-    def __init__(self, kind: str, model_dir: str):
+    def __init__(self, kind: str, model_dir: str, log_dir: str):
         grpc = kind == "grpc-bootstrap"
         connector = "nixl" if kind == "nixl" else "bootstrap"
         kc = "NixlConnector" if connector == "nixl" else None
         service = {"grpc_service": "sglang"} if grpc else {}
+        self.request_log = os.path.join(log_dir, "requests.jsonl")
         self.prefill = ReferenceWorker(mode="prefill", model=MODEL, kv_connector=kc, **service)
         self.decode = ReferenceWorker(mode="decode", model=MODEL, kv_connector=kc, **service)
         with ThreadPoolExecutor(2) as pool:
@@ -61,7 +64,7 @@ class Fleet:
         options: dict[str, Any] = dict(
             pd_disaggregation=True, kv_connector=connector, port=0, request_timeout_secs=60,
             prefill=[[purl, self.prefill.bootstrap_port]], decode=[durl], max_payload_size=LIMIT,
-            health_check_interval_secs=1, health_success_threshold=1)
+            health_check_interval_secs=1, health_success_threshold=1, request_log=self.request_log)
         # The gRPC fleet's gateway has the model's tokenizer (gRPC workers need it), so it
         # counts tokens itself; the HTTP fleets' ask a worker.
         self.tokenizes = grpc
@@ -108,8 +111,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module", params=["bootstrap", "nixl", "grpc-bootstrap"])
-def fleet(request: pytest.FixtureRequest, model_dir: str) -> Iterator[Fleet]:
-    f = Fleet(request.param, model_dir)
+def fleet(request: pytest.FixtureRequest, model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    f = Fleet(request.param, model_dir, str(tmp_path_factory.mktemp("log")))
     yield f
     f.close()
 
@@ -166,6 +169,36 @@ def test_raw_stream_has_event_lines_and_a_ping(fleet: Fleet) -> None:
         assert "x-pdgate-route" in r.headers
         names = [line[len("event: "):] for line in r.iter_lines() if line.startswith("event: ")]
     assert names[:3] == ["message_start", "content_block_start", "ping"] and names[-1] == "message_stop"
+
+
+def test_sampling_and_metadata_reach_the_worker(fleet: Fleet) -> None:
+    """top_p / top_k (sent as the API takes them; the SDK has no arguments for them) and
+    metadata.user_id (chat's `user`) give the chat answer with the same fields."""
+    messages = [{"role": "user", "content": "sample me"}]
+    sampling = {"temperature": 0, "top_p": 0.5, "top_k": 3}
+    want = fleet.openai().chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, user="u-1",
+                                                  temperature=0, top_p=0.5, extra_body={"top_k": 3})
+    got = fleet.anthropic().messages.create(model=MODEL, max_tokens=MAX_TOKENS, messages=messages, metadata={"user_id": "u-1"},
+                                            extra_body=sampling)
+    assert got.content[0].text == want.choices[0].message.content
+
+
+def test_metrics_and_the_request_log_name_the_messages_route(fleet: Fleet) -> None:
+    before = fleet.gateway_metric('pdgate_requests_total{route="/v1/messages",status="200"}')
+    with fleet.anthropic().messages.stream(model=MODEL, max_tokens=MAX_TOKENS, extra_body=GREEDY, messages=[{"role": "user", "content": "log me"}],
+                                           extra_headers={"x-request-id": "msg-log-1"}) as s:
+        final = s.get_final_message()
+    assert fleet.gateway_metric('pdgate_requests_total{route="/v1/messages",status="200"}') == before + 1
+    deadline = time.monotonic() + 10
+    line = None
+    while line is None and time.monotonic() < deadline:
+        lines = [json.loads(x) for x in open(fleet.request_log).read().splitlines()] if os.path.exists(fleet.request_log) else []
+        line = next((x for x in lines if x.get("client_request_id") == "msg-log-1"), None)
+        time.sleep(0.05)
+    assert line is not None, "no request log line"
+    assert line["route"] == "/v1/messages" and line["stream"] is True and line["status"] == 200, line
+    assert line["output_tokens"] == final.usage.output_tokens and line["ttft_ms"] is not None, line
+    assert line["placement"] == "disaggregated", line
 
 
 def test_stop_sequences_stop_the_answer_as_they_stop_chat(fleet: Fleet) -> None:
