@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 
 use super::answer::usage;
 use super::error::{body_of, from_stream_error};
-use super::stream_scan::text_delta;
+use super::stream_scan::{usual_chunk, Chunk};
 use super::{message_id, stop_reason};
 use crate::sse::SseDecoder;
 
@@ -37,7 +37,8 @@ enum Phase {
 #[derive(Debug)]
 pub struct MessagesStream {
     sse: SseDecoder,
-    model: String,
+    /// The client's model name as a JSON string, written into `message_start`.
+    model_json: Vec<u8>,
     stop_sequences: Vec<String>,
     phase: Phase,
     block: Block,
@@ -54,7 +55,7 @@ impl MessagesStream {
     pub fn new(model: String, stop_sequences: Vec<String>) -> Self {
         MessagesStream {
             sse: SseDecoder::new(),
-            model,
+            model_json: json_string(&model),
             stop_sequences,
             phase: Phase::Start,
             block: Block::None,
@@ -102,14 +103,9 @@ impl MessagesStream {
             self.done(out);
             return;
         }
-        if self.phase == Phase::Open {
-            if let Some(text) = text_delta(data.as_bytes()) {
-                if let Some(raw) = text.filter(|t| !t.is_empty()) {
-                    self.open(Block::Text, None, out);
-                    text_event(out, self.index, raw);
-                }
-                return;
-            }
+        if let Some(c) = usual_chunk(data.as_bytes()) {
+            self.usual(&c, out);
+            return;
         }
         let Ok(v) = serde_json::from_str::<Value>(data) else {
             self.error(body_of("api_error", "the worker sent an event that is not JSON"), out);
@@ -120,7 +116,8 @@ impl MessagesStream {
             return;
         }
         if self.phase == Phase::Start {
-            self.start(&v, out);
+            let id = message_id(v.get("id").and_then(Value::as_str));
+            self.start(&json_string(&id), out);
         }
         if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
             self.usage = Some(u.clone());
@@ -129,8 +126,7 @@ impl MessagesStream {
         if let Some(delta) = choice.get("delta") {
             if let Some(text) = delta.get("content").and_then(Value::as_str).filter(|t| !t.is_empty()) {
                 self.open(Block::Text, None, out);
-                let mut raw = Vec::with_capacity(text.len() + 2);
-                let _ = serde_json::to_writer(&mut raw, text);
+                let raw = json_string(text);
                 text_event(out, self.index, &raw[1..raw.len() - 1]);
             }
             for call in delta.get("tool_calls").and_then(Value::as_array).map(Vec::as_slice).unwrap_or(&[]) {
@@ -143,19 +139,39 @@ impl MessagesStream {
         }
     }
 
-    fn start(&mut self, first: &Value, out: &mut Vec<u8>) {
+    /// A chunk of the usual shape, from its raw parts (stream_scan.rs).
+    fn usual(&mut self, c: &Chunk<'_>, out: &mut Vec<u8>) {
+        if self.phase == Phase::Start {
+            let id = c.id.unwrap_or(b"pdgate");
+            let id = id.strip_prefix(b"chatcmpl-").unwrap_or(id);
+            let mut quoted = Vec::with_capacity(id.len() + 6);
+            quoted.extend_from_slice(b"\"msg_");
+            quoted.extend_from_slice(id);
+            quoted.push(b'"');
+            self.start(&quoted, out);
+        }
+        if let Some(u) = c.usage {
+            self.usage = serde_json::from_slice(u).ok();
+        }
+        if let Some(raw) = c.text.filter(|t| !t.is_empty()) {
+            self.open(Block::Text, None, out);
+            text_event(out, self.index, raw);
+        }
+        if let Some(f) = c.finish {
+            self.finish_reason = Some(String::from_utf8_lossy(f).into_owned());
+            self.matched = c.stop_reason.and_then(|r| serde_json::from_slice(r).ok());
+        }
+    }
+
+    /// `message_start`; `id` is the message id as a JSON string. The prompt's count comes with
+    /// the usage chunk at the end (message_delta repeats it).
+    fn start(&mut self, id: &[u8], out: &mut Vec<u8>) {
         self.phase = Phase::Open;
-        // The prompt's count comes with the usage chunk at the end (message_delta repeats it).
-        emit(
-            out,
-            "message_start",
-            &json!({"type": "message_start", "message": {
-                "id": message_id(first.get("id").and_then(Value::as_str)),
-                "type": "message", "role": "assistant", "model": self.model, "content": [],
-                "stop_reason": null, "stop_sequence": null,
-                "usage": {"input_tokens": 0, "output_tokens": 0},
-            }}),
-        );
+        out.extend_from_slice(b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":");
+        out.extend_from_slice(id);
+        out.extend_from_slice(b",\"type\":\"message\",\"role\":\"assistant\",\"model\":");
+        out.extend_from_slice(&self.model_json);
+        out.extend_from_slice(b",\"content\":[],\"stop_reason\":null,\"stop_sequence\":null,\"usage\":{\"input_tokens\":0,\"output_tokens\":0}}}\n\n");
     }
 
     fn tool_delta(&mut self, call: &Value, out: &mut Vec<u8>) {
@@ -181,17 +197,25 @@ impl MessagesStream {
         }
         self.close(out);
         self.block = block;
-        let content_block = start.unwrap_or_else(|| json!({"type": "text", "text": ""}));
-        emit(out, "content_block_start", &json!({"type": "content_block_start", "index": self.index, "content_block": content_block}));
+        match start {
+            Some(content_block) => emit(out, "content_block_start", &json!({"type": "content_block_start", "index": self.index, "content_block": content_block})),
+            None => {
+                out.extend_from_slice(b"event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":");
+                push_int(out, self.index);
+                out.extend_from_slice(b",\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n");
+            }
+        }
         if !self.pinged {
             self.pinged = true;
-            emit(out, "ping", &json!({"type": "ping"}));
+            out.extend_from_slice(b"event: ping\ndata: {\"type\":\"ping\"}\n\n");
         }
     }
 
     fn close(&mut self, out: &mut Vec<u8>) {
         if self.block != Block::None {
-            emit(out, "content_block_stop", &json!({"type": "content_block_stop", "index": self.index}));
+            out.extend_from_slice(b"event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":");
+            push_int(out, self.index);
+            out.extend_from_slice(b"}\n\n");
             self.block = Block::None;
             self.index += 1;
         }
@@ -199,7 +223,7 @@ impl MessagesStream {
 
     fn done(&mut self, out: &mut Vec<u8>) {
         if self.phase == Phase::Start {
-            self.start(&Value::Null, out);
+            self.start(b"\"msg_pdgate\"", out);
         }
         if self.index == 0 && self.block == Block::None {
             // Anthropic's answers have at least one block: an empty text one.
@@ -210,8 +234,16 @@ impl MessagesStream {
         if self.saw_tool_call && reason == "end_turn" {
             reason = "tool_use";
         }
-        emit(out, "message_delta", &json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage(self.usage.as_ref())}));
-        emit(out, "message_stop", &json!({"type": "message_stop"}));
+        out.extend_from_slice(b"event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"");
+        out.extend_from_slice(reason.as_bytes());
+        out.extend_from_slice(b"\",\"stop_sequence\":");
+        match &sequence {
+            Some(seq) => out.extend_from_slice(&json_string(seq)),
+            None => out.extend_from_slice(b"null"),
+        }
+        out.extend_from_slice(b"},\"usage\":");
+        out.extend_from_slice(&serde_json::to_vec(&usage(self.usage.as_ref())).unwrap_or_default());
+        out.extend_from_slice(b"}\n\nevent: message_stop\ndata: {\"type\":\"message_stop\"}\n\n");
         self.phase = Phase::Ended;
     }
 
@@ -221,10 +253,21 @@ impl MessagesStream {
     }
 }
 
+/// An integer's digits, without an allocation.
+fn push_int(out: &mut Vec<u8>, n: u64) {
+    use std::io::Write;
+    let _ = write!(out, "{n}");
+}
+
+/// A value as JSON bytes (writing into a Vec cannot fail).
+fn json_string(v: &str) -> Vec<u8> {
+    serde_json::to_vec(v).unwrap_or_default()
+}
+
 /// A `text_delta` event; `raw` is the text as the contents of a JSON string (escaped).
 fn text_event(out: &mut Vec<u8>, index: u64, raw: &[u8]) {
     out.extend_from_slice(b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":");
-    out.extend_from_slice(index.to_string().as_bytes());
+    push_int(out, index);
     out.extend_from_slice(b",\"delta\":{\"type\":\"text_delta\",\"text\":\"");
     out.extend_from_slice(raw);
     out.extend_from_slice(b"\"}}\n\n");
