@@ -14,7 +14,8 @@ use super::answer::usage;
 use super::error::{body_of, from_stream_error};
 use super::stream_scan::{usual_chunk, Chunk};
 use super::{message_id, stop_reason};
-use crate::sse::SseDecoder;
+use crate::json_scan::event_object;
+use crate::sse::{find_boundary, parse_event, SseDecoder};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Block {
@@ -71,8 +72,27 @@ impl MessagesStream {
     /// Takes the chat stream's next bytes; returns the Anthropic events they complete.
     pub fn feed(&mut self, chunk: &[u8]) -> Vec<u8> {
         let mut out = Vec::new();
-        for ev in self.sse.feed(chunk) {
-            self.event(&ev.data, &mut out);
+        let mut start = 0;
+        // Whole events are read where they lie (the relay hands over whole events, mostly);
+        // only a part event waits in the decoder, and what follows it goes through there too.
+        if self.sse.pending() == 0 {
+            while let Some((end, sep)) = find_boundary(&chunk[start..], 0) {
+                let raw = &chunk[start..start + end];
+                match event_object(raw) {
+                    Some(payload) => self.event(payload, &mut out),
+                    None => {
+                        if let Some(ev) = parse_event(raw) {
+                            self.event(ev.data.as_bytes(), &mut out);
+                        }
+                    }
+                }
+                start += end + sep;
+            }
+        }
+        if start < chunk.len() {
+            for ev in self.sse.feed(&chunk[start..]) {
+                self.event(ev.data.as_bytes(), &mut out);
+            }
         }
         out
     }
@@ -82,7 +102,7 @@ impl MessagesStream {
     pub fn finish(&mut self) -> Vec<u8> {
         let mut out = Vec::new();
         if let Some(ev) = self.sse.finish() {
-            self.event(&ev.data, &mut out);
+            self.event(ev.data.as_bytes(), &mut out);
         }
         if self.phase != Phase::Ended {
             self.error(body_of("api_error", "the answer's stream ended before its end"), &mut out);
@@ -95,19 +115,19 @@ impl MessagesStream {
         self.phase == Phase::Ended
     }
 
-    fn event(&mut self, data: &str, out: &mut Vec<u8>) {
+    fn event(&mut self, data: &[u8], out: &mut Vec<u8>) {
         if self.phase == Phase::Ended {
             return;
         }
-        if data.trim() == "[DONE]" {
+        if data.trim_ascii() == b"[DONE]" {
             self.done(out);
             return;
         }
-        if let Some(c) = usual_chunk(data.as_bytes()) {
+        if let Some(c) = usual_chunk(data) {
             self.usual(&c, out);
             return;
         }
-        let Ok(v) = serde_json::from_str::<Value>(data) else {
+        let Ok(v) = serde_json::from_slice::<Value>(data) else {
             self.error(body_of("api_error", "the worker sent an event that is not JSON"), out);
             return;
         };
