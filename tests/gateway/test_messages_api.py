@@ -1,6 +1,6 @@
 """The Anthropic Messages API (issue 29), driven with the official `anthropic` SDK against pdgate in
-PD mode in front of reference engines: bootstrap (SGLang flavour) and NIXL (vLLM flavour) over
-HTTP, and bootstrap over gRPC workers. pdgate runs a Messages request as the equivalent chat
+PD mode in front of reference engines: bootstrap (SGLang flavour), NIXL and Mooncake (vLLM
+flavour) over HTTP, and bootstrap over gRPC workers. pdgate runs a Messages request as the equivalent chat
 completions request, so every answer's text must equal the same conversation sent to
 `/v1/chat/completions` with the `openai` SDK, on greedy decoding; bad input is refused in
 Anthropic's error shape before any worker sees it; a decode killed mid-stream leaves a valid
@@ -47,24 +47,31 @@ CONVERSATIONS = {
 
 
 class Fleet:
-    """One prefill, one decode, a gateway; `kind` picks the placement and worker kind."""
+    """One prefill, one decode, a gateway in PD mode; `kind` picks the PD protocol and the worker
+    kind. `regular`: one worker and no PD, for the regular mode."""
 
     def __init__(self, kind: str, model_dir: str, log_dir: str):
         grpc = kind == "grpc-bootstrap"
-        connector = "nixl" if kind == "nixl" else "bootstrap"
-        kc = "NixlConnector" if connector == "nixl" else None
+        connector = kind if kind in ("nixl", "mooncake") else "bootstrap"
+        kc = {"nixl": "NixlConnector", "mooncake": "MooncakeConnector"}.get(connector)
         service = {"grpc_service": "sglang"} if grpc else {}
         self.request_log = os.path.join(log_dir, "requests.jsonl")
-        self.prefill = ReferenceWorker(mode="prefill", model=MODEL, kv_connector=kc, **service)
-        self.decode = ReferenceWorker(mode="decode", model=MODEL, kv_connector=kc, **service)
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda w: w.start(timeout=90), [self.prefill, self.decode]))
-        purl = self.prefill.grpc_url if grpc else self.prefill.url
-        durl = self.decode.grpc_url if grpc else self.decode.url
-        options: dict[str, Any] = dict(
-            pd_disaggregation=True, kv_connector=connector, port=0, request_timeout_secs=60,
-            prefill=[[purl, self.prefill.bootstrap_port]], decode=[durl], max_payload_size=LIMIT,
-            health_check_interval_secs=1, health_success_threshold=1, request_log=self.request_log)
+        self.pd = kind != "regular"
+        if self.pd:
+            self.workers = [ReferenceWorker(mode="prefill", model=MODEL, kv_connector=kc, **service),
+                            ReferenceWorker(mode="decode", model=MODEL, kv_connector=kc, **service)]
+        else:
+            self.workers = [ReferenceWorker(mode="null", model=MODEL)]
+        with ThreadPoolExecutor(len(self.workers)) as pool:
+            list(pool.map(lambda w: w.start(timeout=90), self.workers))
+        urls = [w.grpc_url if grpc else w.url for w in self.workers]
+        options: dict[str, Any] = dict(port=0, request_timeout_secs=60, max_payload_size=LIMIT, health_check_interval_secs=1,
+                                       health_success_threshold=1, request_log=self.request_log)
+        if self.pd:
+            options.update(pd_disaggregation=True, kv_connector=connector, prefill=[[urls[0], self.workers[0].bootstrap_port]],
+                           decode=[urls[1]])
+        else:
+            options.update(worker_urls=urls)
         # The gRPC fleet's gateway has the model's tokenizer (gRPC workers need it), so it
         # counts tokens itself; the HTTP fleets' ask a worker.
         self.tokenizes = grpc
@@ -80,7 +87,7 @@ class Fleet:
 
     def close(self) -> None:
         self.gw.__exit__(None, None, None)
-        for w in (self.prefill, self.decode):
+        for w in self.workers:
             w.stop()
 
     def anthropic(self) -> anthropic.Anthropic:
@@ -92,7 +99,7 @@ class Fleet:
     def engine_requests(self) -> float:
         """Generation items the two engines accepted (their own counter)."""
         total = 0.0
-        for w in (self.prefill, self.decode):
+        for w in self.workers:
             for row in httpx.get(w.url + "/metrics", timeout=10).text.splitlines():
                 if row.startswith("pdgate_engine_requests_total "):
                     total += float(row.split()[-1])
@@ -110,7 +117,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return export_model_dir(str(tmp_path_factory.mktemp("tiny-model")))
 
 
-@pytest.fixture(scope="module", params=["bootstrap", "nixl", "grpc-bootstrap"])
+@pytest.fixture(scope="module", params=["bootstrap", "nixl", "mooncake", "grpc-bootstrap", "regular"])
 def fleet(request: pytest.FixtureRequest, model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f = Fleet(request.param, model_dir, str(tmp_path_factory.mktemp("log")))
     yield f
@@ -198,7 +205,7 @@ def test_metrics_and_the_request_log_name_the_messages_route(fleet: Fleet) -> No
     assert line is not None, "no request log line"
     assert line["route"] == "/v1/messages" and line["stream"] is True and line["status"] == 200, line
     assert line["output_tokens"] == final.usage.output_tokens and line["ttft_ms"] is not None, line
-    assert line["placement"] == "disaggregated", line
+    assert line["placement"] == ("disaggregated" if fleet.pd else "colocated"), line
 
 
 def test_stop_sequences_stop_the_answer_as_they_stop_chat(fleet: Fleet) -> None:
@@ -224,7 +231,7 @@ def test_count_tokens_is_the_chat_prompt_count(fleet: Fleet) -> None:
     got = fleet.anthropic().messages.count_tokens(model=MODEL, system=system, messages=messages)
     assert got.input_tokens == want
     asked = fleet.engine_requests() - before
-    assert asked == (0 if fleet.tokenizes else 2), "count_tokens: the gateway's tokenizer, else one PD run"
+    assert asked == (0 if fleet.tokenizes else len(fleet.workers)), "count_tokens: the gateway's tokenizer, else one run"
 
 
 def test_tools_and_tool_turns_reach_the_worker_as_chat_tools(fleet: Fleet) -> None:
