@@ -1,0 +1,230 @@
+"""The OpenAI Responses API (`/v1/responses`, issue 29) through PD, driven by the official
+`openai` SDK, in front of reference engines: SGLang-style bootstrap and vLLM-style NIXL.
+
+pdgate translates a Responses request into the equivalent chat completion and back
+(docs/protocols.md, "Responses API"), so every answer's text must equal the same conversation
+through `/v1/chat/completions` on greedy decoding, with the same usage. One fleet per placement,
+shared by the module's tests (module-scoped, parametrized).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+import pdgate
+from pdgate.workers import ReferenceWorker
+from tests.gateway.harness import wait_status
+
+pytestmark = pytest.mark.timeout(300)
+
+CONNECTORS = {"bootstrap": None, "nixl": "NixlConnector"}
+MODEL = "tiny"
+MAX = 12
+PAYLOAD_LIMIT = 256 * 1024
+
+
+def start(workers: list[ReferenceWorker]) -> None:
+    with ThreadPoolExecutor(len(workers)) as pool:
+        list(pool.map(lambda w: w.start(timeout=90), workers))
+
+
+class PdFleet:
+    def __init__(self, connector: str):
+        kc = CONNECTORS[connector]
+        self.connector = connector
+        self.prefill = ReferenceWorker(mode="prefill", model=MODEL, kv_connector=kc)
+        self.decode = ReferenceWorker(mode="decode", model=MODEL, kv_connector=kc)
+
+    def __enter__(self) -> "PdFleet":
+        start([self.prefill, self.decode])
+        self.gw = pdgate.Gateway(
+            pd_disaggregation=True, kv_connector=self.connector, port=0, request_timeout_secs=60,
+            prefill=[[self.prefill.url, self.prefill.bootstrap_port]], decode=[self.decode.url],
+            health_check_interval_secs=1, health_success_threshold=1, max_payload_size=PAYLOAD_LIMIT)
+        self.gw.__enter__()
+        assert wait_status(self.gw.url + "/readiness", 200) == 200
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.gw.__exit__(None, None, None)
+        for w in (self.prefill, self.decode):
+            w.stop()
+
+    @property
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.gw.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def engine_requests(self) -> float:
+        """Requests the engines accepted (their own counter): unchanged means nothing reached them."""
+        total = 0.0
+        for w in (self.prefill, self.decode):
+            for row in httpx.get(w.url + "/metrics", timeout=10).text.splitlines():
+                if row.startswith("pdgate_engine_requests_total "):
+                    total += float(row.split()[-1])
+        return total
+
+    def metric(self, line: str) -> float:
+        for row in httpx.get(self.gw.url + "/metrics", timeout=10).text.splitlines():
+            if row.startswith(line + " "):
+                return float(row.split()[-1])
+        return 0.0
+
+
+@pytest.fixture(scope="module", params=sorted(CONNECTORS))
+def fleet(request: pytest.FixtureRequest) -> Iterator[PdFleet]:
+    with PdFleet(request.param) as f:
+        yield f
+
+
+def chat(fleet: PdFleet, messages: list[dict], **kw: Any) -> Any:
+    return fleet.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX, temperature=0, **kw)
+
+
+def assert_same_as_chat(resp: Any, want: Any) -> None:
+    assert resp.output_text == want.choices[0].message.content
+    assert resp.status == ("incomplete" if want.choices[0].finish_reason == "length" else "completed")
+    if resp.status == "incomplete":
+        assert resp.incomplete_details.reason == "max_output_tokens"
+    assert resp.usage.input_tokens == want.usage.prompt_tokens
+    assert resp.usage.output_tokens == want.usage.completion_tokens
+    assert resp.usage.total_tokens == want.usage.total_tokens
+    assert resp.usage.output_tokens_details.reasoning_tokens == 0
+
+
+def test_create_equals_chat_with_instructions(fleet: PdFleet) -> None:
+    raw = fleet.client.responses.with_raw_response.create(model=MODEL, input="name a colour", instructions="be brief",
+                                                          max_output_tokens=MAX, temperature=0)
+    resp = raw.parse()
+    assert resp.id.startswith("resp_") and resp.object == "response" and resp.created_at > 0
+    assert resp.instructions == "be brief" and resp.max_output_tokens == MAX and resp.temperature == 0
+    message = resp.output[0]
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert message.content[0].type == "output_text"
+    want = chat(fleet, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "name a colour"}])
+    assert_same_as_chat(resp, want)
+    # The PD transaction ran: the decision header names the placement, the KV moved.
+    assert f"protocol={fleet.connector}" in raw.headers["x-pdgate-route"]
+    assert resp.usage.input_tokens_details.cached_tokens > 0
+    assert fleet.metric('pdgate_requests_total{route="/v1/responses",status="200"}') >= 1
+
+
+def test_stream_is_a_valid_event_sequence_equal_to_chat(fleet: PdFleet) -> None:
+    events = list(fleet.client.responses.create(model=MODEL, input=[{"role": "user", "content": "stream me"}],
+                                                max_output_tokens=MAX, temperature=0, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert sum(k in ("response.completed", "response.incomplete", "response.failed") for k in kinds) == 1
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert deltas == final.output_text == events[-4].text
+    assert_same_as_chat(final, chat(fleet, [{"role": "user", "content": "stream me"}]))
+
+
+def test_stream_helper_of_the_sdk(fleet: PdFleet) -> None:
+    with fleet.client.responses.stream(model=MODEL, input="helper", max_output_tokens=MAX, temperature=0) as stream:
+        deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert deltas == final.output_text
+    assert_same_as_chat(final, chat(fleet, [{"role": "user", "content": "helper"}]))
+
+
+def test_multi_turn_retrieve_delete_cancel(fleet: PdFleet) -> None:
+    c = fleet.client
+    first = c.responses.create(model=MODEL, input="first turn", max_output_tokens=MAX, temperature=0)
+    second = c.responses.create(model=MODEL, input="second turn", previous_response_id=first.id,
+                                max_output_tokens=MAX, temperature=0, stream=False)
+    assert second.previous_response_id == first.id
+    want = chat(fleet, [{"role": "user", "content": "first turn"}, {"role": "assistant", "content": first.output_text},
+                        {"role": "user", "content": "second turn"}])
+    assert_same_as_chat(second, want)
+    # A streamed third turn continues the conversation too.
+    events = list(c.responses.create(model=MODEL, input="third", previous_response_id=second.id,
+                                     max_output_tokens=MAX, temperature=0, stream=True))
+    third = events[-1].response
+    want3 = chat(fleet, [{"role": "user", "content": "first turn"}, {"role": "assistant", "content": first.output_text},
+                         {"role": "user", "content": "second turn"},
+                         {"role": "assistant", "content": second.output_text}, {"role": "user", "content": "third"}])
+    assert third.output_text == want3.choices[0].message.content
+    got = c.responses.retrieve(third.id)
+    assert got.id == third.id and got.output_text == third.output_text
+    assert c.responses.retrieve(first.id).output_text == first.output_text
+    with pytest.raises(openai.BadRequestError):
+        c.responses.cancel(first.id)
+    c.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.delete(first.id)
+    before = fleet.engine_requests()
+    with pytest.raises(openai.NotFoundError):
+        c.responses.create(model=MODEL, input="x", previous_response_id=first.id)
+    assert fleet.engine_requests() == before
+
+
+def test_store_false_is_not_kept(fleet: PdFleet) -> None:
+    c = fleet.client
+    r = c.responses.create(model=MODEL, input="forget me", store=False, max_output_tokens=4, temperature=0)
+    assert r.store is False
+    before = fleet.engine_requests()
+    with pytest.raises(openai.NotFoundError) as err:
+        c.responses.create(model=MODEL, input="again", previous_response_id=r.id)
+    assert err.value.body["code"] == "not_found"
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(r.id)
+    assert fleet.engine_requests() == before
+
+
+def test_function_tools_and_items_map_to_chat(fleet: PdFleet) -> None:
+    """The reference engine does no tool calling; the mapping of tools and of function_call /
+    function_call_output items is what is checked: the same conversation through chat."""
+    tool = {"type": "function", "name": "weather", "description": "the weather", "parameters": {"type": "object"}}
+    items = [{"role": "user", "content": "weather?"},
+             {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    resp = fleet.client.responses.create(model=MODEL, input=items, tools=[tool], tool_choice="auto",
+                                         max_output_tokens=MAX, temperature=0)
+    assert resp.tools[0].name == "weather"
+    want = chat(fleet, [{"role": "user", "content": "weather?"},
+                        {"role": "assistant", "content": None, "tool_calls": [
+                            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+                        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+                tools=[{"type": "function", "function": {"name": "weather", "description": "the weather",
+                                                         "parameters": {"type": "object"}}}], tool_choice="auto")
+    assert_same_as_chat(resp, want)
+
+
+BAD = [
+    ({"input": [{"type": "bogus_item"}]}, "input[0].type"),
+    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input[0].call_id"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "background": True}, "background"),
+    ({}, "input"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD, ids=[p for _, p in BAD])
+def test_bad_input_is_a_400_and_reaches_no_worker(fleet: PdFleet, body: dict, param: str) -> None:
+    before = fleet.engine_requests()
+    with pytest.raises(openai.BadRequestError) as err:
+        fleet.client.responses.create(model=MODEL, **body)
+    assert err.value.body["param"] == param, err.value.body
+    assert err.value.body["type"] == "invalid_request_error"
+    assert fleet.engine_requests() == before
+
+
+def test_huge_input_is_a_413_and_reaches_no_worker(fleet: PdFleet) -> None:
+    before = fleet.engine_requests()
+    with pytest.raises(openai.APIStatusError) as err:
+        fleet.client.responses.create(model=MODEL, input="x" * (PAYLOAD_LIMIT + 1))
+    assert err.value.status_code == 413
+    assert fleet.engine_requests() == before
