@@ -9,6 +9,7 @@ shared by the module's tests (module-scoped, parametrized).
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
@@ -228,3 +229,91 @@ def test_huge_input_is_a_413_and_reaches_no_worker(fleet: PdFleet) -> None:
         fleet.client.responses.create(model=MODEL, input="x" * (PAYLOAD_LIMIT + 1))
     assert err.value.status_code == 413
     assert fleet.engine_requests() == before
+
+
+def responses_events(url: str, body: dict) -> list[tuple[str, dict]]:
+    """The raw Responses stream: (event line, data) pairs, every event with both lines."""
+    out: list[tuple[str, dict]] = []
+    kind = None
+    with httpx.stream("POST", url + "/v1/responses", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line[len("event: "):]
+            elif line.startswith("data: "):
+                data = json.loads(line[len("data: "):])
+                assert kind == data["type"], (kind, data)
+                out.append((kind, data))
+                kind = None
+    return out
+
+
+def test_a_stream_whose_decode_is_killed_stays_a_valid_responses_stream() -> None:
+    """Resume after decode death (bootstrap): the continued stream is one valid Responses stream
+    (consecutive sequence numbers, one terminal event, completed) whose text is the
+    uninterrupted answer's, which a plain engine computes directly."""
+    from tests.gateway.test_resume import KILL_AFTER, MAX_TOKENS, Fleet, until_killed
+
+    reference = ReferenceWorker(mode="null", model=MODEL)
+    start([reference])
+    try:
+        body = {"model": MODEL, "input": "resume this response", "max_output_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True}
+        plain = openai.OpenAI(base_url=reference.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        want = plain.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": body["input"]}],
+                                             max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+        with Fleet(max_resumes=None, connector="bootstrap") as fleet:
+            for got in until_killed(fleet, lambda: responses_events(fleet.gw.url, body)):
+                assert [d["sequence_number"] for _, d in got] == list(range(len(got)))
+                kinds = [k for k, _ in got]
+                terminal = [k for k in kinds if k in ("response.completed", "response.incomplete", "response.failed")]
+                assert terminal == [kinds[-1]] and kinds[-1] in ("response.completed", "response.incomplete"), kinds
+                text = "".join(d["delta"] for k, d in got if k == "response.output_text.delta")
+                assert text == want.choices[0].message.content
+                final = got[-1][1]["response"]
+                assert final["output"][0]["content"][0]["text"] == text
+                assert final["usage"]["output_tokens"] == MAX_TOKENS
+                assert final["usage"]["input_tokens"] == want.usage.prompt_tokens
+            assert fleet.metric('pdgate_resumes_total{reason="decode_died",result="resumed"}') == 1.0
+            assert KILL_AFTER < MAX_TOKENS
+    finally:
+        reference.stop()
+
+
+def test_over_grpc_workers_in_pd(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """gRPC workers take token ids only: the translated chat request is tokenized by the gateway
+    and split over a gRPC prefill and decode (SGLang bootstrap); the answers equal chat's."""
+    from tests.gateway.grpc_stacks import export_model_dir, gateway
+
+    model_dir = export_model_dir(str(tmp_path_factory.mktemp("responses-tokenizer")))
+    p = ReferenceWorker(mode="prefill", model=MODEL, grpc_service="sglang")
+    d = ReferenceWorker(mode="decode", model=MODEL, grpc_service="sglang")
+    start([p, d])
+    try:
+        gw = gateway(model_dir, pd_disaggregation=True, prefill=[[p.grpc_url, p.bootstrap_port]], decode=[d.grpc_url],
+                     request_timeout_secs=60)
+        try:
+            c = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            resp = c.responses.create(model=MODEL, input="over grpc", instructions="sys", max_output_tokens=MAX,
+                                      temperature=0)
+            want = c.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "sys"},
+                                                                    {"role": "user", "content": "over grpc"}],
+                                             max_tokens=MAX, temperature=0)
+            assert_same_as_chat(resp, want)
+            events = list(c.responses.create(model=MODEL, input="over grpc", instructions="sys",
+                                             max_output_tokens=MAX, temperature=0, stream=True))
+            assert [e.sequence_number for e in events] == list(range(len(events)))
+            assert events[-1].response.output_text == resp.output_text
+            assert events[-1].response.usage.output_tokens == resp.usage.output_tokens
+            follow = c.responses.create(model=MODEL, input="next", previous_response_id=resp.id,
+                                        max_output_tokens=MAX, temperature=0)
+            want2 = c.chat.completions.create(
+                model=MODEL, max_tokens=MAX, temperature=0,
+                messages=[{"role": "user", "content": "over grpc"}, {"role": "assistant", "content": resp.output_text},
+                          {"role": "user", "content": "next"}])
+            assert follow.output_text == want2.choices[0].message.content
+        finally:
+            gw.__exit__(None, None, None)
+    finally:
+        for w in (p, d):
+            w.stop()

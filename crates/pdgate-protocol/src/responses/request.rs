@@ -45,6 +45,14 @@ const UNSUPPORTED: [(&str, &str); 3] = [
     ("prompt", "prompt templates are not supported by pdgate"),
 ];
 
+/// The Responses API's own fields: mapped above, echoed, or with no chat equivalent; never
+/// passed to the chat body as they are.
+const RESPONSES_FIELDS: [&str; 28] = [
+    "background", "conversation", "include", "input", "instructions", "max_output_tokens", "max_tool_calls", "messages", "metadata", "model",
+    "parallel_tool_calls", "previous_response_id", "prompt", "prompt_cache_key", "prompt_cache_retention", "reasoning", "safety_identifier",
+    "service_tier", "store", "stream", "stream_options", "temperature", "text", "tool_choice", "tools", "top_logprobs", "top_p", "truncation",
+];
+
 /// Parses and validates a `/v1/responses` body.
 pub fn parse_responses(bytes: &[u8]) -> Result<ResponsesRequest, InvalidRequest> {
     let value: Value = serde_json::from_slice(bytes).map_err(|e| InvalidRequest { param: None, message: format!("request body is not valid JSON: {e}") })?;
@@ -132,6 +140,13 @@ pub fn parse_responses(bytes: &[u8]) -> Result<ResponsesRequest, InvalidRequest>
         echo.insert("previous_response_id".into(), p.clone().into());
     }
     echo.insert("store".into(), store.into());
+    // Engine extensions (`ignore_eos`, `top_k`, `seed`, ...: the SDK's `extra_body`) go to the
+    // chat body as they came, as on the chat route; the chat parser validates them.
+    for (k, v) in &body {
+        if !RESPONSES_FIELDS.contains(&k.as_str()) && !chat.contains_key(k) {
+            chat.insert(k.clone(), v.clone());
+        }
+    }
     chat.insert("stream".into(), stream.into());
     if stream {
         chat.insert("stream_options".into(), json!({"include_usage": true}));

@@ -23,6 +23,16 @@ fn string_input_and_instructions_become_messages() {
 }
 
 #[test]
+fn engine_extensions_pass_and_responses_fields_do_not() {
+    let chat = chat_of(json!({"input": "x", "ignore_eos": true, "top_k": 3, "store": false, "metadata": {"a": "b"}, "include": [], "messages": [1]}), &[]);
+    assert_eq!((chat["ignore_eos"].clone(), chat["top_k"].clone()), (json!(true), json!(3)));
+    for gone in ["store", "metadata", "include", "input"] {
+        assert!(chat.get(gone).is_none(), "{gone}");
+    }
+    assert_eq!(chat["messages"], json!([{"role": "user", "content": "x"}]));
+}
+
+#[test]
 fn stream_asks_for_usage() {
     let chat = chat_of(json!({"input": "x", "stream": true}), &[]);
     assert_eq!(chat["stream_options"], json!({"include_usage": true}));
