@@ -132,8 +132,13 @@ def test_stream_is_a_valid_event_sequence_equal_to_chat(fleet: PdFleet) -> None:
 
 def test_stream_helper_of_the_sdk(fleet: PdFleet) -> None:
     with fleet.client.responses.stream(model=MODEL, input="helper", max_output_tokens=MAX, temperature=0) as stream:
-        deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
-        final = stream.get_final_response()
+        events = list(stream)
+        final = events[-1].response
+        # The SDK's helper keeps a final response only for `response.completed` (not for
+        # `response.incomplete`, OpenAI's terminal event at max_output_tokens).
+        if events[-1].type == "response.completed":
+            assert stream.get_final_response().output_text == final.output_text
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == final.output_text
     assert_same_as_chat(final, chat(fleet, [{"role": "user", "content": "helper"}]))
 

@@ -48,9 +48,34 @@ const UNSUPPORTED: [(&str, &str); 3] = [
 /// The Responses API's own fields: mapped above, echoed, or with no chat equivalent; never
 /// passed to the chat body as they are.
 const RESPONSES_FIELDS: [&str; 28] = [
-    "background", "conversation", "include", "input", "instructions", "max_output_tokens", "max_tool_calls", "messages", "metadata", "model",
-    "parallel_tool_calls", "previous_response_id", "prompt", "prompt_cache_key", "prompt_cache_retention", "reasoning", "safety_identifier",
-    "service_tier", "store", "stream", "stream_options", "temperature", "text", "tool_choice", "tools", "top_logprobs", "top_p", "truncation",
+    "background",
+    "conversation",
+    "include",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "max_tool_calls",
+    "messages",
+    "metadata",
+    "model",
+    "parallel_tool_calls",
+    "previous_response_id",
+    "prompt",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "reasoning",
+    "safety_identifier",
+    "service_tier",
+    "store",
+    "stream",
+    "stream_options",
+    "temperature",
+    "text",
+    "tool_choice",
+    "tools",
+    "top_logprobs",
+    "top_p",
+    "truncation",
 ];
 
 /// Parses and validates a `/v1/responses` body.
