@@ -1,5 +1,6 @@
 """The OpenAI Responses API (`/v1/responses`, issue 29) through PD, driven by the official
-`openai` SDK, in front of reference engines: SGLang-style bootstrap and vLLM-style NIXL.
+`openai` SDK, in front of reference engines: SGLang-style bootstrap, vLLM-style NIXL and
+Mooncake, and one regular worker (no PD); a gRPC PD pair; resume after a decode's death.
 
 pdgate translates a Responses request into the equivalent chat completion and back
 (docs/protocols.md, "Responses API"), so every answer's text must equal the same conversation
@@ -23,7 +24,9 @@ from tests.gateway.harness import wait_status
 
 pytestmark = pytest.mark.timeout(300)
 
-CONNECTORS = {"bootstrap": None, "nixl": "NixlConnector"}
+# The gateway's --kv-connector and the engines' vLLM connector per PD mode; "regular": one
+# worker, no PD.
+CONNECTORS = {"bootstrap": None, "nixl": "NixlConnector", "mooncake": "MooncakeConnector", "regular": None}
 MODEL = "tiny"
 MAX = 12
 PAYLOAD_LIMIT = 256 * 1024
@@ -38,22 +41,31 @@ class PdFleet:
     def __init__(self, connector: str):
         kc = CONNECTORS[connector]
         self.connector = connector
-        self.prefill = ReferenceWorker(mode="prefill", model=MODEL, kv_connector=kc)
-        self.decode = ReferenceWorker(mode="decode", model=MODEL, kv_connector=kc)
+        self.pd = connector != "regular"
+        self.prefill = ReferenceWorker(mode="prefill" if self.pd else "null", model=MODEL, kv_connector=kc)
+        self.decode = ReferenceWorker(mode="decode", model=MODEL, kv_connector=kc) if self.pd else self.prefill
+
+    @property
+    def workers(self) -> list[ReferenceWorker]:
+        return [self.prefill, self.decode] if self.pd else [self.prefill]
 
     def __enter__(self) -> "PdFleet":
-        start([self.prefill, self.decode])
-        self.gw = pdgate.Gateway(
-            pd_disaggregation=True, kv_connector=self.connector, port=0, request_timeout_secs=60,
-            prefill=[[self.prefill.url, self.prefill.bootstrap_port]], decode=[self.decode.url],
-            health_check_interval_secs=1, health_success_threshold=1, max_payload_size=PAYLOAD_LIMIT)
+        start(self.workers)
+        common: dict[str, Any] = dict(port=0, request_timeout_secs=60, health_check_interval_secs=1,
+                                      health_success_threshold=1, max_payload_size=PAYLOAD_LIMIT)
+        if self.pd:
+            self.gw = pdgate.Gateway(pd_disaggregation=True, kv_connector=self.connector,
+                                     prefill=[[self.prefill.url, self.prefill.bootstrap_port]],
+                                     decode=[self.decode.url], **common)
+        else:
+            self.gw = pdgate.Gateway(worker_urls=[self.prefill.url], **common)
         self.gw.__enter__()
         assert wait_status(self.gw.url + "/readiness", 200) == 200
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.gw.__exit__(None, None, None)
-        for w in (self.prefill, self.decode):
+        for w in self.workers:
             w.stop()
 
     @property
@@ -63,7 +75,7 @@ class PdFleet:
     def engine_requests(self) -> float:
         """Requests the engines accepted (their own counter): unchanged means nothing reached them."""
         total = 0.0
-        for w in (self.prefill, self.decode):
+        for w in self.workers:
             for row in httpx.get(w.url + "/metrics", timeout=10).text.splitlines():
                 if row.startswith("pdgate_engine_requests_total "):
                     total += float(row.split()[-1])
@@ -110,7 +122,8 @@ def test_create_equals_chat_with_instructions(fleet: PdFleet) -> None:
     assert_same_as_chat(resp, want)
     # The PD transaction ran: the decision header names the placement, the KV moved.
     assert f"protocol={fleet.connector}" in raw.headers["x-pdgate-route"]
-    assert resp.usage.input_tokens_details.cached_tokens > 0
+    if fleet.pd:
+        assert resp.usage.input_tokens_details.cached_tokens > 0
     assert fleet.metric('pdgate_requests_total{route="/v1/responses",status="200"}') >= 1
 
 
@@ -322,3 +335,28 @@ def test_over_grpc_workers_in_pd(tmp_path_factory: pytest.TempPathFactory) -> No
     finally:
         for w in (p, d):
             w.stop()
+
+
+def test_a_decode_death_without_resume_ends_the_stream_with_response_failed() -> None:
+    """With resuming off, a decode that dies mid-answer ends the Responses stream with one
+    `response.failed` (naming the decode), still a valid stream: no `response.completed`."""
+    from tests.gateway.test_resume import MAX_TOKENS, Fleet, until_killed
+
+    # The prompt of test_resume.py's max_resumes=0 chat case. Some prompts ("fail this response")
+    # leave the fault decode stalled instead of dead with resuming off, through plain
+    # /v1/chat/completions too (the engine's fault hook runs only after a chunk with visible
+    # text, and without return_token_ids such a chunk may not come): an engine test-hook matter.
+    body = {"model": MODEL, "input": "resume this chat", "max_output_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    with Fleet(max_resumes=0, connector="bootstrap") as fleet:
+        answers = until_killed(fleet, lambda: responses_events(fleet.gw.url, body))
+    for got in answers:
+        assert [d["sequence_number"] for _, d in got] == list(range(len(got)))
+        kinds = [k for k, _ in got]
+        terminal = [k for k in kinds if k in ("response.completed", "response.incomplete", "response.failed")]
+        assert terminal == [kinds[-1]], kinds
+    killed = answers[-1]
+    assert killed[-1][0] == "response.failed", [k for k, _ in killed]
+    failed = killed[-1][1]["response"]
+    assert failed["status"] == "failed" and "decode" in failed["error"]["code"], failed["error"]
+    assert any(k == "response.output_text.delta" for k, _ in killed), "tokens went out before the death"

@@ -68,6 +68,16 @@ pub fn status_of(finish_reason: Option<&str>) -> &'static str {
     }
 }
 
+/// A message item's status in a response of `status`: a text cut at the length limit is
+/// `incomplete`, as OpenAI marks it.
+pub fn item_status(status: &str) -> &'static str {
+    if status == "incomplete" {
+        "incomplete"
+    } else {
+        "completed"
+    }
+}
+
 /// A chat `usage` object as the Responses one.
 pub fn usage_of(usage: &Value) -> Option<Value> {
     let n = |v: Option<&Value>| v.and_then(Value::as_u64).unwrap_or(0);
@@ -105,9 +115,10 @@ pub fn response_from_chat(chat: &Value, meta: &ResponseMeta) -> Value {
     let message = choice.and_then(|c| c.get("message"));
     let text = message.and_then(|m| m.get("content")).and_then(Value::as_str).unwrap_or("");
     let calls = message.and_then(|m| m.get("tool_calls")).and_then(Value::as_array).map(Vec::as_slice).unwrap_or(&[]);
+    let status = status_of(choice.and_then(|c| c.get("finish_reason")).and_then(Value::as_str));
     let mut output = Vec::new();
     if !text.is_empty() || calls.is_empty() {
-        output.push(message_item(&meta.message_id(), text, "completed"));
+        output.push(message_item(&meta.message_id(), text, item_status(status)));
     }
     for (i, call) in calls.iter().enumerate() {
         let s = |p: &str| call.pointer(p).and_then(Value::as_str).unwrap_or("");
@@ -117,7 +128,6 @@ pub fn response_from_chat(chat: &Value, meta: &ResponseMeta) -> Value {
         };
         output.push(call_item(&meta.call_item_id(i), &call_id, s("/function/name"), s("/function/arguments"), "completed"));
     }
-    let status = status_of(choice.and_then(|c| c.get("finish_reason")).and_then(Value::as_str));
     let usage = chat.get("usage").and_then(usage_of);
     meta.response(status, output, usage, chat.get("model").and_then(Value::as_str))
 }

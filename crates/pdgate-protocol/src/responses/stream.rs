@@ -166,7 +166,7 @@ impl StreamTranslator {
         let id = self.meta.message_id();
         self.emit(out, "response.output_text.done", json!({"output_index": index, "item_id": id, "content_index": 0, "text": text, "logprobs": []}));
         self.emit(out, "response.content_part.done", json!({"output_index": index, "item_id": id, "content_index": 0, "part": answer::text_part(&text)}));
-        let item = answer::message_item(&id, &text, "completed");
+        let item = answer::message_item(&id, &text, answer::item_status(answer::status_of(self.finish_reason.as_deref())));
         self.emit(out, "response.output_item.done", json!({"output_index": index, "item": item}));
         self.done_items.push(item);
     }

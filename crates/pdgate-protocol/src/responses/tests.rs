@@ -212,7 +212,9 @@ fn length_ends_incomplete() {
     let wire = [chunk(json!({"content": "a"}), Some("length")), "data: [DONE]\n\n".into()].concat();
     let (out, r) = translate(&wire, 5);
     assert_eq!(events(&out).last().map(|e| e.0.clone()), Some("response.incomplete".into()));
-    assert_eq!(r.map(|r| r["incomplete_details"]["reason"].clone()), Some(json!("max_output_tokens")));
+    let r = r.unwrap_or_else(|| panic!("no terminal"));
+    assert_eq!(r["incomplete_details"]["reason"], json!("max_output_tokens"));
+    assert_eq!(r["output"][0]["status"], json!("incomplete"), "the cut message is incomplete");
 }
 
 #[test]
