@@ -196,7 +196,8 @@ def test_store_false_is_not_kept(fleet: PdFleet) -> None:
     before = fleet.engine_requests()
     with pytest.raises(openai.NotFoundError) as err:
         c.responses.create(model=MODEL, input="again", previous_response_id=r.id)
-    assert err.value.body["code"] == "not_found"
+    assert err.value.body["code"] == "previous_response_not_found"
+    assert err.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(r.id)
     assert fleet.engine_requests() == before

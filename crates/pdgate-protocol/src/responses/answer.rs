@@ -32,6 +32,7 @@ impl ResponseMeta {
             "id": self.id,
             "object": "response",
             "created_at": self.created_at,
+            "background": false,
             "status": status,
             "error": null,
             "incomplete_details": null,

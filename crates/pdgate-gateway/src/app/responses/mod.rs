@@ -14,13 +14,14 @@ use std::sync::{Arc, Mutex};
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Request, State};
-use axum::http::{header, HeaderValue};
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
 use futures_util::StreamExt;
 use pdgate_core::error::{ErrorKind, Source};
 use pdgate_core::GatewayError;
+use pdgate_protocol::openai::error_body;
 use pdgate_protocol::responses::{parse_responses, response_from_chat, ResponseMeta, ResponsesRequest, StreamTranslator};
 use pdgate_protocol::{Endpoint, InvalidRequest};
 use serde_json::{json, Value};
@@ -66,8 +67,17 @@ fn not_found(id: &str) -> GatewayError {
     GatewayError { kind: ErrorKind::NotFound, source: Source::Client, leg: None, message: format!("Response with id '{id}' not found."), not_sent: false }
 }
 
+/// An OpenAI error with its own `code` (the shared renderer names codes by kind).
+fn coded_error(status: StatusCode, message: &str, code: &str, param: Option<&str>) -> Response {
+    (status, Json(error_body(message, "invalid_request_error", code, param))).into_response()
+}
+
 fn invalid(e: InvalidRequest) -> GatewayError {
     GatewayError::invalid(e.param.as_deref(), e.message)
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// What the body said, kept for the answer's translation.
@@ -79,20 +89,32 @@ struct Prepared {
 
 async fn create(State(r): State<Arc<Responses>>, req: Request) -> Response {
     let prepared: Arc<Mutex<Option<Prepared>>> = Arc::default();
-    let slot = prepared.clone();
+    // An unknown previous response is answered here, a 404 with OpenAI's own code (the front
+    // counts and logs the refusal by its `GatewayError`).
+    let unknown_previous: Arc<Mutex<Option<String>>> = Arc::default();
+    let (slot, previous_slot) = (prepared.clone(), unknown_previous.clone());
     let store = r.store.clone();
     let prepare = move |raw: Bytes| async move {
         let req = parse_responses(&raw).map_err(invalid)?;
         let history = match &req.previous_response_id {
-            Some(id) => store.get(id).await.ok_or_else(|| not_found(id))?.items.clone(),
+            Some(id) => match store.get(id).await {
+                Some(kept) => kept.items.clone(),
+                None => {
+                    *lock(&previous_slot) = Some(id.clone());
+                    return Err(not_found(id));
+                }
+            },
             None => Vec::new(),
         };
         let chat = req.chat_body(&history).map_err(invalid)?;
-        *slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Prepared { req, history });
+        *lock(&slot) = Some(Prepared { req, history });
         Ok(Bytes::from(chat))
     };
     let resp = admit_with(r.state.clone(), Endpoint::ChatCompletions, ROUTE, req, prepare).await;
-    let taken = prepared.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+    if let Some(id) = lock(&unknown_previous).take() {
+        return coded_error(StatusCode::NOT_FOUND, &format!("Previous response with id '{id}' not found."), "previous_response_not_found", Some("previous_response_id"));
+    }
+    let taken = lock(&prepared).take();
     // Refused before or by the translation, or failed before any answer: the error is already
     // in OpenAI's shape.
     let Some(p) = taken else { return resp };
@@ -205,7 +227,12 @@ async fn delete(State(r): State<Arc<Responses>>, Path(id): Path<String>) -> Resp
 /// is finished and the answer is OpenAI's 400 for it.
 async fn cancel(State(r): State<Arc<Responses>>, Path(id): Path<String>) -> Response {
     match r.store.get(&id).await {
-        Some(_) => error_response(&GatewayError::invalid(None, "Only responses created with background=true can be cancelled; pdgate does not run background responses.")),
+        Some(_) => coded_error(
+            StatusCode::BAD_REQUEST,
+            "Cannot cancel a completed response: only background responses can be cancelled, and pdgate runs none",
+            "response_already_completed",
+            None,
+        ),
         None => error_response(&not_found(&id)),
     }
 }
