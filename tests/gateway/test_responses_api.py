@@ -361,3 +361,72 @@ def test_a_decode_death_without_resume_ends_the_stream_with_response_failed() ->
     failed = killed[-1][1]["response"]
     assert failed["status"] == "failed" and "decode" in failed["error"]["code"], failed["error"]
     assert any(k == "response.output_text.delta" for k, _ in killed), "tokens went out before the death"
+
+
+def test_beside_smg(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The same Responses requests through SMG 1.13 and pdgate, in front of the same reference
+    engines (docs/migrating-from-smg.md, "Responses API"). Over gRPC workers SMG translates as
+    pdgate does, and the greedy answers are the same text with the same usage; over HTTP workers
+    SMG forwards /v1/responses to the prefill, which the reference engine (like SGLang) does not
+    serve, while pdgate translates. The error differences are asserted as found."""
+    from tests.gateway.grpc_stacks import export_model_dir, gateway
+    from tests.gateway.test_smg_compat import smg_binary
+    from tests.gateway.test_smg_grpc_interop import smg_router
+
+    smg = smg_binary()
+    if smg is None:
+        pytest.skip("smg is not installed (pip install smg==1.13.0)")
+    model_dir = export_model_dir(str(tmp_path_factory.mktemp("smg-tokenizer")))
+    p = ReferenceWorker(mode="prefill", model=MODEL, grpc_service="sglang")
+    d = ReferenceWorker(mode="decode", model=MODEL, grpc_service="sglang")
+    start([p, d])
+    body = {"model": MODEL, "input": "name a colour", "instructions": "be brief", "max_output_tokens": MAX,
+            "temperature": 0}
+    orphan = {**body, "input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}
+    try:
+        answers: dict[str, dict[str, Any]] = {}
+        gw = gateway(model_dir, pd_disaggregation=True, prefill=[[p.grpc_url, p.bootstrap_port]], decode=[d.grpc_url],
+                     request_timeout_secs=60)
+        try:
+            answers["pdgate"] = ask_both_ways(gw.url, body, orphan)
+        finally:
+            gw.__exit__(None, None, None)
+        flags = ["--pd-disaggregation", "--prefill", p.grpc_url, str(p.bootstrap_port), "--decode", d.grpc_url]
+        with smg_router(smg, model_dir, flags) as url:
+            answers["smg"] = ask_both_ways(url, body, orphan)
+        mine, theirs = answers["pdgate"], answers["smg"]
+        assert mine["text"] == theirs["text"] and mine["stream_text"] == theirs["stream_text"] == mine["text"]
+        assert mine["next_text"] == theirs["next_text"]
+        assert mine["usage"] == theirs["usage"]
+        assert mine["stream_kinds"] == theirs["stream_kinds"]
+        # Differences (docs/migrating-from-smg.md): an unknown previous response is 404 here and
+        # 400 in SMG, with the same code; an orphan function_call_output is refused here and
+        # answered by SMG.
+        assert (mine["unknown_previous"], theirs["unknown_previous"]) == ((404, "previous_response_not_found"),
+                                                                          (400, "previous_response_not_found"))
+        assert (mine["orphan"], theirs["orphan"]) == (400, 200)
+        # SMG in front of the same engines' HTTP side forwards the Responses request itself.
+        flags = ["--pd-disaggregation", "--prefill", p.url, str(p.bootstrap_port), "--decode", d.url]
+        with smg_router(smg, model_dir, flags) as url:
+            r = httpx.post(url + "/v1/responses", json=body, timeout=60)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "prefill_not_found", r.text
+    finally:
+        for w in (p, d):
+            w.stop()
+
+
+def ask_both_ways(url: str, body: dict, orphan: dict) -> dict[str, Any]:
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    resp = c.responses.create(**body)
+    events = list(c.responses.create(**body, stream=True))
+    follow = c.responses.create(**{**body, "input": "more", "previous_response_id": resp.id})
+    unknown = httpx.post(url + "/v1/responses", json={**body, "previous_response_id": "resp_unknown"}, timeout=60)
+    return {
+        "text": resp.output_text,
+        "usage": (resp.usage.input_tokens, resp.usage.output_tokens, resp.usage.total_tokens),
+        "stream_text": "".join(e.delta for e in events if e.type == "response.output_text.delta"),
+        "stream_kinds": [e.type for e in events if e.type != "response.output_text.delta"],
+        "next_text": follow.output_text,
+        "unknown_previous": (unknown.status_code, unknown.json()["error"]["code"]),
+        "orphan": httpx.post(url + "/v1/responses", json=orphan, timeout=60).status_code,
+    }
