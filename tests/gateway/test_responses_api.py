@@ -395,8 +395,12 @@ def test_beside_smg(tmp_path_factory: pytest.TempPathFactory) -> None:
         with smg_router(smg, model_dir, flags) as url:
             answers["smg"] = ask_both_ways(url, body, orphan)
         mine, theirs = answers["pdgate"], answers["smg"]
-        assert mine["text"] == theirs["text"] and mine["stream_text"] == theirs["stream_text"] == mine["text"]
-        assert mine["next_text"] == theirs["next_text"]
+        # SMG drops a trailing run of U+FFFD (an answer ending in invalid UTF-8) that pdgate
+        # writes, as over chat (docs/grpc-workers.md, "SMG and text prompts").
+        cut = lambda t: t.rstrip("\ufffd")  # noqa: E731
+        assert mine["stream_text"] == mine["text"] and theirs["stream_text"] == theirs["text"]
+        assert cut(mine["text"]) == cut(theirs["text"]) and theirs["text"] == cut(theirs["text"])
+        assert cut(mine["next_text"]) == cut(theirs["next_text"])
         assert mine["usage"] == theirs["usage"]
         assert mine["stream_kinds"] == theirs["stream_kinds"]
         # Differences (docs/migrating-from-smg.md): an unknown previous response is 404 here and
