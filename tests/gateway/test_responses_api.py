@@ -434,3 +434,116 @@ def ask_both_ways(url: str, body: dict, orphan: dict) -> dict[str, Any]:
         "unknown_previous": (unknown.status_code, unknown.json()["error"]["code"]),
         "orphan": httpx.post(url + "/v1/responses", json=orphan, timeout=60).status_code,
     }
+
+
+# -- function calls coming back: a worker with a tool parser, stood in for by a small server --------
+
+TOOL_CALL = {"id": "call_abc", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Paris"}'}}
+
+
+class ToolWorker:
+    """A minimal OpenAI-compatible worker whose chat answers are one tool call (as vLLM or SGLang
+    with a tool parser answer), whole or streamed; it records the bodies it was sent."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        bodies: list[dict] = []
+        self.bodies = bodies
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                ok = self.path == "/health"
+                self.send_response(200 if ok else 404)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                bodies.append(body)
+                usage = {"prompt_tokens": 9, "completion_tokens": 7, "total_tokens": 16}
+                if not body.get("stream"):
+                    out = json.dumps({"id": "chatcmpl-1", "object": "chat.completion", "model": "tool-model",
+                                      "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+                                          "role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}}],
+                                      "usage": usage}).encode()
+                    self.send_response(200)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", str(len(out)))
+                    self.end_headers()
+                    self.wfile.write(out)
+                    return
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.end_headers()
+                args = TOOL_CALL["function"]["arguments"]
+                deltas = [{"role": "assistant", "content": ""},
+                          {"tool_calls": [{"index": 0, "id": "call_abc", "type": "function",
+                                           "function": {"name": "weather", "arguments": ""}}]},
+                          {"tool_calls": [{"index": 0, "function": {"arguments": args[:7]}}]},
+                          {"tool_calls": [{"index": 0, "function": {"arguments": args[7:]}}]}]
+                for i, delta in enumerate(deltas):
+                    finish = "tool_calls" if i == len(deltas) - 1 else None
+                    self.event({"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "tool-model",
+                                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+                self.event({"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "tool-model",
+                            "choices": [], "usage": usage})
+                self.wfile.write(b"data: [DONE]\n\n")
+
+            def event(self, data: dict) -> None:
+                self.wfile.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+                self.wfile.flush()
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_worker_tool_calls_become_function_call_items_and_the_next_turn_sends_them_back() -> None:
+    worker = ToolWorker()
+    try:
+        with pdgate.Gateway(worker_urls=[worker.url], port=0, health_check_interval_secs=1,
+                            health_success_threshold=1) as gw:
+            assert wait_status(gw.url + "/readiness", 200) == 200
+            c = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+            tool = {"type": "function", "name": "weather", "parameters": {"type": "object"}}
+            resp = c.responses.create(model="tool-model", input="weather in Paris?", tools=[tool],
+                                      tool_choice={"type": "function", "name": "weather"})
+            assert worker.bodies[-1]["tools"] == [{"type": "function", "function": {"name": "weather",
+                                                                                   "parameters": {"type": "object"}}}]
+            assert worker.bodies[-1]["tool_choice"] == {"type": "function", "function": {"name": "weather"}}
+            [call] = resp.output
+            assert (call.type, call.call_id, call.name, call.arguments, call.status) == (
+                "function_call", "call_abc", "weather", '{"city":"Paris"}', "completed")
+            assert resp.status == "completed" and resp.usage.output_tokens == 7
+
+            events = list(c.responses.create(model="tool-model", input="weather in Paris?", tools=[tool],
+                                             stream=True))
+            assert [e.sequence_number for e in events] == list(range(len(events)))
+            kinds = [e.type for e in events]
+            assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                             "response.function_call_arguments.delta", "response.function_call_arguments.delta",
+                             "response.function_call_arguments.done", "response.output_item.done",
+                             "response.completed"], kinds
+            assert events[5].arguments == '{"city":"Paris"}'
+            assert events[-1].response.output[0].call_id == "call_abc"
+
+            # The next turn: the call's output, after the stored response with its call.
+            c.responses.create(model="tool-model", previous_response_id=resp.id, tools=[tool],
+                               input=[{"type": "function_call_output", "call_id": "call_abc", "output": "sunny"}])
+            assert worker.bodies[-1]["messages"] == [
+                {"role": "user", "content": "weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+                {"role": "tool", "tool_call_id": "call_abc", "content": "sunny"}]
+    finally:
+        worker.close()
