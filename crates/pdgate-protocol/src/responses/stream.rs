@@ -27,6 +27,8 @@ struct Call {
 /// See the module doc. Feed the chat stream's bytes, write what each call returns.
 pub struct StreamTranslator {
     meta: ResponseMeta,
+    /// `meta.message_id()`, made once (ids are `[A-Za-z0-9_]`: no JSON escaping).
+    message_id: String,
     decoder: SseDecoder,
     seq: u64,
     model: Option<String>,
@@ -43,6 +45,7 @@ pub struct StreamTranslator {
 impl StreamTranslator {
     pub fn new(meta: ResponseMeta) -> Self {
         StreamTranslator {
+            message_id: meta.message_id(),
             meta,
             decoder: SseDecoder::new(),
             seq: 0,
@@ -150,6 +153,8 @@ impl StreamTranslator {
         self.message = Some((index, String::new()));
     }
 
+    /// The hot path (one event per token): written directly, not built as a JSON value. The
+    /// same fields as [`Self::emit`] would write, in a fixed order.
     fn text(&mut self, out: &mut String, text: &str) {
         if self.message.is_none() {
             self.open_message(out);
@@ -157,8 +162,14 @@ impl StreamTranslator {
         let Some((index, acc)) = self.message.as_mut() else { return };
         acc.push_str(text);
         let index = *index;
-        let id = self.meta.message_id();
-        self.emit(out, "response.output_text.delta", json!({"output_index": index, "item_id": id, "content_index": 0, "delta": text, "logprobs": []}));
+        let delta = Value::from(text).to_string();
+        let id = &self.message_id;
+        let seq = self.seq;
+        self.seq += 1;
+        out.push_str("event: response.output_text.delta\ndata: ");
+        out.push_str(&format!(
+            "{{\"content_index\":0,\"delta\":{delta},\"item_id\":\"{id}\",\"logprobs\":[],\"output_index\":{index},\"sequence_number\":{seq},\"type\":\"response.output_text.delta\"}}\n\n"
+        ));
     }
 
     fn close_message(&mut self, out: &mut String) {

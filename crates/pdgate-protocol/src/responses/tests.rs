@@ -174,6 +174,7 @@ fn text_stream_is_the_responses_event_sequence_at_any_split() {
     let wire = [
         chunk(json!({"role": "assistant", "content": ""}), None),
         chunk(json!({"content": "Hel"}), None),
+        chunk(json!({"content": "\"\\\n\u{1}é"}), None),
         chunk(json!({"content": "lo"}), Some("stop")),
         format!("data: {}\n\n", json!({"choices": [], "usage": usage})),
         "data: [DONE]\n\n".to_string(),
@@ -194,15 +195,21 @@ fn text_stream_is_the_responses_event_sequence_at_any_split() {
             "response.content_part.added",
             "response.output_text.delta",
             "response.output_text.delta",
+            "response.output_text.delta",
             "response.output_text.done",
             "response.content_part.done",
             "response.output_item.done",
             "response.completed"
         ]
     );
-    assert_eq!(evs[6].1["text"], json!("Hello"));
+    assert_eq!(evs[7].1["text"], json!("Hel\"\\\n\u{1}élo"));
+    // The hand-written delta event is the JSON the generic path would write.
+    assert_eq!(
+        evs[4].1,
+        json!({"type": "response.output_text.delta", "sequence_number": 4, "output_index": 0, "item_id": "msg_abc", "content_index": 0, "delta": "Hel", "logprobs": []})
+    );
     let r = terminal.unwrap_or_else(|| panic!("no terminal"));
-    assert_eq!(r["output"][0]["content"][0]["text"], json!("Hello"));
+    assert_eq!(r["output"][0]["content"][0]["text"], json!("Hel\"\\\n\u{1}élo"));
     assert_eq!(r["usage"]["output_tokens"], json!(2));
     assert_eq!(r["model"], json!("w"));
 }
