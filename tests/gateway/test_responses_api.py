@@ -11,6 +11,8 @@ shared by the module's tests (module-scoped, parametrized).
 from __future__ import annotations
 
 import json
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
@@ -51,8 +53,12 @@ class PdFleet:
 
     def __enter__(self) -> "PdFleet":
         start(self.workers)
+        import tempfile
+
+        self.request_log = os.path.join(tempfile.mkdtemp(prefix="responses-"), "requests.jsonl")
         common: dict[str, Any] = dict(port=0, request_timeout_secs=60, health_check_interval_secs=1,
-                                      health_success_threshold=1, max_payload_size=PAYLOAD_LIMIT)
+                                      health_success_threshold=1, max_payload_size=PAYLOAD_LIMIT,
+                                      request_log=self.request_log)
         if self.pd:
             self.gw = pdgate.Gateway(pd_disaggregation=True, kv_connector=self.connector,
                                      prefill=[[self.prefill.url, self.prefill.bootstrap_port]],
@@ -125,6 +131,16 @@ def test_create_equals_chat_with_instructions(fleet: PdFleet) -> None:
     if fleet.pd:
         assert resp.usage.input_tokens_details.cached_tokens > 0
     assert fleet.metric('pdgate_requests_total{route="/v1/responses",status="200"}') >= 1
+    # The request log names the route (and counts the request's tokens).
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with open(fleet.request_log) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        mine = [r for r in rows if r["route"] == "/v1/responses" and r["request_id"] == raw.headers["x-request-id"]]
+        if mine:
+            break
+        time.sleep(0.1)
+    assert mine and mine[0]["prompt_tokens"] == resp.usage.input_tokens and mine[0]["status"] == 200, rows
 
 
 def test_stream_is_a_valid_event_sequence_equal_to_chat(fleet: PdFleet) -> None:
