@@ -61,7 +61,7 @@ async fn generate(State(s): State<Arc<AppState>>, req: Request) -> Response {
     admit(s, Endpoint::Generate, req).await
 }
 
-pub(crate) fn client_error(state: &AppState, route: &'static str, err: &GatewayError, started: std::time::Instant) -> Response {
+fn client_error(state: &AppState, route: &'static str, err: &GatewayError, started: std::time::Instant) -> Response {
     let resp = error_response(err);
     state.metrics.requests.with_label_values(&[route, resp.status().as_str()]).inc();
     crate::observe::access_log::refused(route, resp.status().as_u16(), &err.code(), started);
