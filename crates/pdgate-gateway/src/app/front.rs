@@ -24,12 +24,14 @@ use crate::render::error_response;
 use crate::request_id;
 
 pub fn router(state: Arc<AppState>) -> Router {
+    let responses = crate::app::responses::Responses::new(state.clone());
     let mut inference = Router::new().route("/v1/completions", post(completions)).route("/v1/chat/completions", post(chat_completions)).route("/generate", post(generate));
+    inference = inference.merge(responses.create_route());
     if let Some(admit) = &state.admission {
         inference = inference.route_layer(middleware::from_fn_with_state(admit.clone(), crate::admit::admission::limit));
     }
     // Layers added later run first: the key check comes before admission.
-    let mut client = inference.route("/v1/models", get(models));
+    let mut client = inference.route("/v1/models", get(models)).merge(responses.stored_routes());
     // Without a key the check would pass every request: skip the middleware and its boxing.
     if state.config.api_key.as_deref().is_some_and(|k| !k.is_empty()) {
         client = client.route_layer(middleware::from_fn_with_state(state.config.clone(), auth::client_key));
@@ -69,12 +71,22 @@ fn client_error(state: &AppState, route: &'static str, err: &GatewayError, start
 /// Admission: not a loop, body within the limit and in time, valid JSON of the right shape,
 /// then execution.
 async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Response {
+    admit_with(state, endpoint, endpoint.path(), req, |raw| std::future::ready(Ok(raw))).await
+}
+
+/// [`admit`] for a route that translates its body into `endpoint`'s (`/v1/responses` into chat
+/// completions): `prepare` turns the body read into the body parsed and executed, and `route`
+/// names the client's route in metrics, logs and the request log.
+pub(crate) async fn admit_with<F, Fut>(state: Arc<AppState>, endpoint: Endpoint, route: &'static str, req: Request, prepare: F) -> Response
+where
+    F: FnOnce(axum::body::Bytes) -> Fut,
+    Fut: std::future::Future<Output = Result<axum::body::Bytes, GatewayError>>,
+{
     // The whole request, not the HeaderMap extractor: that one clones every header.
     let (parts, body) = req.into_parts();
     let headers = parts.headers;
     let started = std::time::Instant::now();
     let arrival_unix_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
-    let route = endpoint.path();
     if state.is_draining() {
         // Graceful shutdown: refuse at once, and close the connection so the client's next
         // request goes to another replica.
@@ -106,6 +118,10 @@ async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Respon
             let err = if too_large { GatewayError::payload_too_large(limit) } else { GatewayError::invalid(None, format!("could not read the request body: {e}")) };
             return client_error(&state, route, &err, started);
         }
+    };
+    let raw = match prepare(raw).await {
+        Ok(b) => b,
+        Err(err) => return client_error(&state, route, &err, started),
     };
     let req = match parse_request(endpoint, &raw, &state.limits) {
         Ok(r) => r,

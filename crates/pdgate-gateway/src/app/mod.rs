@@ -4,5 +4,6 @@
 
 pub mod front;
 pub mod metrics_listener;
+pub mod responses;
 pub mod server;
 pub mod state;

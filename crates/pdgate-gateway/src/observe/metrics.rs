@@ -271,7 +271,7 @@ impl Metrics {
                 self.leg_errors.with_label_values(&[leg.as_str(), &code]);
             }
         }
-        for route in ["/v1/completions", "/v1/chat/completions", "/generate"] {
+        for route in ["/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses"] {
             for status in ["200", "503", "504"] {
                 self.requests.with_label_values(&[route, status]);
             }
