@@ -117,6 +117,12 @@ class GatewayOptions(TypedDict, total=False):
     """--max-sse-event-bytes: Longest SSE event (and so line) a worker may stream, in bytes. A longer one ends the stream with an error event; without it a worker streaming one endless line grows the gateway's memory without bound. Default: 4194304. Range: 0 to 18446744073709551615."""
     max_payload_size: int
     """--max-payload-size: Largest request body accepted, in bytes. Default: 33554432. Range: 0 to 18446744073709551615."""
+    responses_store_max_entries: int
+    """--responses-store-max-entries: Most responses the gateway keeps in memory for `GET /v1/responses/{id}` and `previous_response_id`; the oldest leave first. 0 keeps none. Default: 10000. Range: 0 to 18446744073709551615."""
+    responses_store_max_bytes: int
+    """--responses-store-max-bytes: Most bytes (the JSON of responses and their conversations) the in-memory Responses store holds; the oldest leave first, and a larger conversation is not kept. Default: 268435456. Range: 0 to 18446744073709551615."""
+    responses_store_ttl_secs: int
+    """--responses-store-ttl-secs: Seconds a stored response is kept before it expires (OpenAI keeps them 30 days; an in-memory store bounds it to a day by default). Default: 86400. Range: 0 to 18446744073709551615."""
     max_n: int
     """--max-n: Largest `n` (choices per prompt), `best_of` and `/generate` `sampling_params.n`. Default: 128. Range: 0 to 18446744073709551615."""
     max_batch_size: int

@@ -252,6 +252,39 @@ def test_output_after_a_prompt_ending_inside_a_character_completes_it():
     assert output_text(tok, seq(prompt, [104])) == "h", "a clean prompt end: the output alone"
 
 
+def test_the_vllm_flavour_never_sends_a_tail_that_ends_inside_a_character():
+    """vLLM's detokenizer (tokenizers' DecodeStream) holds text while it ends in U+FFFD and drops
+    what it still holds at the end; the vLLM flavour's OpenAI text is that (`vllm_tail`), so a
+    gateway decoding a vLLM gRPC worker's ids can be compared with it. SGLang's keeps the tail."""
+    from types import SimpleNamespace
+
+    from pdgate.engine.outputs import visible_text
+    from pdgate.engine.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+
+    def seq(out: list[int], finished: bool) -> SimpleNamespace:
+        return SimpleNamespace(tokens=[256] + out, prompt_len=1, output_ids=out,
+                               finish_reason={"type": "length"} if finished else None,
+                               finished=finished, params=SamplingParams())
+
+    cut = list("ab".encode()) + list("é".encode())[:1]  # ends inside a character
+    assert visible_text(tok, seq(cut, True), True) == "ab\ufffd"
+    assert visible_text(tok, seq(cut, True), True, vllm_tail=True) == "ab"
+    # An invalid byte followed by more text was sent once the text after it came.
+    mid = [104, 0xFF, 0x41]
+    assert visible_text(tok, seq(mid, True), True, vllm_tail=True) == "h\ufffdA"
+    # Streamed: every partial text is a prefix of the next and of the final one.
+    answer = list("é€".encode()) + [0xFF] + list("ok".encode()) + list("€".encode())[:2]
+    final = visible_text(tok, seq(answer, True), True, vllm_tail=True)
+    assert final == "é€\ufffdok"
+    sent = ""
+    for k in range(1, len(answer) + 1):
+        now = visible_text(tok, seq(answer[:k], False), False, vllm_tail=True)
+        assert now.startswith(sent) and final.startswith(now), k
+        sent = now
+
+
 @pytest.mark.parametrize("hold_at, want", [(3, 3), (0, 16)])
 def test_a_held_scheduler_decodes_no_sequence_past_the_fault_point(hold_at, want):
     """`Scheduler.hold_at` (set by `--fault-*-after-tokens N`): with nobody reading the sequence

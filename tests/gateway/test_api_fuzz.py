@@ -40,13 +40,14 @@ pytest.importorskip("pdgate._core", reason="needs the compiled gateway (pip inst
 SPEC = json.loads((pathlib.Path(__file__).resolve().parents[2] / "docs" / "openapi.json").read_text())
 EXAMPLES = int(os.environ.get("PDGATE_FUZZ_EXAMPLES", "40"))
 DERANDOMIZE = os.environ.get("PDGATE_FUZZ_RANDOM") != "1"
-ROUTES = ["/v1/completions", "/v1/chat/completions", "/generate"]
-BUDGET_FIELDS = {"max_tokens", "max_completion_tokens", "max_new_tokens"}
+ROUTES = ["/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses"]
+BUDGET_FIELDS = {"max_tokens", "max_completion_tokens", "max_new_tokens", "max_output_tokens"}
 EXTREME_INTS = [-1, 0, 1, 2**31, 2**53 + 1, 2**62, 2**63 - 1, 2**64 - 1, 10**12, 10**30, -(2**63)]
 # Fields whose size the gateway must bound, and fields it reads for routing or rendezvous.
 TARGET_FIELDS = ["n", "best_of", "prompt", "messages", "text", "input_ids", "stop", "logit_bias", "tools",
                  "stream", "stream_options", "model", "user", "sampling_params", "bootstrap_room",
-                 "bootstrap_host", "bootstrap_port", "kv_transfer_params", "return_logprob", "temperature"]
+                 "bootstrap_host", "bootstrap_port", "kv_transfer_params", "return_logprob", "temperature",
+                 "input", "instructions", "previous_response_id", "max_output_tokens", "tool_choice"]
 
 
 def request_schema(path: str) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 over `GetTokenizer` (no `--model-path`), logprobs, batched prompts (colocated and in SGLang
 bootstrap PD), and a removed worker's connection dropped.
 
-The reference is always the colocated HTTP engine's answer to the same request: same texts and
+The reference is always the colocated HTTP engine's answer to the same request (the engine of
+the gRPC service's flavour: `http_of`): same texts and
 ids, same token strings, logprobs equal within float tolerance (they cross the gRPC wire as
 float32). The official `openai` client is the client where the route is OpenAI's.
 """
@@ -25,7 +26,7 @@ openai = pytest.importorskip("openai")
 from pdgate.workers import ReferenceWorker  # noqa: E402
 from tests.gateway.harness import launch  # noqa: E402
 # The model directory, the three-worker fleet and `start` are test_grpc_workers.py's.
-from tests.gateway.test_grpc_workers import fleet, model_dir, start  # noqa: E402,F401
+from tests.gateway.test_grpc_workers import fleet, http_of, model_dir, start  # noqa: E402,F401
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = "The quick brown fox"
@@ -76,7 +77,7 @@ def test_without_model_path_the_tokenizer_is_fetched_once_from_the_worker(proces
     gw = gateway(processes, "--worker-urls", fleet[service].grpc_url)
     assert any("fetched over GetTokenizer" in line for line in gw.output), "start-up does not say which tokenizer"
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX, "temperature": 0}
-    want = post(fleet["http"].url, "/v1/completions", body).json()["choices"][0]["text"]
+    want = post(fleet[http_of(service)].url, "/v1/completions", body).json()["choices"][0]["text"]
     # Concurrent first requests share one fetch.
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda _: post(gw.url, "/v1/completions", body), range(8)))
@@ -85,7 +86,7 @@ def test_without_model_path_the_tokenizer_is_fetched_once_from_the_worker(proces
     # The bundle's chat template is the engine's: chat answers equal the HTTP engine's.
     chat = {"model": "tiny", "messages": CHAT, "max_tokens": MAX, "temperature": 0}
     got = client(gw.url).chat.completions.create(**chat)
-    ref = client(fleet["http"].url).chat.completions.create(**chat)
+    ref = client(fleet[http_of(service)].url).chat.completions.create(**chat)
     assert got.choices[0].message.content == ref.choices[0].message.content
     assert got.usage.prompt_tokens == ref.usage.prompt_tokens
     deadline = time.monotonic() + 5
@@ -201,7 +202,7 @@ def generate_logprobs(url: str, stream: bool, body: dict = GEN_LP) -> dict:
 @pytest.mark.parametrize("service", ["sglang", "vllm"])
 def test_logprobs_are_written_as_the_http_engine_writes_them(processes, model_dir, fleet, service):
     gw = gateway(processes, "--worker-urls", fleet[service].grpc_url, "--model-path", model_dir)
-    ref, got = client(fleet["http"].url), client(gw.url)
+    ref, got = client(fleet[http_of(service)].url), client(gw.url)
     want = completions_logprobs(ref, False)
     assert len(want["tokens"]) == MAX and want["top_logprobs"]
     for stream in (False, True):
@@ -210,7 +211,7 @@ def test_logprobs_are_written_as_the_http_engine_writes_them(processes, model_di
     assert want_chat and want_chat[0]["top_logprobs"]
     for stream in (False, True):
         close(chat_logprobs(got, stream), want_chat, f"chat stream={stream}")
-    want_gen = generate_logprobs(fleet["http"].url, False)
+    want_gen = generate_logprobs(fleet[http_of(service)].url, False)
     assert want_gen["input_token_logprobs"][0][0] is None and want_gen["output_top_logprobs"]
     for stream in (False, True):
         close(generate_logprobs(gw.url, stream), want_gen, f"generate stream={stream}")
@@ -275,7 +276,7 @@ def check_batches(gw_url: str, http_url: str) -> None:
 @pytest.mark.parametrize("service", ["sglang", "vllm"])
 def test_batched_prompts_answer_in_order_as_the_http_engine(processes, model_dir, fleet, service):
     gw = gateway(processes, "--worker-urls", fleet[service].grpc_url, "--model-path", model_dir)
-    check_batches(gw.url, fleet["http"].url)
+    check_batches(gw.url, fleet[http_of(service)].url)
 
 
 def test_pd_bootstrap_batches_and_input_logprobs_over_grpc(processes, model_dir, fleet):

@@ -39,7 +39,9 @@ FAST = ["--health-check-interval-secs", "1", "--prefill-policy", "round_robin", 
 
 @pytest.fixture(scope="module")
 def workers() -> Iterator[dict[str, ReferenceWorker]]:
-    ws: dict[str, ReferenceWorker] = {"colocated": ReferenceWorker(mode="null")}
+    # The colocated engine in the vLLM flavour: it writes what a vLLM worker sends (no tail that
+    # ends inside a character), as the gateway does for a vLLM gRPC service.
+    ws: dict[str, ReferenceWorker] = {"colocated": ReferenceWorker(mode="null", extra_args=["--api-flavor", "vllm"])}
     for conn, name in (("NixlConnector", "nixl"), ("MooncakeConnector", "mooncake")):
         for mode in ("prefill", "decode"):
             ws[f"{name}_{mode}_grpc"] = ReferenceWorker(mode=mode, kv_connector=conn, grpc_service="vllm")

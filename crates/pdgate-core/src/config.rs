@@ -256,6 +256,22 @@ pub struct GatewayConfig {
     #[arg(long, default_value_t = 32 * 1024 * 1024)]
     pub max_payload_size: usize,
 
+    // --- The Responses API's store (`/v1/responses`, `store: true`; docs/protocols.md) ---
+    /// Most responses the gateway keeps in memory for `GET /v1/responses/{id}` and
+    /// `previous_response_id`; the oldest leave first. 0 keeps none.
+    #[arg(long, default_value_t = 10_000)]
+    pub responses_store_max_entries: usize,
+
+    /// Most bytes (the JSON of responses and their conversations) the in-memory Responses store
+    /// holds; the oldest leave first, and a larger conversation is not kept.
+    #[arg(long, default_value_t = 256 * 1024 * 1024)]
+    pub responses_store_max_bytes: usize,
+
+    /// Seconds a stored response is kept before it expires (OpenAI keeps them 30 days; an
+    /// in-memory store bounds it to a day by default).
+    #[arg(long, default_value_t = 86_400)]
+    pub responses_store_ttl_secs: u64,
+
     // --- Request bounds (pdgate-protocol `limits`): each violation is a 400 naming the field ---
     /// Largest `n` (choices per prompt), `best_of` and `/generate` `sampling_params.n`.
     #[arg(long, default_value_t = 128)]

@@ -19,6 +19,7 @@ pub mod openai;
 pub mod prometheus;
 pub mod rendezvous;
 pub mod request;
+pub mod responses;
 pub mod resume;
 pub mod sse;
 pub mod usage;

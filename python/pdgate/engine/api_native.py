@@ -77,7 +77,8 @@ def native_result(engine, seq: Seq, body: dict, index: int | None) -> dict:
     meta.update(seq.meta_extra)
     if seq.return_logprob:
         meta.update(native_logprobs(engine.tokenizer, seq, bool(body.get("return_text_in_logprobs"))))
-    out = {"text": visible_text(engine.tokenizer, seq, False), "output_ids": list(seq.output_ids),
+    # The vLLM flavour's text is what vLLM's detokenizer sends, on every route (`released_text`).
+    out = {"text": visible_text(engine.tokenizer, seq, False, engine.config.api_flavor == "vllm"), "output_ids": list(seq.output_ids),
            "meta_info": meta}
     if seq.kv_transfer_params is not None:
         out["kv_transfer_params"] = seq.kv_transfer_params

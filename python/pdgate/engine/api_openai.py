@@ -157,7 +157,7 @@ def _logprobs(engine, seq: Seq, start: int, chat: bool):
 def _full(engine, seqs: list[Seq], ctx: dict) -> dict:
     chat, choices = ctx["chat"], []
     for i, s in enumerate(seqs):
-        text = visible_text(engine.tokenizer, s, True)
+        text = visible_text(engine.tokenizer, s, True, engine.config.api_flavor == "vllm")
         c = {"index": i, "logprobs": _logprobs(engine, s, 0, chat), "finish_reason": finish_reason_openai(s)}
         if chat:
             c["message"] = {"role": "assistant", "content": text}
@@ -200,7 +200,7 @@ async def _stream(request, engine, seqs: list[Seq], body: dict, ctx: dict):
         # One snapshot of the sequence before any await: it grows (and may finish) while a
         # write waits on a slow client, and text, ids and finish must describe the same state
         # (`watch` yields it again for what came meanwhile).
-        text = visible_text(engine.tokenizer, s, False)
+        text = visible_text(engine.tokenizer, s, False, engine.config.api_flavor == "vllm")
         delta, lp = text[len(sent_text[i]):], _logprobs(engine, s, sent_tok[i], chat)
         new_tokens = len(s.output_ids) > sent_tok[i]
         new_ids = s.output_ids[sent_tok[i]:]

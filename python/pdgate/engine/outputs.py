@@ -9,26 +9,44 @@ from .sequence import Seq
 PRIME_TOKENS = 64
 
 
-def output_text(tok, seq: Seq) -> str:
-    """The output decoded as vLLM's incremental detokenizer does: when the prompt ends inside a
-    character (its tail decodes to a trailing U+FFFD), the output is decoded after that tail,
-    so the character comes out whole. A continued answer (a gateway resuming after a dead
-    decode sends prompt + generated ids) then yields exactly the text the client still lacks."""
-    if not seq.output_ids:
+def output_text(tok, seq: Seq, upto: int | None = None) -> str:
+    """The output (its first `upto` ids, or all) decoded as vLLM's incremental detokenizer
+    does: when the prompt ends inside a character (its tail decodes to a trailing U+FFFD), the
+    output is decoded after that tail, so the character comes out whole. A continued answer (a
+    gateway resuming after a dead decode sends prompt + generated ids) then yields exactly the
+    text the client still lacks."""
+    ids = seq.output_ids if upto is None else seq.output_ids[:upto]
+    if not ids:
         return ""
     tail = seq.tokens[max(0, seq.prompt_len - PRIME_TOKENS):seq.prompt_len]
     head = tok.decode(tail)
     if not head.endswith("\ufffd"):
-        return tok.decode(seq.output_ids)
+        return tok.decode(ids)
     base = head.rstrip("\ufffd")
-    full = tok.decode(tail + seq.output_ids)
-    return full[len(base):] if full.startswith(base) else tok.decode(seq.output_ids)
+    full = tok.decode(tail + ids)
+    return full[len(base):] if full.startswith(base) else tok.decode(ids)
 
 
-def visible_text(tok, seq: Seq, final: bool) -> str:
+def released_text(tok, seq: Seq) -> str:
+    """The text vLLM's detokenizer has sent: it feeds tokenizers' `DecodeStream`
+    (vllm/v1/engine/detokenizer.py), which holds every token's text while the text decoded so
+    far ends in U+FFFD (an unfinished UTF-8 character) and never sends what it still holds when
+    the answer ends. So the sent text is the decode of the longest prefix of the output whose
+    text does not end in U+FFFD. Scanned from the end: a held run is a few tokens."""
+    n = len(seq.output_ids)
+    text = output_text(tok, seq, n)
+    while n and text.endswith("\ufffd"):
+        n -= 1
+        text = output_text(tok, seq, n)
+    return text
+
+
+def visible_text(tok, seq: Seq, final: bool, vllm_tail: bool = False) -> str:
     """Output text with a matched stop string cut off; while streaming, text that could still
-    become a stop string or an incomplete UTF-8 character is held back."""
-    text = output_text(tok, seq)
+    become a stop string or an incomplete UTF-8 character is held back. With `vllm_tail` (the
+    vLLM flavour's OpenAI routes) the text is what vLLM's detokenizer sends (`released_text`):
+    an answer that ends inside a character ends without that tail, where SGLang writes U+FFFD."""
+    text = released_text(tok, seq) if vllm_tail else output_text(tok, seq)
     reason = seq.finish_reason or {}
     if reason.get("type") == "stop" and isinstance(reason.get("matched"), str):
         cut = text.find(reason["matched"])

@@ -1,7 +1,7 @@
 //! The Anthropic Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`), served by
 //! translation: the body becomes the equivalent chat completions request
 //! (`pdgate_protocol::anthropic::request`), which is admitted and executed like any other
-//! (`front::admit_as`: PD placement, rendezvous, retries, resume, accounting), and its answer is
+//! (`intake::admit_with`: PD placement, rendezvous, retries, resume, accounting), and its answer is
 //! translated back (a whole one here, a stream chunk by chunk as the client reads it). Errors,
 //! ours and the layers' (key, admission), are rewritten into Anthropic's shape by
 //! [`anthropic_errors`]. docs/protocols.md, "Messages API", says why translate, not forward.
@@ -23,7 +23,7 @@ use pdgate_protocol::anthropic::{answer, error, stream::MessagesStream};
 use pdgate_protocol::Endpoint;
 use serde_json::{json, Value};
 
-use crate::app::front::{admit_as, client_error};
+use crate::app::intake::{admit_with, client_error};
 use crate::app::state::AppState;
 use crate::prompt_ids::{prompt_token_ids, PromptKind};
 
@@ -35,25 +35,28 @@ pub fn routes(router: Router<Arc<AppState>>) -> Router<Arc<AppState>> {
     router.route(MESSAGES, post(messages)).route(COUNT_TOKENS, post(count_tokens))
 }
 
-/// Translates the body in `admit_as`'s rewrite, keeping what the answer's translation needs.
-fn translate(kind: Kind, slot: &Mutex<Option<Translated>>) -> impl FnOnce(Bytes) -> Result<Bytes, GatewayError> + '_ {
-    move |raw| {
-        let mut t = to_chat(&raw, kind).map_err(|e| GatewayError::invalid(e.param.as_deref(), e.message))?;
-        if kind == Kind::CountTokens {
-            // Counted by the worker that runs it: one token is the least it can generate.
-            t.chat.insert("max_tokens".into(), json!(1));
-        }
-        let bytes = serde_json::to_vec(&t.chat).map_err(|e| GatewayError::invalid(None, e.to_string()))?;
-        if let Ok(mut s) = slot.lock() {
-            *s = Some(t);
-        }
-        Ok(Bytes::from(bytes))
+/// Translates the body in `admit_with`'s prepare step, keeping what the answer's translation
+/// needs.
+fn translate(kind: Kind, slot: &Mutex<Option<Translated>>) -> impl FnOnce(Bytes) -> std::future::Ready<Result<Bytes, GatewayError>> + '_ {
+    move |raw| std::future::ready(translate_now(raw, kind, slot))
+}
+
+fn translate_now(raw: Bytes, kind: Kind, slot: &Mutex<Option<Translated>>) -> Result<Bytes, GatewayError> {
+    let mut t = to_chat(&raw, kind).map_err(|e| GatewayError::invalid(e.param.as_deref(), e.message))?;
+    if kind == Kind::CountTokens {
+        // Counted by the worker that runs it: one token is the least it can generate.
+        t.chat.insert("max_tokens".into(), json!(1));
     }
+    let bytes = serde_json::to_vec(&t.chat).map_err(|e| GatewayError::invalid(None, e.to_string()))?;
+    if let Ok(mut s) = slot.lock() {
+        *s = Some(t);
+    }
+    Ok(Bytes::from(bytes))
 }
 
 async fn messages(State(state): State<Arc<AppState>>, req: Request) -> Response {
     let slot = Mutex::new(None);
-    let resp = admit_as(state.clone(), Endpoint::ChatCompletions, MESSAGES, req, translate(Kind::Create, &slot)).await;
+    let resp = admit_with(state.clone(), Endpoint::ChatCompletions, MESSAGES, req, translate(Kind::Create, &slot)).await;
     let Some(t) = slot.lock().ok().and_then(|mut s| s.take()) else { return resp };
     if !resp.status().is_success() {
         return resp;
@@ -110,7 +113,7 @@ async fn count_tokens(State(state): State<Arc<AppState>>, req: Request) -> Respo
         return count_with_tokenizer(&state, &tok, req).await;
     }
     let slot = Mutex::new(None);
-    let resp = admit_as(state.clone(), Endpoint::ChatCompletions, COUNT_TOKENS, req, translate(Kind::CountTokens, &slot)).await;
+    let resp = admit_with(state.clone(), Endpoint::ChatCompletions, COUNT_TOKENS, req, translate(Kind::CountTokens, &slot)).await;
     if !resp.status().is_success() {
         return resp;
     }

@@ -4,7 +4,9 @@
 //! It may use every stage; no stage uses it.
 
 pub mod front;
+pub mod intake;
 pub mod messages;
 pub mod metrics_listener;
+pub mod responses;
 pub mod server;
 pub mod state;

@@ -37,7 +37,7 @@ use pdgate_core::plan::AbortStyle;
 use pdgate_core::{GatewayError, Leg};
 use pdgate_protocol::engine_load::EngineLoad;
 use pdgate_protocol::resume::TokenLedger;
-use pdgate_tokenizer::ModelTokenizer;
+use pdgate_tokenizer::{ModelTokenizer, ReplacementTail};
 use tokio::sync::mpsc;
 use tokio::time::{timeout_at, Instant};
 
@@ -201,26 +201,29 @@ impl GrpcClient {
         let served = wire.served_model().to_string();
         // The relay skips reading the bytes for ids only when the writer really keeps them aside.
         let ledger = (r.ids_to_ledger && parsed.shape.ledger_fits()).then(|| Arc::new(TokenLedger::default()));
-        tokio::spawn(pump(tok, parsed.shape, served, stream, tx, r.leg, ledger.clone()));
+        // The text the engine's own HTTP surface would send: vLLM never sends a tail that ends
+        // inside a character (docs/grpc-workers.md, "Real vLLM over gRPC"); SGLang writes it.
+        let tail = match wire.service() {
+            wire::Service::Vllm => ReplacementTail::Dropped,
+            wire::Service::Sglang => ReplacementTail::Lossy,
+        };
+        tokio::spawn(pump(tok, Answer { shape: parsed.shape, served, tail }, stream, tx, r.leg, ledger.clone()));
         Ok((head, rx, ledger))
     }
 }
 
 /// Reads the engine's stream and writes the route's bytes, until the end, an error, or the
 /// relay dropping its side (then the call is dropped, which cancels it at the engine).
-async fn pump(
-    tok: Arc<ModelTokenizer>,
+/// What the pump writes: the route's shape, the model name it answers with, and the engine's
+/// rule for a tail that ends inside a character.
+struct Answer {
     shape: request::Shape,
     served: String,
-    mut stream: wire::GenStream,
-    tx: mpsc::Sender<LegEvent>,
-    leg: Leg,
-    ledger: Option<Arc<TokenLedger>>,
-) {
-    // Every service writes the one-shot text (ReplacementTail::Lossy): real vLLM drops a tail
-    // that decodes to U+FFFD (`Writer::with_tail`), but the reference engine's vLLM flavour the
-    // gRPC tests compare with does not yet (docs/grpc-workers.md, "Real vLLM over gRPC").
-    let mut writer = Writer::new(shape, &tok, &served).with_ledger(ledger);
+    tail: ReplacementTail,
+}
+
+async fn pump(tok: Arc<ModelTokenizer>, answer: Answer, mut stream: wire::GenStream, tx: mpsc::Sender<LegEvent>, leg: Leg, ledger: Option<Arc<TokenLedger>>) {
+    let mut writer = Writer::with_tail(answer.shape, &tok, &answer.served, answer.tail).with_ledger(ledger);
     loop {
         let next = tokio::select! {
             _ = tx.closed() => return,

@@ -4,13 +4,14 @@ use std::sync::Arc;
 
 use futures_util::StreamExt;
 use pdgate_core::{GatewayError, Leg};
+use pdgate_tokenizer::ReplacementTail;
 use serde_json::Value;
 use tokio::sync::mpsc;
 
 use super::request::Route;
 use super::response::tests::{counts, data, shape, tok};
 use super::response::Gen;
-use super::{events as stream_of, pump, wire, EVENT_BUFFER};
+use super::{events as stream_of, pump, wire, Answer, EVENT_BUFFER};
 use crate::clients::client::LegEvent;
 use crate::clients::grpc::logprobs::LpPart;
 
@@ -19,7 +20,10 @@ async fn leg_events(stream: bool, events: Vec<Result<Gen, GatewayError>>) -> Vec
     let gen: wire::GenStream = Box::pin(futures_util::stream::iter(events));
     let (tx, rx) = mpsc::channel(EVENT_BUFFER);
     let sh = shape(Route::Completions, stream, &[], 1);
-    let (_, events) = tokio::join!(pump(Arc::new(tok()), sh, "served".into(), gen, tx, Leg::Decode, None), stream_of(rx).collect::<Vec<_>>());
+    let (_, events) = tokio::join!(
+        pump(Arc::new(tok()), Answer { shape: sh, served: "served".into(), tail: ReplacementTail::Lossy }, gen, tx, Leg::Decode, None),
+        stream_of(rx).collect::<Vec<_>>()
+    );
     events
 }
 

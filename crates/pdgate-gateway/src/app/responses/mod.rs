@@ -1,0 +1,238 @@
+//! The OpenAI Responses API: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`,
+//! `POST /v1/responses/{id}/cancel`.
+//!
+//! Translated at the gateway (docs/protocols.md, "Responses API"): the body becomes the
+//! equivalent chat completion (`pdgate_protocol::responses`), which runs the ordinary
+//! transaction under the route name `/v1/responses` (PD placement, rendezvous, retries, resume,
+//! decision header, accounting, request log all unchanged), and the chat answer is translated
+//! back: whole, or chunk by chunk into the Responses event stream. Kept responses live in a
+//! [`store::ResponseStore`] (in memory by default).
+
+pub mod store;
+
+use std::sync::{Arc, Mutex};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Json, Router};
+use futures_util::StreamExt;
+use pdgate_core::error::{ErrorKind, Source};
+use pdgate_core::GatewayError;
+use pdgate_protocol::openai::error_body;
+use pdgate_protocol::responses::{parse_responses, response_from_chat, ResponseMeta, ResponsesRequest, StreamTranslator};
+use pdgate_protocol::{Endpoint, InvalidRequest};
+use serde_json::{json, Value};
+
+use crate::app::intake::admit_with;
+use crate::app::state::AppState;
+use crate::render::error_response;
+use store::{Bounds, MemoryStore, ResponseStore, StoredResponse};
+
+/// The route name in metrics, the access log and the request log.
+pub const ROUTE: &str = "/v1/responses";
+
+/// The routes' state: the gateway's, and the store.
+pub struct Responses {
+    state: Arc<AppState>,
+    store: Arc<dyn ResponseStore>,
+}
+
+impl Responses {
+    /// With the in-memory store bounded by the config.
+    pub fn new(state: Arc<AppState>) -> Arc<Self> {
+        let c = &state.config;
+        let bounds = Bounds { max_entries: c.responses_store_max_entries, max_bytes: c.responses_store_max_bytes, ttl: std::time::Duration::from_secs(c.responses_store_ttl_secs) };
+        Self::with_store(state, Arc::new(MemoryStore::new(bounds)))
+    }
+
+    pub fn with_store(state: Arc<AppState>, store: Arc<dyn ResponseStore>) -> Arc<Self> {
+        Arc::new(Responses { state, store })
+    }
+
+    /// `POST /v1/responses`: an inference route (admission applies).
+    pub fn create_route<S: Clone + Send + Sync + 'static>(self: &Arc<Self>) -> Router<S> {
+        Router::new().route(ROUTE, post(create)).with_state(self.clone())
+    }
+
+    /// The kept responses: `GET`/`DELETE /v1/responses/{id}`, `POST .../cancel`.
+    pub fn stored_routes<S: Clone + Send + Sync + 'static>(self: &Arc<Self>) -> Router<S> {
+        Router::new().route("/v1/responses/{id}", axum::routing::get(retrieve).delete(delete)).route("/v1/responses/{id}/cancel", post(cancel)).with_state(self.clone())
+    }
+}
+
+fn not_found(id: &str) -> GatewayError {
+    GatewayError { kind: ErrorKind::NotFound, source: Source::Client, leg: None, message: format!("Response with id '{id}' not found."), not_sent: false }
+}
+
+/// An OpenAI error with its own `code` (the shared renderer names codes by kind).
+fn coded_error(status: StatusCode, message: &str, code: &str, param: Option<&str>) -> Response {
+    (status, Json(error_body(message, "invalid_request_error", code, param))).into_response()
+}
+
+fn invalid(e: InvalidRequest) -> GatewayError {
+    GatewayError::invalid(e.param.as_deref(), e.message)
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// What the body said, kept for the answer's translation.
+struct Prepared {
+    req: ResponsesRequest,
+    /// The conversation before this turn (`previous_response_id`'s items).
+    history: Vec<Value>,
+}
+
+async fn create(State(r): State<Arc<Responses>>, req: Request) -> Response {
+    let prepared: Arc<Mutex<Option<Prepared>>> = Arc::default();
+    // An unknown previous response is answered here, a 404 with OpenAI's own code (the front
+    // counts and logs the refusal by its `GatewayError`).
+    let unknown_previous: Arc<Mutex<Option<String>>> = Arc::default();
+    let (slot, previous_slot) = (prepared.clone(), unknown_previous.clone());
+    let store = r.store.clone();
+    let prepare = move |raw: Bytes| async move {
+        let req = parse_responses(&raw).map_err(invalid)?;
+        let history = match &req.previous_response_id {
+            Some(id) => match store.get(id).await {
+                Some(kept) => kept.items.clone(),
+                None => {
+                    *lock(&previous_slot) = Some(id.clone());
+                    return Err(not_found(id));
+                }
+            },
+            None => Vec::new(),
+        };
+        let chat = req.chat_body(&history).map_err(invalid)?;
+        *lock(&slot) = Some(Prepared { req, history });
+        Ok(Bytes::from(chat))
+    };
+    let resp = admit_with(r.state.clone(), Endpoint::ChatCompletions, ROUTE, req, prepare).await;
+    if let Some(id) = lock(&unknown_previous).take() {
+        return coded_error(StatusCode::NOT_FOUND, &format!("Previous response with id '{id}' not found."), "previous_response_not_found", Some("previous_response_id"));
+    }
+    let taken = lock(&prepared).take();
+    // Refused before or by the translation, or failed before any answer: the error is already
+    // in OpenAI's shape.
+    let Some(p) = taken else { return resp };
+    if !resp.status().is_success() {
+        return resp;
+    }
+    let created_at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let meta = ResponseMeta { id: format!("resp_{:032x}", rand::random::<u128>()), created_at, echo: p.req.echo.clone() };
+    if p.req.stream {
+        stream_answer(resp, meta, p, r.store.clone())
+    } else {
+        whole_answer(&r.state, resp, meta, p, r.store.as_ref()).await
+    }
+}
+
+/// The conversation a kept response ends: the history, this input, this output.
+fn conversation(p: &Prepared, response: &Value) -> Vec<Value> {
+    let output = response.get("output").and_then(Value::as_array).cloned().unwrap_or_default();
+    p.history.iter().chain(&p.req.input).cloned().chain(output).collect()
+}
+
+async fn keep(store: &dyn ResponseStore, p: &Prepared, response: &Value) {
+    let status = response.get("status").and_then(Value::as_str);
+    if p.req.store && matches!(status, Some("completed" | "incomplete")) {
+        if let Some(id) = response.get("id").and_then(Value::as_str) {
+            store.put(id.to_string(), StoredResponse { response: response.clone(), items: conversation(p, response) }).await;
+        }
+    }
+}
+
+async fn whole_answer(state: &AppState, resp: Response, meta: ResponseMeta, p: Prepared, store: &dyn ResponseStore) -> Response {
+    let (mut parts, body) = resp.into_parts();
+    let chat = match axum::body::to_bytes(body, state.config.max_response_bytes).await {
+        Ok(b) => serde_json::from_slice::<Value>(&b).ok(),
+        Err(_) => None,
+    };
+    let Some(chat) = chat else {
+        return error_response(&GatewayError::bad_worker_response(pdgate_core::Leg::Decode, "the chat answer could not be read as JSON for /v1/responses"));
+    };
+    let response = response_from_chat(&chat, &meta);
+    keep(store, &p, &response).await;
+    parts.headers.remove(header::CONTENT_LENGTH);
+    parts.headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    Response::from_parts(parts, Body::from(response.to_string()))
+}
+
+/// The chat stream's body, translated event by event. It reads the chat stream to its end even
+/// after the terminal event, so the relay finishes (accounting, breakers) as for a chat client.
+fn stream_answer(resp: Response, meta: ResponseMeta, p: Prepared, store: Arc<dyn ResponseStore>) -> Response {
+    let (mut parts, body) = resp.into_parts();
+    parts.headers.remove(header::CONTENT_LENGTH);
+    let mut translator = StreamTranslator::new(meta);
+    let head = translator.start();
+    struct St {
+        chunks: axum::body::BodyDataStream,
+        t: StreamTranslator,
+        head: Option<String>,
+        ended: bool,
+        kept: bool,
+        p: Prepared,
+        store: Arc<dyn ResponseStore>,
+    }
+    let st = St { chunks: body.into_data_stream(), t: translator, head: Some(head), ended: false, kept: false, p, store };
+    let events = futures_util::stream::unfold(st, |mut st| async move {
+        if let Some(h) = st.head.take() {
+            return Some((Ok::<_, std::convert::Infallible>(Bytes::from(h)), st));
+        }
+        while !st.ended {
+            let out = match st.chunks.next().await {
+                Some(Ok(chunk)) => st.t.feed(&chunk),
+                // The relay ends a broken stream with its own error event; a body error here
+                // is the client side going away or a bug: end the Responses stream validly.
+                Some(Err(_)) | None => {
+                    st.ended = true;
+                    st.t.end()
+                }
+            };
+            if !st.kept {
+                if let Some(done) = st.t.terminal().cloned() {
+                    st.kept = true;
+                    // Kept before the client sees the terminal event: a retrieve right after works.
+                    keep(st.store.as_ref(), &st.p, &done).await;
+                }
+            }
+            if !out.is_empty() {
+                return Some((Ok(Bytes::from(out)), st));
+            }
+        }
+        None
+    });
+    Response::from_parts(parts, Body::from_stream(events))
+}
+
+async fn retrieve(State(r): State<Arc<Responses>>, Path(id): Path<String>) -> Response {
+    match r.store.get(&id).await {
+        Some(kept) => Json(kept.response.clone()).into_response(),
+        None => error_response(&not_found(&id)),
+    }
+}
+
+async fn delete(State(r): State<Arc<Responses>>, Path(id): Path<String>) -> Response {
+    if r.store.delete(&id).await {
+        Json(json!({"id": id, "object": "response", "deleted": true})).into_response()
+    } else {
+        error_response(&not_found(&id))
+    }
+}
+
+/// Only background responses can be cancelled (OpenAI); pdgate runs none, so a kept response
+/// is finished and the answer is OpenAI's 400 for it.
+async fn cancel(State(r): State<Arc<Responses>>, Path(id): Path<String>) -> Response {
+    match r.store.get(&id).await {
+        Some(_) => coded_error(
+            StatusCode::BAD_REQUEST,
+            "Cannot cancel a completed response: only background responses can be cancelled, and pdgate runs none",
+            "response_already_completed",
+            None,
+        ),
+        None => error_response(&not_found(&id)),
+    }
+}
