@@ -10,6 +10,7 @@
 //!   is its own write, as an engine emitting one token at a time does: with a delay of 0 the
 //!   body yields to the runtime between events (so hyper flushes each one), else it sleeps.
 //!   `return_token_ids` adds `prompt_token_ids` to the first event and `token_ids` to each.
+//!   `/v1/chat/completions` is answered in the chat shape (`delta.content`, `message`).
 //! - `prefill`: one token, the answer an SGLang prefill gives after its KV transfer; streamed
 //!   only if asked to. A vLLM NIXL prefill request (`kv_transfer_params.do_remote_decode`) gets
 //!   the `kv_transfer_params` a decode pulls with.
@@ -77,13 +78,22 @@ fn event(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
-fn answer(req: &Value, tokens: usize, delay: Duration) -> Answer {
+fn answer(req: &Value, tokens: usize, delay: Duration, chat: bool) -> Answer {
     let stream = req.get("stream") == Some(&Value::Bool(true));
     let ids = req.get("return_token_ids") == Some(&Value::Bool(true));
     let usage = serde_json::json!({"prompt_tokens": 8, "completion_tokens": tokens, "total_tokens": 8 + tokens, "prompt_tokens_details": {"cached_tokens": 8}});
-    let head = |choices: Value| serde_json::json!({"id": "cmpl-mock", "object": "text_completion", "created": 0, "model": "mock-model", "choices": choices});
+    let object = match (chat, stream) {
+        (false, _) => "text_completion",
+        (true, false) => "chat.completion",
+        (true, true) => "chat.completion.chunk",
+    };
+    let head = |choices: Value| serde_json::json!({"id": "cmpl-mock", "object": object, "created": 0, "model": "mock-model", "choices": choices});
     if !stream {
-        let mut v = head(serde_json::json!([{"index": 0, "text": " tok".repeat(tokens), "logprobs": null, "finish_reason": "length"}]));
+        let mut choice = serde_json::json!({"index": 0, "text": " tok".repeat(tokens), "logprobs": null, "finish_reason": "length"});
+        if chat {
+            choice = serde_json::json!({"index": 0, "message": {"role": "assistant", "content": " tok".repeat(tokens)}, "logprobs": null, "finish_reason": "length"});
+        }
+        let mut v = head(serde_json::json!([choice]));
         v["usage"] = usage;
         // A vLLM NIXL prefill (`do_remote_decode`) says where its KV waits.
         if req.pointer("/kv_transfer_params/do_remote_decode") == Some(&Value::Bool(true)) {
@@ -96,7 +106,11 @@ fn answer(req: &Value, tokens: usize, delay: Duration) -> Answer {
     let mut events = Vec::with_capacity(tokens + 2);
     for i in 0..tokens {
         let finish = if i + 1 == tokens { Value::from("length") } else { Value::Null };
-        let mut choice = serde_json::json!({"index": 0, "text": " tok", "logprobs": null, "finish_reason": finish});
+        let mut choice = if chat {
+            serde_json::json!({"index": 0, "delta": {"content": " tok"}, "logprobs": null, "finish_reason": finish})
+        } else {
+            serde_json::json!({"index": 0, "text": " tok", "logprobs": null, "finish_reason": finish})
+        };
         if ids {
             choice["token_ids"] = serde_json::json!([100 + i]);
         }
@@ -124,9 +138,10 @@ async fn serve(req: Request<hyper::body::Incoming>, tokens: usize, delay: Durati
         _ => {}
     }
     POSTS.fetch_add(1, Ordering::Relaxed);
+    let chat = req.uri().path().ends_with("/chat/completions");
     let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
     let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    answer(&v, tokens, delay)
+    answer(&v, tokens, delay, chat)
 }
 
 #[tokio::main(flavor = "current_thread")]

@@ -7,6 +7,7 @@
 //! Pure data transformations: no tokio, no hyper, no IO (wire contracts: docs/protocols.md).
 
 pub mod answer;
+pub mod anthropic;
 pub mod bootstrap;
 pub mod content;
 pub mod engine_load;

@@ -22,7 +22,9 @@ fn check(req: &Request, key: Option<&str>) -> Result<(), GatewayError> {
 
 /// Passes when the request's bearer key is one of `keys` (compared in constant time each).
 fn check_any(req: &Request, keys: &[&str]) -> Result<(), GatewayError> {
-    let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    let bearer = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    // Anthropic's SDKs send the key as `x-api-key` (the Messages API, app/messages.rs).
+    let given = bearer.or_else(|| req.headers().get("x-api-key").and_then(|v| v.to_str().ok()));
     match given {
         None => Err(GatewayError::unauthorized("this endpoint needs an API key: Authorization: Bearer KEY")),
         // Every key is compared, so the time taken does not say which one matched.

@@ -271,7 +271,7 @@ impl Metrics {
                 self.leg_errors.with_label_values(&[leg.as_str(), &code]);
             }
         }
-        for route in ["/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses"] {
+        for route in ["/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses", "/v1/messages"] {
             for status in ["200", "503", "504"] {
                 self.requests.with_label_values(&[route, status]);
             }

@@ -1,6 +1,6 @@
 //! A request's id and outgoing `via`, for code that runs without the request's context: the
 //! upstream client (which adds the hop header) and the relay's stream warnings (which run
-//! while hyper polls the response body, after the handler returned). Set by `front::admit`
+//! while hyper polls the response body, after the handler returned). Set by `intake::admit_with`
 //! around the execution, and by `conn`'s body wrapper around each poll of the body.
 
 use std::future::Future;

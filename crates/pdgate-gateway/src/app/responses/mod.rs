@@ -26,7 +26,7 @@ use pdgate_protocol::responses::{parse_responses, response_from_chat, ResponseMe
 use pdgate_protocol::{Endpoint, InvalidRequest};
 use serde_json::{json, Value};
 
-use crate::app::front::admit_with;
+use crate::app::intake::admit_with;
 use crate::app::state::AppState;
 use crate::render::error_response;
 use store::{Bounds, MemoryStore, ResponseStore, StoredResponse};
