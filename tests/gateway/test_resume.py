@@ -57,6 +57,21 @@ def reference() -> Iterator[ReferenceWorker]:
     w.stop()
 
 
+@pytest.fixture(scope="module")
+def vllm_reference() -> Iterator[ReferenceWorker]:
+    """The same engine in the vLLM flavour, which the NIXL and Mooncake decodes are: vLLM sends no
+    tail that ends inside a character (docs/grpc-workers.md, "Real vLLM over gRPC")."""
+    w = ReferenceWorker(mode="null", model="tiny", extra_args=["--api-flavor", "vllm"])
+    start([w])
+    yield w
+    w.stop()
+
+
+def flavour_of(connector: str, reference: ReferenceWorker, vllm_reference: ReferenceWorker) -> ReferenceWorker:
+    """The uninterrupted engine of the decodes' flavour: SGLang's for bootstrap, else vLLM's."""
+    return reference if connector == "bootstrap" else vllm_reference
+
+
 class Fleet:
     def __init__(self, max_resumes: int | None, connector: str = "bootstrap", model_path: str | None = None):
         kc = CONNECTORS[connector]
@@ -156,10 +171,10 @@ def until_killed(fleet: Fleet, send) -> list[Any]:
 
 @pytest.mark.parametrize("connector", sorted(CONNECTORS))
 @pytest.mark.parametrize("path,body", PATHS, ids=["completions", "chat"])
-def test_a_stream_whose_decode_is_killed_completes_as_if_uninterrupted(reference: ReferenceWorker, path: str, body: dict,
-                                                                       connector: str) -> None:
+def test_a_stream_whose_decode_is_killed_completes_as_if_uninterrupted(reference: ReferenceWorker, vllm_reference: ReferenceWorker,
+                                                                       path: str, body: dict, connector: str) -> None:
     body = {**body, "stream_options": {"include_usage": True}}
-    want = stream(reference.url, path, body)
+    want = stream(flavour_of(connector, reference, vllm_reference).url, path, body)
     with Fleet(max_resumes=None, connector=connector) as fleet:
         for got in until_killed(fleet, lambda: stream(fleet.gw.url, path, body)):
             assert got[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in got), got
@@ -190,9 +205,9 @@ def answer_text(answer: dict) -> str:
 
 @pytest.mark.parametrize("connector", sorted(CONNECTORS))
 @pytest.mark.parametrize("path,body", PATHS, ids=["completions", "chat"])
-def test_a_non_stream_answer_whose_decode_is_killed_is_whole(reference: ReferenceWorker, path: str, body: dict,
-                                                             connector: str) -> None:
-    want = httpx.post(reference.url + path, json=body, timeout=60).json()
+def test_a_non_stream_answer_whose_decode_is_killed_is_whole(reference: ReferenceWorker, vllm_reference: ReferenceWorker,
+                                                             path: str, body: dict, connector: str) -> None:
+    want = httpx.post(flavour_of(connector, reference, vllm_reference).url + path, json=body, timeout=60).json()
     with Fleet(max_resumes=None, connector=connector) as fleet:
         for _ in range(2):  # round robin: the fault decode serves one of the two
             r = httpx.post(fleet.gw.url + path, json=body, timeout=60)

@@ -21,23 +21,18 @@ use crate::render::error_response;
 
 pub fn router(state: Arc<AppState>) -> Router {
     let responses = crate::app::responses::Responses::new(state.clone());
-    let mut inference = Router::new().route("/v1/completions", post(completions)).route("/v1/chat/completions", post(chat_completions)).route("/generate", post(generate));
-    inference = inference.merge(responses.create_route());
-    inference = crate::app::messages::routes(inference);
-    if let Some(admit) = &state.admission {
-        inference = inference.route_layer(middleware::from_fn_with_state(admit.clone(), crate::admit::admission::limit));
-    }
-    // Layers added later run first: the key check comes before admission.
-    let mut client = inference.route("/v1/models", get(models)).merge(responses.stored_routes());
-    // Without a key the check would pass every request: skip the middleware and its boxing.
-    if state.config.api_key.as_deref().is_some_and(|k| !k.is_empty()) {
-        client = client.route_layer(middleware::from_fn_with_state(state.config.clone(), auth::client_key));
-    }
-    // Outermost: the Messages routes' refusals (key, admission, validation) in Anthropic's shape.
-    client = client.route_layer(middleware::from_fn(crate::app::messages::anthropic_errors));
+    let inference = Router::new().route("/v1/completions", post(completions)).route("/v1/chat/completions", post(chat_completions)).route("/generate", post(generate));
+    let inference = admitted(&state, inference.merge(responses.create_route()));
+    let client = keyed(&state, inference.route("/v1/models", get(models)).merge(responses.stored_routes()));
+    // The Messages routes under the same layers, then, outermost, the rewrite of their refusals
+    // (key, admission, validation) into Anthropic's shape: on these routes only, so the other
+    // routes pay nothing for it.
+    let messages = keyed(&state, admitted(&state, crate::app::messages::routes(Router::new())));
+    let messages = messages.route_layer(middleware::from_fn(crate::app::messages::anthropic_errors));
     let admin = workers_api::routes().route_layer(middleware::from_fn_with_state(state.config.clone(), auth::admin_key)).with_state(state.fleet.clone());
     Router::new()
         .merge(client)
+        .merge(messages)
         .merge(admin)
         .route("/health", get(liveness))
         .route("/liveness", get(liveness))
@@ -46,6 +41,24 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
+}
+
+/// The admission limit (queue, priority) on inference routes, when configured.
+fn admitted(state: &AppState, routes: Router<Arc<AppState>>) -> Router<Arc<AppState>> {
+    match &state.admission {
+        Some(admit) => routes.route_layer(middleware::from_fn_with_state(admit.clone(), crate::admit::admission::limit)),
+        None => routes,
+    }
+}
+
+/// The client key check, when a key is set. Layers added later run first: the key check comes
+/// before admission. Without a key the check would pass every request: no middleware, no boxing.
+fn keyed(state: &AppState, routes: Router<Arc<AppState>>) -> Router<Arc<AppState>> {
+    if state.config.api_key.as_deref().is_some_and(|k| !k.is_empty()) {
+        routes.route_layer(middleware::from_fn_with_state(state.config.clone(), auth::client_key))
+    } else {
+        routes
+    }
 }
 
 async fn completions(State(s): State<Arc<AppState>>, req: Request) -> Response {

@@ -30,7 +30,8 @@ use crate::prompt_ids::{prompt_token_ids, PromptKind};
 pub const MESSAGES: &str = "/v1/messages";
 pub const COUNT_TOKENS: &str = "/v1/messages/count_tokens";
 
-/// Adds the two routes to the inference router (under its admission and key layers).
+/// Adds the two routes to `router`; `front.rs` puts them under the admission and key layers and
+/// [`anthropic_errors`].
 pub fn routes(router: Router<Arc<AppState>>) -> Router<Arc<AppState>> {
     router.route(MESSAGES, post(messages)).route(COUNT_TOKENS, post(count_tokens))
 }
@@ -152,12 +153,12 @@ fn error_response(status: StatusCode, message: &str) -> Response {
     (status, Json(body)).into_response()
 }
 
-/// Rewrites the error responses of the Messages routes (pdgate's OpenAI shape, from any layer)
-/// into Anthropic's `{"type": "error", "error": {"type", "message"}}`; other routes pass.
+/// Rewrites the error responses of the Messages routes (pdgate's OpenAI shape, from any layer
+/// under it: key, admission, the handler) into Anthropic's `{"type": "error", "error": {"type",
+/// "message"}}`. `front.rs` puts it on these routes only.
 pub async fn anthropic_errors(req: Request, next: Next) -> Response {
-    let ours = req.uri().path().starts_with(MESSAGES);
     let resp = next.run(req).await;
-    if !ours || resp.status().is_success() {
+    if resp.status().is_success() {
         return resp;
     }
     let status = resp.status();
