@@ -89,6 +89,25 @@ async fn a_body_that_never_finishes_is_answered_408() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn the_translated_routes_answer_a_body_that_never_finishes_408() {
+    // With a chat-template tokenizer, count_tokens is answered by the gateway alone: its body is
+    // read under the same deadline as every route's (a slow client never holds it forever).
+    let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../pdgate-tokenizer/tests/fixtures/bpe");
+    let (gw, url) = served_gateway(json!({"model_path": model})).await;
+    for route in ["/v1/messages/count_tokens", "/v1/messages", "/v1/responses"] {
+        let mut slow = TcpStream::connect(gw.local_addr()).await.unwrap();
+        let head = format!("POST {route} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"model\":");
+        slow.write_all(head.as_bytes()).await.unwrap();
+        let t = Instant::now();
+        let answer = read_to_close(&mut slow).await;
+        assert!(answer.starts_with("HTTP/1.1 408"), "{route}: {answer}");
+        assert!(t.elapsed() >= Duration::from_secs(30) && t.elapsed() < Duration::from_secs(31), "{route}: {:?}", t.elapsed());
+    }
+    assert_eq!(metric(&url, r#"pdgate_client_timeouts_total{kind="body"}"#).await, 3.0);
+    assert_eq!(completion_status(&url).await, 200, "still serving");
+}
+
+#[tokio::test(start_paused = true)]
 async fn the_body_timeout_never_outlasts_the_request_deadline() {
     let (gw, _url) = served_gateway(json!({"request_timeout_secs": 3})).await;
     let mut slow = TcpStream::connect(gw.local_addr()).await.unwrap();

@@ -5,8 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::body::{Body, Bytes};
 use axum::extract::Request;
-use axum::http::{header, HeaderValue};
+use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::Response;
 use pdgate_core::GatewayError;
 use pdgate_protocol::{parse_request, Endpoint};
@@ -54,21 +55,9 @@ where
             return client_error(&state, route, &err, started);
         }
     };
-    let limit = state.config.max_payload_size;
-    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > limit) {
-        return client_error(&state, route, &GatewayError::payload_too_large(limit), started);
-    }
-    // One timer for the whole body, not one per frame.
-    let body_timeout = Duration::from_secs(state.config.body_read_timeout_secs);
-    let raw = match tokio::time::timeout_at(deadline.min(Instant::now() + body_timeout), axum::body::to_bytes(body, limit)).await {
-        Err(_) => return body_timeout_response(&state, route, body_timeout.min(state.request_timeout()), started),
-        Ok(Ok(b)) => b,
-        Ok(Err(e)) => {
-            let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
-            let err = if too_large { GatewayError::payload_too_large(limit) } else { GatewayError::invalid(None, format!("could not read the request body: {e}")) };
-            return client_error(&state, route, &err, started);
-        }
+    let raw = match read_body(&state, route, &headers, body, deadline, started).await {
+        Ok(b) => b,
+        Err(resp) => return resp,
     };
     let raw = match prepare(raw).await {
         Ok(b) => b,
@@ -141,6 +130,28 @@ where
     // For the body wrapper in edge/conn.rs: the relay's stream warnings name the request.
     resp.extensions_mut().insert(scope);
     resp
+}
+
+/// The body, whole within `--max-payload-size` (a declared length over it is refused before
+/// reading) and in time: one timer, `--body-read-timeout-secs` or the request's `deadline`,
+/// whichever comes first. The refusal, counted under `route`, otherwise.
+pub(crate) async fn read_body(state: &AppState, route: &'static str, headers: &HeaderMap, body: Body, deadline: Instant, started: std::time::Instant) -> Result<Bytes, Response> {
+    let limit = state.config.max_payload_size;
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(client_error(state, route, &GatewayError::payload_too_large(limit), started));
+    }
+    // One timer for the whole body, not one per frame.
+    let body_timeout = Duration::from_secs(state.config.body_read_timeout_secs);
+    match tokio::time::timeout_at(deadline.min(Instant::now() + body_timeout), axum::body::to_bytes(body, limit)).await {
+        Err(_) => Err(body_timeout_response(state, route, body_timeout.min(state.request_timeout()), started)),
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(e)) => {
+            let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+            let err = if too_large { GatewayError::payload_too_large(limit) } else { GatewayError::invalid(None, format!("could not read the request body: {e}")) };
+            Err(client_error(state, route, &err, started))
+        }
+    }
 }
 
 /// 408 for a body that did not arrive in time; the connection is closed after it, since the

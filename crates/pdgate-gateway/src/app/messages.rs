@@ -23,7 +23,7 @@ use pdgate_protocol::anthropic::{answer, error, stream::MessagesStream};
 use pdgate_protocol::Endpoint;
 use serde_json::{json, Value};
 
-use crate::app::intake::{admit_with, client_error};
+use crate::app::intake::{admit_with, client_error, read_body};
 use crate::app::state::AppState;
 use crate::prompt_ids::{prompt_token_ids, PromptKind};
 
@@ -129,10 +129,15 @@ async fn count_tokens(State(state): State<Arc<AppState>>, req: Request) -> Respo
 
 async fn count_with_tokenizer(state: &AppState, tok: &pdgate_tokenizer::ModelTokenizer, req: Request) -> Response {
     let started = std::time::Instant::now();
-    let limit = state.config.max_payload_size;
-    let raw = match axum::body::to_bytes(req.into_body(), limit).await {
+    if state.is_draining() {
+        return client_error(state, COUNT_TOKENS, &GatewayError::shutting_down(), started);
+    }
+    // The body under the same size limit and read deadline as every other route's.
+    let (parts, body) = req.into_parts();
+    let deadline = tokio::time::Instant::now() + state.request_timeout();
+    let raw = match read_body(state, COUNT_TOKENS, &parts.headers, body, deadline, started).await {
         Ok(b) => b,
-        Err(_) => return client_error(state, COUNT_TOKENS, &GatewayError::payload_too_large(limit), started),
+        Err(resp) => return resp,
     };
     let t = match to_chat(&raw, Kind::CountTokens) {
         Ok(t) => t,
