@@ -7,11 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import pathlib
-import shutil
-import subprocess
-import sys
 import tempfile
 from typing import Any, Iterator
 
@@ -19,43 +14,25 @@ import httpx
 import pytest
 
 import pdgate
-from pdgate.workers import ReferenceWorker, free_port
+from pdgate.workers import ReferenceWorker
 from tests.gateway.grpc_stacks import export_model_dir, start
 from tests.gateway.harness import wait_status
+from tests.gateway.test_smg_compat import smg_binary
+from tests.gateway.test_smg_grpc_interop import smg_router as smg_grpc_router
 
 pytestmark = pytest.mark.timeout(300)
 MESSAGES = [{"role": "user", "content": "Hello there"}]
 CREATE = {"model": "tiny", "max_tokens": 8, "temperature": 0, "system": "Be brief.", "messages": MESSAGES}
 
 
-def smg_binary() -> str | None:
-    beside = pathlib.Path(sys.executable).parent / "smg"
-    return str(beside) if beside.exists() else shutil.which("smg")
-
-
 @contextlib.contextmanager
 def smg_router(model_dir: str, flags: list[str]) -> Iterator[str]:
+    """SMG 1.13 in front of `flags`' workers (test_smg_grpc_interop's launcher); skips without it."""
     smg = smg_binary()
     if smg is None:
         pytest.skip("smg is not installed (pip install smg==1.13.0)")
-    port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix="smg-", suffix=".log", delete=False)
-    proc = subprocess.Popen([smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()),
-                             "--model-path", model_dir, "--policy", "round_robin", *flags], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        if wait_status(url + "/readiness", 200, timeout=90) != 200:
-            raise AssertionError(f"smg did not become ready: {pathlib.Path(log.name).read_text()[-3000:]}")
+    with smg_grpc_router(smg, model_dir, flags) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        log.close()
-        os.unlink(log.name)
 
 
 @contextlib.contextmanager
