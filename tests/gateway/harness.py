@@ -89,3 +89,11 @@ def wait_status(url: str, status: int, timeout: float = 15.0) -> int:
             break
         time.sleep(0.05)
     return last
+
+
+def scrape(url: str, sample: str) -> float:
+    """One sample's value from a /metrics page (`name` or `name{labels}`); 0 when absent."""
+    for row in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if row.startswith(sample + " "):
+            return float(row.split()[-1])
+    return 0.0

@@ -26,7 +26,7 @@ import pytest
 import pdgate
 from pdgate.workers import ReferenceWorker
 from tests.gateway.grpc_stacks import export_model_dir
-from tests.gateway.harness import wait_status
+from tests.gateway.harness import scrape, wait_status
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny"
@@ -98,18 +98,10 @@ class Fleet:
 
     def engine_requests(self) -> float:
         """Generation items the two engines accepted (their own counter)."""
-        total = 0.0
-        for w in self.workers:
-            for row in httpx.get(w.url + "/metrics", timeout=10).text.splitlines():
-                if row.startswith("pdgate_engine_requests_total "):
-                    total += float(row.split()[-1])
-        return total
+        return sum(scrape(w.url, "pdgate_engine_requests_total") for w in self.workers)
 
     def gateway_metric(self, line: str) -> float:
-        for row in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
-            if row.startswith(line + " "):
-                return float(row.split()[-1])
-        return 0.0
+        return scrape(self.url, line)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import pytest
 
 import pdgate
 from pdgate.workers import ReferenceWorker
-from tests.gateway.harness import wait_status
+from tests.gateway.harness import scrape, wait_status
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -80,18 +80,10 @@ class PdFleet:
 
     def engine_requests(self) -> float:
         """Requests the engines accepted (their own counter): unchanged means nothing reached them."""
-        total = 0.0
-        for w in self.workers:
-            for row in httpx.get(w.url + "/metrics", timeout=10).text.splitlines():
-                if row.startswith("pdgate_engine_requests_total "):
-                    total += float(row.split()[-1])
-        return total
+        return sum(scrape(w.url, "pdgate_engine_requests_total") for w in self.workers)
 
     def metric(self, line: str) -> float:
-        for row in httpx.get(self.gw.url + "/metrics", timeout=10).text.splitlines():
-            if row.startswith(line + " "):
-                return float(row.split()[-1])
-        return 0.0
+        return scrape(self.gw.url, line)
 
 
 @pytest.fixture(scope="module", params=sorted(CONNECTORS))
