@@ -230,7 +230,8 @@ def test_sink_rejects_frames_of_another_attempt_and_outside_reservation():
 
 def test_output_after_a_prompt_ending_inside_a_character_completes_it():
     """A continued answer (prompt + generated ids) yields exactly the text the first stream still
-    held back: the output is decoded after the prompt's tail, as vLLM's detokenizer does."""
+    held back: the output is decoded after the prompt's tail (the SGLang flavour; the vLLM
+    flavour sends what vLLM does, the next tests)."""
     from types import SimpleNamespace
 
     from pdgate.engine.outputs import output_text, visible_text
@@ -283,6 +284,29 @@ def test_the_vllm_flavour_never_sends_a_tail_that_ends_inside_a_character():
         now = visible_text(tok, seq(answer[:k], False), False, vllm_tail=True)
         assert now.startswith(sent) and final.startswith(now), k
         sent = now
+
+
+def test_the_vllm_flavour_sends_the_prompt_again_when_the_prompt_ends_inside_a_character():
+    """vLLM 0.32 primes tokenizers' DecodeStream with the whole prompt; when that text ends in
+    U+FFFD, the first text it sends is the whole prompt's and then the output's (measured with
+    tokenizers 0.23.3 and the tiny64 tokenizer). A gateway must not continue from such ids."""
+    from types import SimpleNamespace
+
+    from pdgate.engine.outputs import visible_text
+    from pdgate.engine.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+
+    def seq(prompt: list[int], out: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(tokens=prompt + out, prompt_len=len(prompt), output_ids=out, finish_reason=None,
+                               finished=False, params=SamplingParams())
+
+    e_acute = list("é".encode())
+    held = [256] + list(b"hi ") + e_acute[:1]
+    assert visible_text(tok, seq(held, e_acute[1:2]), False, vllm_tail=True) == "hi é"
+    assert visible_text(tok, seq(held, e_acute[1:2] + [0x41]), False, vllm_tail=True) == "hi éA"
+    assert visible_text(tok, seq([256] + list(b"hi "), [0x41]), False, vllm_tail=True) == "A", "a clean end: the output alone"
+    assert visible_text(tok, seq(held, e_acute[1:2]), False) == "é", "the SGLang flavour completes the character"
 
 
 @pytest.mark.parametrize("hold_at, want", [(3, 3), (0, 16)])

@@ -189,6 +189,29 @@ def test_a_stream_whose_decode_is_killed_completes_as_if_uninterrupted(reference
         fleet.survivors_idle()
 
 
+# Its 5th token leaves the text ending in U+FFFD (a lone continuation byte): the engine holds it.
+HELD = {**COMPLETION, "prompt": "resume me, please 4", "return_token_ids": True, "stream_options": {"include_usage": True}}
+
+
+@pytest.mark.parametrize("connector", ["bootstrap", "nixl"])
+def test_a_death_while_the_engine_holds_text_is_continued_without_sending_anything_twice(
+        reference: ReferenceWorker, vllm_reference: ReferenceWorker, connector: str) -> None:
+    """Continued from every id, a vLLM decode would send the whole prompt's text again (its
+    detokenizer, primed with ids whose text ends in U+FFFD, holds all of them); the gateway
+    continues from the last id whose text the client has and drops what is regenerated."""
+    want = stream(flavour_of(connector, reference, vllm_reference).url, "/v1/completions", HELD)
+    want_ids = [i for e in want if isinstance(e, dict) for c in e["choices"] for i in c.get("token_ids", [])]
+    assert bytes(want_ids[:KILL_AFTER]).decode("utf-8", "replace").endswith("\ufffd"), "the prompt no longer holds text at the kill"
+    with Fleet(max_resumes=None, connector=connector) as fleet:
+        for got in until_killed(fleet, lambda: stream(fleet.gw.url, "/v1/completions", HELD)):
+            assert got[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in got), got
+            assert text_of(got) == text_of(want)
+            assert [i for e in got if isinstance(e, dict) for c in e["choices"] for i in c.get("token_ids", [])] == want_ids
+            usage = [e["usage"] for e in got if isinstance(e, dict) and e.get("usage")]
+            assert usage[-1]["completion_tokens"] == MAX_TOKENS
+        assert fleet.metric('pdgate_resumes_total{reason="decode_died",result="resumed"}') == 1.0
+
+
 def test_token_ids_asked_by_the_client_are_the_uninterrupted_ones(reference: ReferenceWorker) -> None:
     body = {**COMPLETION, "return_token_ids": True}
     want = [i for e in stream(reference.url, "/v1/completions", body) if isinstance(e, dict) for c in e["choices"] for i in c.get("token_ids", [])]

@@ -69,3 +69,18 @@ def test_a_client_that_disconnects_mid_stream_leaves_vllm_idle(fleet):
     assert 0 < generated < 1500, generated
     time.sleep(2)
     assert metric(decode, "vllm:generation_tokens_total") - generated_before[decode.url] == generated
+
+def test_vllm_sends_the_prompt_again_after_prompt_ids_that_end_inside_a_character(fleet):
+    """The fact pdgate's resume is built around (pdgate-protocol resume.rs, `continuation`): vLLM
+    primes its detokenizer with the prompt's ids, and when their text ends in U+FFFD the first
+    text it sends is the whole prompt's. So a continuation never ends inside a character.
+    tiny64's tokenizer is byte-level: ids 0-255 are the bytes, 256 is BOS."""
+    words = "A prompt that ends inside é".encode()
+    held, clean = [256] + list(words[:-1]), [256] + list(words)
+
+    def text(prompt: list[int]) -> str:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        return httpx.post(fleet.colocated.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+
+    assert text(held).startswith("A prompt that ends inside "), "vLLM no longer repeats such a prompt: resume.rs can continue from every id"
+    assert not text(clean).startswith("A prompt"), "a prompt that ends whole is not repeated"

@@ -149,6 +149,18 @@ pub struct Progress {
     finished: bool,
     /// Ids generated before the running continuation began (0 on the first stream).
     resumed_at: Option<usize>,
+    /// How many of `generated` the client's text covers whole: the end of the last event that
+    /// carried text and exactly one id. An engine holds a token's text while the text so far
+    /// ends inside a UTF-8 character (or in bytes that are no character), and an event of
+    /// several ids says nothing of where its text stops. A continuation goes on from here (see
+    /// [`Progress::continuation`]).
+    released: usize,
+    /// The text the client has beyond the text of `generated[..released]`.
+    text_after: String,
+    /// Ids the client has been sent (a continuation regenerates those past `released`).
+    sent_ids: usize,
+    /// What the running continuation regenerates that the client has already: not sent again.
+    skip_text: String,
 }
 
 /// A JSON array of token ids; `None` for anything else (an id over `u32::MAX` included: no
@@ -241,26 +253,51 @@ impl Progress {
                 self.prompt_ids.get_or_insert(ids);
             }
             let ids = take_ids(c, "token_ids", keep);
-            let text = c.get("text").or_else(|| c.get("delta").and_then(|d| d.get("content")));
-            if ids.is_none() && text.and_then(Value::as_str).is_some_and(|t| !t.is_empty()) {
+            let text = c.get("text").or_else(|| c.get("delta").and_then(|d| d.get("content"))).and_then(Value::as_str).unwrap_or_default();
+            if ids.is_none() && !text.is_empty() {
                 self.ids_unknown = true;
             }
+            let n = ids.as_ref().map_or(0, Vec::len);
             self.generated.extend(ids.unwrap_or_default());
+            self.sent_ids = self.generated.len();
+            self.note_text(text, n);
             self.finished |= set(c.get("finish_reason"));
             all_empty &= empty_choice(c);
         }
         keep || had_usage || !all_empty
     }
 
-    /// The continuation's body: the prompt's ids and every generated id as a completions
-    /// `prompt`, `max_tokens` reduced by what was generated. `context_limit` sets the budget of
-    /// a chat request that gave none (vLLM's default: the rest of the context).
+    /// Where the client's text stands after an event whose choice had `text` and `n` new ids
+    /// (already in `generated`).
+    fn note_text(&mut self, text: &str, n: usize) {
+        match (text.is_empty(), n) {
+            (true, _) | (false, 0) => {}
+            (false, 1) => {
+                self.released = self.generated.len();
+                self.text_after.clear();
+            }
+            (false, _) => self.text_after.push_str(text),
+        }
+    }
+
+    /// The continuation's body: the prompt's ids and the generated ids whose text the client
+    /// has whole (`released`) as a completions `prompt`, `max_tokens` reduced by those.
+    /// `context_limit` sets the budget of a chat request that gave none (vLLM's default: the
+    /// rest of the context).
+    ///
+    /// Why not every id generated: vLLM primes its detokenizer with the prompt's ids
+    /// (tokenizers' `DecodeStream(ids=prompt)`, vllm/v1/engine/detokenizer.py), and when those
+    /// decode to text ending in U+FFFD its first delta is the text of the whole prompt, not
+    /// of the new ids alone: the client would read the prompt and the answer again. Ids past
+    /// `released` are regenerated instead, and what the client already has of them is not
+    /// sent twice ([`Progress::rewrite`]). A greedy answer regenerates the same ids.
     pub fn continuation(&self, req: &ParsedRequest, context_limit: Option<u64>) -> Result<Map<String, Value>, &'static str> {
         if let Some(reason) = self.refusal() {
             return Err(reason);
         }
         let prompt = self.prompt_ids.as_ref().ok_or("no_prompt_ids")?;
-        let done = self.generated.len() as u64;
+        let kept = if self.native { &self.generated[..] } else { &self.generated[..self.released] };
+        let done = kept.len() as u64;
         let asked = match (req.max_tokens, self.chat, context_limit) {
             (Some((n, _)), _, _) => n,
             (None, _, _) if self.native => GENERATE_DEFAULT_MAX_TOKENS,
@@ -279,7 +316,7 @@ impl Progress {
         for k in ["max_completion_tokens", "stream_options", "messages", "n", "rid", "return_token_ids"] {
             body.remove(k);
         }
-        body.insert("prompt".into(), ids_value(prompt.iter().chain(&self.generated).copied()));
+        body.insert("prompt".into(), ids_value(prompt.iter().chain(kept).copied()));
         body.insert("max_tokens".into(), json!(left));
         body.insert("stream".into(), Value::Bool(true));
         body.insert("return_token_ids".into(), Value::Bool(true));
@@ -323,6 +360,10 @@ impl Progress {
             self.generated.extend_from_slice(&e.generated);
             self.finished |= e.finished;
         });
+        // The ledger's writer holds no text it has not sent the ids of: all of it is released.
+        self.released = self.generated.len();
+        self.sent_ids = self.sent_ids.max(self.released);
+        self.text_after.clear();
     }
 
     /// Whether this is a `/generate` stream (its continuation goes to `/generate`).
@@ -332,6 +373,10 @@ impl Progress {
 
     /// A continuation starts: its chunks are rewritten from now on.
     pub fn begin_continuation(&mut self) {
+        if !self.native {
+            self.generated.truncate(self.released);
+            self.skip_text = self.text_after.clone();
+        }
         self.resumed_at = Some(self.generated.len());
         self.text_base = self.text.clone();
     }
@@ -340,6 +385,7 @@ impl Progress {
     fn observe_native(&mut self, obj: &Map<String, Value>) {
         let text = obj.get("text").and_then(Value::as_str).unwrap_or_default();
         match ids_of(obj.get("output_ids")) {
+            // SGLang's cumulative chunks are continued from every id (see `continuation`).
             Some(ids) => self.generated.extend(ids.into_iter().skip(self.generated.len())),
             _ if !text.is_empty() => self.ids_unknown = true,
             _ => {}
@@ -399,29 +445,40 @@ impl Progress {
         if self.chat {
             out.insert("object".into(), json!("chat.completion.chunk"));
         }
-        let mut choices = Vec::new();
+        let (mut choices, mut new_ids) = (Vec::new(), false);
         if let Some(Value::Array(cs)) = obj.remove("choices") {
             for mut c in cs.into_iter().filter_map(|c| if let Value::Object(m) = c { Some(m) } else { None }) {
-                let ids = take_ids(&mut c, "token_ids", true);
-                let text = c.remove("text").unwrap_or(json!(""));
+                let ids = take_ids(&mut c, "token_ids", true).unwrap_or_default();
+                let raw = c.remove("text").and_then(|t| if let Value::String(t) = t { Some(t) } else { None }).unwrap_or_default();
+                // Ids and text the client has already (regenerated past `released`) are not sent.
+                let seen = self.sent_ids.saturating_sub(self.generated.len()).min(ids.len());
+                self.generated.extend_from_slice(&ids);
+                self.sent_ids = self.sent_ids.max(self.generated.len());
+                let text = unsent(&raw, &mut self.skip_text).to_string();
+                if ids.len() == 1 && !raw.is_empty() {
+                    self.released = self.generated.len();
+                    self.text_after = self.skip_text.clone();
+                } else if !raw.is_empty() {
+                    self.text_after.push_str(&text);
+                }
                 let finish = c.remove("finish_reason").unwrap_or(Value::Null);
                 self.finished |= set(Some(&finish));
                 let mut choice = Map::new();
                 choice.insert("index".into(), json!(0));
                 if self.chat {
-                    let delta = if text.as_str().is_some_and(|t| !t.is_empty()) { json!({"content": text}) } else { json!({}) };
+                    let delta = if text.is_empty() { json!({}) } else { json!({"content": text}) };
                     choice.insert("delta".into(), delta);
                     choice.insert("logprobs".into(), Value::Null);
                 } else {
-                    choice.insert("text".into(), text);
-                    choice.insert("logprobs".into(), c.remove("logprobs").unwrap_or(Value::Null));
+                    choice.insert("text".into(), json!(text));
+                    let mut logprobs = c.remove("logprobs").unwrap_or(Value::Null);
+                    drop_first_entries(&mut logprobs, seen);
+                    choice.insert("logprobs".into(), logprobs);
                 }
                 choice.insert("finish_reason".into(), finish);
-                if let Some(ids) = ids {
-                    if self.client_wants_ids {
-                        choice.insert("token_ids".into(), ids_value(ids.iter().copied()));
-                    }
-                    self.generated.extend(ids);
+                if self.client_wants_ids {
+                    new_ids |= seen < ids.len();
+                    choice.insert("token_ids".into(), ids_value(ids[seen..].iter().copied()));
                 }
                 choices.push(Value::Object(choice));
             }
@@ -437,7 +494,41 @@ impl Progress {
             u["total_tokens"] = json!(prompt + completion);
             out.insert("usage".into(), u);
         }
-        (self.client_wants_ids || usage.is_some() || !all_empty).then_some(Value::Object(out))
+        (new_ids || usage.is_some() || !all_empty).then_some(Value::Object(out))
+    }
+}
+
+/// The part of a continuation's `text` the client does not have yet: `skip` is what it has
+/// that the continuation regenerates (consumed as it is matched). A sampled continuation may
+/// regenerate other text than the client has: past the common part, its text goes out.
+fn unsent<'a>(text: &'a str, skip: &mut String) -> &'a str {
+    if skip.is_empty() {
+        return text;
+    }
+    if let Some(rest) = text.strip_prefix(skip.as_str()) {
+        skip.clear();
+        return rest;
+    }
+    if skip.starts_with(text) {
+        skip.drain(..text.len());
+        return "";
+    }
+    let common = text.char_indices().zip(skip.chars()).find(|((_, a), b)| a != b).map_or(0, |((i, _), _)| i);
+    skip.clear();
+    &text[common..]
+}
+
+/// Removes the first `n` tokens' entries of a completions `logprobs` object (those of ids the
+/// client was sent already).
+fn drop_first_entries(logprobs: &mut Value, n: usize) {
+    let Some(obj) = logprobs.as_object_mut().filter(|_| n > 0) else { return };
+    for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        if let Some(Value::Array(a)) = obj.get_mut(key) {
+            a.drain(..n.min(a.len()));
+        }
+    }
+    if obj.get("tokens").and_then(Value::as_array).is_some_and(Vec::is_empty) {
+        *logprobs = Value::Null; // nothing of it is new
     }
 }
 

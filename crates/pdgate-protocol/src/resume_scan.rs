@@ -43,6 +43,8 @@ impl Cuts {
 #[derive(Default)]
 struct Learned {
     text_without_ids: bool,
+    /// A choice carried text and exactly one id (`Progress::released`).
+    released: bool,
     finished: bool,
     had_usage: bool,
     all_empty: bool,
@@ -126,6 +128,7 @@ fn plain_ids(raw: &[u8], to: &mut Vec<u32>) -> Option<()> {
 /// without ids, and whether it is empty once the ids are gone.
 fn choice(s: &mut Scan<'_>, keep: bool, out: &mut Learned, generated: &mut Vec<u32>) -> Option<bool> {
     let (mut ids, mut text, mut content, mut delta, mut finish, mut logprobs) = (None, None, None, None, false, false);
+    let before = generated.len();
     let mut seen = 0u8;
     s.object(|s, key, key_start, before| {
         let bit = match key {
@@ -188,6 +191,12 @@ fn choice(s: &mut Scan<'_>, keep: bool, out: &mut Learned, generated: &mut Vec<u
     // As the slow path: `text`, else the delta's `content`.
     let has_text = if text.is_some() { nonempty_str(text) } else { nonempty_str(content) };
     out.text_without_ids |= ids != Some(true) && has_text;
+    match (has_text, generated.len() - before) {
+        (true, 1) => out.released = true,
+        // Text of several ids: the slow path keeps it (where that text stops is unknown).
+        (true, n) if n > 1 => return None,
+        _ => {}
+    }
     out.finished |= finish;
     let no_text = match delta {
         Some(empty) => empty,
@@ -303,6 +312,11 @@ impl Progress {
         }
         self.ids_unknown |= learned.text_without_ids;
         self.finished |= learned.finished;
+        self.sent_ids = self.generated.len();
+        if learned.released {
+            self.released = self.generated.len();
+            self.text_after.clear();
+        }
         if !(keep || learned.had_usage || !learned.all_empty) {
             return Some(Fast::Drop);
         }

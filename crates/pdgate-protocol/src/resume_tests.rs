@@ -82,10 +82,16 @@ fn the_first_stream_is_learned_and_its_ids_hidden_unless_asked() {
     assert_eq!(p.generated(), 3);
     assert_eq!(p.refusal(), None);
 
+    // "ab" came in one event of two ids: where its text stops is unknown, so the continuation
+    // starts before it (and regenerates it: see `a_continuation_regenerates_what_may_be_held`).
     let body = p.continuation(&r, None).unwrap();
-    assert_eq!(body["prompt"], json!([256, 104, 105, 97, 98, 0xe2]));
-    assert_eq!(body["max_tokens"], json!(7));
+    assert_eq!(body["prompt"], json!([256, 104, 105]));
+    assert_eq!(body["max_tokens"], json!(10));
     assert_eq!(body["return_token_ids"], json!(true));
+    assert!(p.observe(&mut chunk("c", &[99], None)));
+    let body = p.continuation(&r, None).unwrap();
+    assert_eq!(body["prompt"], json!([256, 104, 105, 97, 98, 0xe2, 99]), "text of one id: everything before it is the client's");
+    assert_eq!(body["max_tokens"], json!(6));
 
     let mut wants = Progress::new(&completions(json!({"return_token_ids": true})));
     let mut c = chunk("a", &[97], None);
@@ -140,6 +146,66 @@ fn chat_continues_as_completions_and_reads_as_chat() {
     let usage = p.rewrite(json!({"id": "cmpl-z", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}})).unwrap();
     assert_eq!(usage["usage"], json!({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}), "the whole answer");
     assert_eq!(p.generated(), 2);
+}
+
+/// vLLM's detokenizer, primed with a prompt whose text ends inside a character, sends the
+/// whole prompt's text as its first delta; so a continuation starts at the last id whose text
+/// the client has whole, and what it regenerates that the client has already is not sent twice.
+#[test]
+fn a_continuation_regenerates_what_may_be_held_and_sends_only_what_is_new() {
+    let r = completions(json!({"return_token_ids": true, "logprobs": 1}));
+    let mut p = Progress::new(&r);
+    let mut c = chunk("a", &[97], None);
+    c["choices"][0]["prompt_token_ids"] = json!([256, 104]);
+    assert!(p.observe(&mut c));
+    assert!(p.observe(&mut chunk("bc", &[98, 99], None)), "two ids, their text in one event");
+    assert!(p.observe(&mut chunk("", &[0xe2], None)), "held: the start of a character");
+    let body = p.continuation(&r, None).unwrap();
+    assert_eq!(body["prompt"], json!([256, 104, 97]));
+    assert_eq!(body["max_tokens"], json!(9));
+
+    p.begin_continuation();
+    let ev = |text: &str, id: u32| {
+        json!({"id": "cmpl-z", "choices": [{"index": 0, "text": text, "token_ids": [id], "finish_reason": null,
+                                            "logprobs": {"tokens": ["t"], "token_logprobs": [-0.5], "top_logprobs": [{}], "text_offset": [0]}}]})
+    };
+    assert_eq!(p.rewrite(ev("b", 98)), None, "the client has \"b\" and its id");
+    assert_eq!(p.rewrite(ev("c", 99)), None);
+    assert_eq!(p.rewrite(ev("", 0xe2)), None);
+    let out = p.rewrite(ev("", 0x82)).unwrap();
+    assert_eq!((&out["choices"][0]["text"], &out["choices"][0]["token_ids"]), (&json!(""), &json!([0x82])), "new: its id goes out");
+    assert_eq!(out["choices"][0]["logprobs"]["token_logprobs"], json!([-0.5]));
+    let out = p.rewrite(ev("€", 0xac)).unwrap();
+    assert_eq!(out["choices"][0]["text"], "€");
+    assert_eq!(out["id"], "cmpl-a");
+    let usage = p.rewrite(json!({"id": "cmpl-z", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}})).unwrap();
+    assert_eq!(usage["usage"], json!({"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8}), "the whole answer, counted once");
+    assert_eq!(p.generated(), 6);
+
+    // Regenerated text arrives in other pieces than the client got it, or (sampled) differs.
+    let mut skip = "bc".to_string();
+    assert_eq!((unsent("b", &mut skip), skip.as_str()), ("", "c"));
+    assert_eq!((unsent("cd", &mut skip), skip.as_str()), ("d", ""));
+    let mut skip = "bc".to_string();
+    assert_eq!((unsent("bx", &mut skip), skip.as_str()), ("x", ""), "past the common part, the new text goes out");
+}
+
+/// A second death during the regeneration: the client's text past `released` still counts.
+#[test]
+fn a_continuation_that_dies_while_regenerating_is_continued_from_the_same_point() {
+    let r = completions(json!({}));
+    let mut p = Progress::new(&r);
+    let mut c = chunk("ab", &[97, 98], None);
+    c["choices"][0]["prompt_token_ids"] = json!([256]);
+    p.observe(&mut c);
+    assert_eq!(p.continuation(&r, None).unwrap()["prompt"], json!([256]));
+    p.begin_continuation();
+    assert_eq!(p.rewrite(chunk("a", &[97], None)), None, "the client has it");
+    // The second continuation starts after "a" and still owes nothing of "b" to the client.
+    assert_eq!(p.continuation(&r, None).unwrap()["prompt"], json!([256, 97]));
+    p.begin_continuation();
+    assert_eq!(p.rewrite(chunk("b", &[98], None)), None);
+    assert_eq!(p.rewrite(chunk("c", &[99], None)).unwrap()["choices"][0]["text"], "c");
 }
 
 #[test]
@@ -203,6 +269,7 @@ fn fast_equals_slow(r: &ParsedRequest, events: &[Value], step: usize) {
     assert_eq!(decoded(&out), decoded(expected.as_bytes()), "step {step}");
     let (f, s) = (&fast.progress, &slow.progress);
     assert_eq!((&f.generated, &f.prompt_ids, f.finished, f.ids_unknown, &f.head), (&s.generated, &s.prompt_ids, s.finished, s.ids_unknown, &s.head), "step {step}");
+    assert_eq!((f.released, &f.text_after, f.sent_ids), (s.released, &s.text_after, s.sent_ids), "step {step}");
 }
 
 #[test]
@@ -345,12 +412,17 @@ fn a_ledger_tells_what_the_bytes_would_have_across_a_continuation() {
     p.absorb(&first);
     assert_eq!(p.generated(), 3, "reading the ledger twice counts its ids once");
     assert_eq!(p.counts(), Some((3, 3)));
+    // The gateway wrote that text itself (its detokenizer, primed with a continuation's
+    // prompt, sends the character the continuation completes): every id is continued from.
+    // An engine's bytes are continued from the last id whose text it sent.
     let mut from_bytes = Progress::new(&r);
-    let mut c = chunk("ab", &[97, 98], None);
+    let mut c = chunk("a", &[97], None);
     c["choices"][0]["prompt_token_ids"] = json!([256, 104, 105]);
     from_bytes.observe(&mut c);
+    from_bytes.observe(&mut chunk("b", &[98], None));
     from_bytes.observe(&mut chunk("", &[0xe2], None));
-    assert_eq!(p.continuation(&r, None).unwrap(), from_bytes.continuation(&r, None).unwrap());
+    assert_eq!(p.continuation(&r, None).unwrap()["prompt"], json!([256, 104, 105, 97, 98, 0xe2]));
+    assert_eq!(from_bytes.continuation(&r, None).unwrap()["prompt"], json!([256, 104, 105, 97, 98]));
 
     // The continuation's own ledger: its prompt (the first prompt + what was generated) is not
     // the answer's, its ids follow the first stream's, and its chunks read as the first's.

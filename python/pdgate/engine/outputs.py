@@ -32,13 +32,30 @@ def released_text(tok, seq: Seq) -> str:
     (vllm/v1/engine/detokenizer.py), which holds every token's text while the text decoded so
     far ends in U+FFFD (an unfinished UTF-8 character) and never sends what it still holds when
     the answer ends. So the sent text is the decode of the longest prefix of the output whose
-    text does not end in U+FFFD. Scanned from the end: a held run is a few tokens."""
+    text does not end in U+FFFD. Scanned from the end: a held run is a few tokens.
+
+    vLLM 0.32 primes that stream with the whole prompt (`DecodeStream(ids=prompt)`), and when
+    the prompt's text itself ends in U+FFFD nothing of it counts as sent: the first text it
+    releases is the whole prompt's followed by the output's (measured with tokenizers 0.23.3).
+    A gateway that continues an answer from ids ending inside a character meets exactly this."""
     n = len(seq.output_ids)
-    text = output_text(tok, seq, n)
+    echo = _primed_prompt_is_held(tok, seq)
+    text = _vllm_text(tok, seq, n, echo)
     while n and text.endswith("\ufffd"):
         n -= 1
-        text = output_text(tok, seq, n)
+        text = _vllm_text(tok, seq, n, echo)
     return text
+
+
+def _primed_prompt_is_held(tok, seq: Seq) -> bool:
+    # A trailing U+FFFD comes from the last few bytes: a short tail of the prompt tells.
+    return tok.decode(seq.tokens[max(0, seq.prompt_len - 8):seq.prompt_len]).endswith("\ufffd")
+
+
+def _vllm_text(tok, seq: Seq, n: int, echo: bool) -> str:
+    if not echo:
+        return output_text(tok, seq, n)
+    return tok.decode(seq.tokens[:seq.prompt_len] + seq.output_ids[:n]) if n else ""
 
 
 def visible_text(tok, seq: Seq, final: bool, vllm_tail: bool = False) -> str:
