@@ -48,8 +48,9 @@ def test_tower_is_seeded_and_fixed_size():
 def test_prompt_places_one_run_per_image_and_text_renders_as_before():
     tok = ByteTokenizer()
     msgs = [{"role": "system", "content": "be brief"},
-            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": png()}},
-                                         {"type": "text", "text": "b"}, {"type": "image_url", "image_url": png((1, 2, 3))}]}]
+            {"role": "user", "content": [
+                {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": png()}},
+                {"type": "text", "text": "b"}, {"type": "image_url", "image_url": png((1, 2, 3))}]}]
     ids, imgs = chat_inputs(tok, CFG, msgs)
     assert [(i.index, i.length) for i in imgs] == [(0, 16), (1, 16)]
     for img in imgs:
@@ -67,8 +68,9 @@ def test_encode_bootstrap_info_is_checked():
     item = {"item_index": 0, "bootstrap_host": "h", "bootstrap_port": 8998, "bootstrap_room": 3}
     assert encode_items({"encode_bootstrap_info": {"items": [item]}}, 1) == {0: item}
     assert encode_items({}, 1) is None
-    for bad in ({"items": [dict(item, item_index=1)]}, {"items": [item, item]}, {"items": [dict(item, bootstrap_room=-1)]},
-                {"items": [dict(item, bootstrap_port=0)]}, [item], {"items": "x"}):
+    for bad in ({"items": [dict(item, item_index=1)]}, {"items": [item, item]},
+                {"items": [dict(item, bootstrap_room=-1)]}, {"items": [dict(item, bootstrap_port=0)]},
+                [item], {"items": "x"}):
         with pytest.raises(BadRequest):
             encode_items({"encode_bootstrap_info": bad}, 1)
 
@@ -77,8 +79,9 @@ def test_chunked_prefill_over_an_image_equals_one_pass():
     """Segment.embeds puts each chunk's share of the image rows in place: the logits of the
     last token agree whether the prompt ran whole or in chunks that cut the image."""
     tok = ByteTokenizer()
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": png()}},
-                                         {"type": "text", "text": "ok?"}]}]
+    msgs = [{"role": "user", "content": [
+        {"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": png()}},
+        {"type": "text", "text": "ok?"}]}]
     ids, imgs = chat_inputs(tok, CFG, msgs)
     emb = ImageEncoder(CFG, 0, 0).embed(imgs[0])[0]
     pos = np.arange(imgs[0].offset, imgs[0].offset + 16)
