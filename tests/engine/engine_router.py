@@ -53,3 +53,29 @@ async def mooncake(c: httpx.AsyncClient, p, d, path: str, body: dict):
         "do_remote_decode": False, "do_remote_prefill": True, "transfer_id": tid,
         "remote_engine_id": engine_id, "remote_bootstrap_addr": f"http://127.0.0.1:{p.bootstrap_port}"})
     return await asyncio.gather(c.post(p.url + path, json=pb), c.post(d.url + path, json=db))
+
+
+def image_urls(body: dict) -> list[str]:
+    """The data URLs of a chat body's `image_url` parts, in prompt order."""
+    return [p["image_url"]["url"] for m in body.get("messages", []) if isinstance(m.get("content"), list)
+            for p in m["content"] if isinstance(p, dict) and p.get("type") == "image_url"]
+
+
+async def epd(c: httpx.AsyncClient, e, p, d, path: str, body: dict, rng: random.Random):
+    """E/P/D as SMG's EPD router runs it (docs/protocols.md, "EPD"): one room per image, one
+    encode call per image (TokenSpeed's one item per Encode), the prefill told where each
+    embedding waits (`encode_bootstrap_info`), and the encode calls sent together with the
+    bootstrap-style P and D legs. Text-only bodies skip the encode leg.
+    Returns (encode responses, P response, D response)."""
+    urls = image_urls(body)
+    rooms = [rng.randrange(2**63) for _ in urls]
+    b = bootstrap_body(body, p, rng.randrange(2**63))
+    if urls:
+        b["encode_bootstrap_info"] = {"items": [
+            {"item_index": i, "bootstrap_host": "127.0.0.1", "bootstrap_port": e.bootstrap_port,
+             "bootstrap_room": r} for i, r in enumerate(rooms)]}
+    encodes = [c.post(e.url + "/encode", json={"req_id": f"encode-{uuid.uuid4().hex}", "mm_items": [u],
+                                               "items": [{"bootstrap_room": r}]})
+               for u, r in zip(urls, rooms)]
+    *re, rp, rd = await asyncio.gather(*encodes, c.post(p.url + path, json=b), c.post(d.url + path, json=b))
+    return re, rp, rd

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from .http_common import SSE, error_response, fault_kill_point, first_error, read_json, wait_all, watch
 from .items import GenItem, bootstrap_fields, item_rid, kv_params
+from .multimodal import chat_inputs, encode_items, has_images
 from .outputs import finish_reason_openai, usage, visible_text
 from .sampling import BadRequest, params_from_dict
 from .sequence import EngineError, Seq
@@ -44,12 +45,15 @@ def _prompt_ids(tok, body: dict) -> list[list[int]]:
     raise BadRequest("prompt must be a string, a list of strings, or token ids", "prompt")
 
 
-def _items(body: dict, prompts: list[list[int]], sp: dict, rid_base: str, lp: tuple[bool, int]):
+def _items(body: dict, prompts: list[list[int]], sp: dict, rid_base: str, lp: tuple[bool, int],
+           images: list | None = None, enc: dict | None = None):
     n = body.get("n", 1)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
         raise BadRequest("n must be an integer in [1, 64]", "n")
     total = len(prompts) * n
     kvp = kv_params(body, total)
+    if enc and total != 1:  # one room is one delivery: it cannot feed several choices
+        raise BadRequest("encode_bootstrap_info supports n=1", "encode_bootstrap_info")
     items = []
     for i in range(total):
         pi, c = divmod(i, n)
@@ -58,7 +62,8 @@ def _items(body: dict, prompts: list[list[int]], sp: dict, rid_base: str, lp: tu
             d["seed"] += c
         items.append(GenItem(rid=_item_rid(body, rid_base, i, total), input_ids=list(prompts[pi]),
                              params=params_from_dict(d), return_logprob=lp[0], top_logprobs_num=lp[1], input_logprobs=False,
-                             kv_transfer_params=kvp, **bootstrap_fields(body, i, total)))
+                             kv_transfer_params=kvp, images=list(images or []), encode_items=enc,
+                             **bootstrap_fields(body, i, total)))
     return items, n
 
 
@@ -90,7 +95,13 @@ def _parse(engine, request, body: dict, chat: bool):
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
             raise BadRequest("messages must be a non-empty list of objects", "messages")
-        prompts = [tok.encode(chat_prompt(msgs))]
+        images: list = []
+        if has_images(msgs):
+            ids, images = chat_inputs(tok, engine.cfg, msgs)
+            prompts = [ids]
+        else:
+            prompts = [tok.encode(chat_prompt(msgs))]
+        enc = encode_items(body, len(images))
         top = body.get("top_logprobs") or 0
         if not isinstance(top, int) or not 0 <= top <= 20:
             raise BadRequest("top_logprobs must be an integer in [0, 20]", "top_logprobs")
@@ -106,6 +117,8 @@ def _parse(engine, request, body: dict, chat: bool):
         lp = (k is not None, k or 0)
         sp = _sampling(body, 16, False)
     prefix = "chatcmpl" if chat else "cmpl"
+    if chat:
+        return _items(body, prompts, sp, _rid_base(request, prefix), lp, images, enc)
     return _items(body, prompts, sp, _rid_base(request, prefix), lp)
 
 

@@ -99,6 +99,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='vLLM\'s KVEventsConfig as JSON, e.g. \'{"enable_kv_cache_events": true, '
                         '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", '
                         '"topic": "kv@pod@model"}\': publish the prefix cache\'s KV events over ZMQ')
+    p.add_argument("--encoder-only", action="store_true",
+                   help="SGLang's flag: an encode worker of a multimodal model (tiny-mm): serves "
+                        "POST /encode and ships the embeddings to prefills, generates nothing")
+    p.add_argument("--mm-embedding-cache-items", type=int, default=256,
+                   help="image embeddings kept by content hash, so a repeated image is encoded once "
+                        "(0: no cache)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--grpc-service", choices=["sglang", "vllm"], default=None,
                    help="serve gRPC on --port (SGLang's scheduler service or vLLM's engine service, "

@@ -13,6 +13,26 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """Shape of the small vision tower of a multimodal preset (`vision.py`).
+
+    An image is resized to `image_size` square RGB, cut into `patch_size` square patches, and
+    each patch becomes one embedding: (image_size // patch_size) ** 2 per image, always."""
+
+    image_size: int = 32
+    patch_size: int = 8
+    hidden_size: int = 32
+    num_layers: int = 2
+    num_heads: int = 2
+    intermediate_size: int = 64
+    rms_eps: float = 1e-5
+
+    @property
+    def tokens_per_image(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-style decoder."""
 
@@ -30,6 +50,10 @@ class ModelConfig:
     tie_embeddings: bool = False
     bos_id: int = 256
     eos_ids: tuple[int, ...] = (257,)
+    # Multimodal presets: the vision tower's shape and the placeholder token whose runs in a
+    # prompt are replaced by the tower's embeddings (never sampled).
+    vision: VisionConfig | None = None
+    image_token_id: int | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -62,6 +86,12 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny64": ModelConfig(
         name="tiny64", vocab_size=BYTE_VOCAB, hidden_size=128, num_layers=2, num_heads=2,
         num_kv_heads=1, head_dim=64, intermediate_size=256,
+    ),
+    # `tiny` plus a vision tower: token 258 is the image placeholder (16 per image).
+    "tiny-mm": ModelConfig(
+        name="tiny-mm", vocab_size=BYTE_VOCAB + 1, hidden_size=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, intermediate_size=128, vision=VisionConfig(),
+        image_token_id=BYTE_VOCAB,
     ),
     "small": ModelConfig(
         name="small", vocab_size=BYTE_VOCAB, hidden_size=512, num_layers=8, num_heads=8,

@@ -10,6 +10,7 @@ import time
 import uuid
 
 import aiohttp
+import numpy as np
 
 from .config import PRESETS
 from .engine_config import EngineConfig
@@ -18,6 +19,7 @@ from .items import FAKE_BOOTSTRAP_HOST, GenItem
 from .kv import KVPool, OutOfPages
 from .kv_events import KVEventPublisher
 from .model import Model
+from .multimodal import ImageEncoder
 from .pd import PDDriver
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
@@ -25,6 +27,7 @@ from .sequence import EngineError, Seq
 from .tokenizer import ByteTokenizer, HFTokenizer, load_hf_ids
 from .transfer.bootstrap import BootstrapServer
 from .transfer.context import Timeouts, TransferContext
+from .transfer.embed import EmbedSource, embed_receive
 from .transfer.pull import PullSource
 from .transfer.push import PushSource
 from .transfer.server import TransferServer
@@ -99,9 +102,22 @@ class Engine:
                                            progress_thread=self.mode != "prefill")
         self.push = PushSource(self.ctx)
         self.pull = PullSource(self.ctx)
-        self.tserver = TransferServer({"register": self.push.on_register, "pull": self.pull.on_pull,
-                                       "release": self.pull.on_release})
-        self.bootstrap = BootstrapServer(args.page_size) if self.mode == "prefill" else None
+        # Multimodal presets: the vision tower with its embedding cache; an encode worker
+        # (--encoder-only) offers embeddings to prefills by room (transfer/embed.py).
+        self.images = (ImageEncoder(cfg, args.seed, args.mm_embedding_cache_items)
+                       if cfg.vision is not None else None)
+        self.encoder_only = args.encoder_only
+        if self.encoder_only and self.images is None:
+            raise EngineConfigError(f"--encoder-only needs a multimodal model (tiny-mm), not {args.model!r}")
+        self.embeds = EmbedSource(self.ctx, self.images.counts, self.images.bytes) if self.images else None
+        handlers = {"register": self.push.on_register, "pull": self.pull.on_pull,
+                    "release": self.pull.on_release}
+        if self.embeds is not None:
+            handlers["embed_register"] = self.embeds.on_register
+        self.tserver = TransferServer(handlers)
+        # The data source runs the bootstrap server: a prefill for KV, an encode worker for embeddings.
+        self.bootstrap = (BootstrapServer(args.page_size)
+                          if self.mode == "prefill" or self.encoder_only else None)
         self.pd = PDDriver(self)
         self.live: dict[str, tuple[Seq, asyncio.Task]] = {}
         self.ready = False
@@ -120,7 +136,7 @@ class Engine:
         if self.bootstrap is not None:
             await self.bootstrap.start(self.config.host, self.config.disaggregation_bootstrap_port)
             host = self.config.advertise_host
-            self.bootstrap.ranks[(0, 0, 0)] = {"role": "Prefill", "rank_ip": host,
+            self.bootstrap.ranks[(0, 0, 0)] = {"role": "Encode" if self.encoder_only else "Prefill", "rank_ip": host,
                                                "rank_port": self.ctx.port}
             self.bootstrap.engines["0"] = {"engine_id": self.engine_id, "worker_addr": {
                 "host": host, "port": self.ctx.port, "transport": "tcp"}}
@@ -165,7 +181,7 @@ class Engine:
         then new ones. Requests for input logprobs skip the lookup (they need every
         position's logits), as vLLM skips it for prompt logprobs."""
         cache, hit, digests = self.pool.cache, [], []
-        if cache is not None and not seq.wants_input_logprobs:
+        if cache is not None and not seq.wants_input_logprobs and not seq.images:
             hit, digests = cache.match(seq.tokens[:seq.prompt_len], seq.prompt_len - 1)
             self.pool.share(hit)
         try:
@@ -201,8 +217,34 @@ class Engine:
         return self.pool.pages_for(min(seq.prompt_len + seq.params.max_new_tokens + 1,
                                        self.cfg.max_position))
 
+    async def prepare_images(self, seq: Seq) -> None:
+        """Before a sequence computes its prompt: its images' embeddings, received from the
+        encode workers `encode_bootstrap_info` names (not on a decode, which only computes when
+        it recomputes, and then on its own), else from the local tower and its cache."""
+        if not seq.images or seq.mm_rows is not None:
+            return
+        embeds: dict[int, object] = {}
+        wanted = seq.encode_items if self.mode != "decode" else None
+        if wanted:
+            shape = (self.images.tokens_per_image, self.cfg.hidden_size)
+
+            async def one(img):
+                it = wanted[img.index]
+                addr = await self.pd.route(it["bootstrap_host"], it["bootstrap_port"])
+                emb = await embed_receive(self.ctx, addr, it["bootstrap_room"], img.content_hash, shape)
+                self.images.counts["received"] += 1
+                self.images.bytes["received"] += emb.nbytes
+                embeds[img.index] = emb
+            await asyncio.gather(*(one(img) for img in seq.images if img.index in wanted))
+        for img in seq.images:
+            if img.index not in embeds:
+                embeds[img.index] = self.images.embed(img)[0]
+        pos = np.concatenate([np.arange(img.offset, img.offset + img.length) for img in seq.images])
+        seq.mm_rows = (pos, np.concatenate([embeds[img.index] for img in seq.images]))
+
     async def run_prefill(self, seq: Seq) -> None:
         """Compute a prefill-only sequence (prompt plus its first token); keep its pages."""
+        await self.prepare_images(seq)
         await self.acquire(seq, self.pool.pages_for(seq.prompt_len), self.config.queue_timeout)
         self.scheduler.add(seq)
         try:
@@ -214,11 +256,15 @@ class Engine:
             raise seq.error
 
     async def start_local(self, seq: Seq) -> None:
+        await self.prepare_images(seq)
         await self.acquire(seq, self.pages_for_generation(seq), self.config.queue_timeout)
         self.scheduler.add(seq)
 
     # ---- requests ----------------------------------------------------------------------
     def submit(self, item: GenItem) -> Seq:
+        if self.encoder_only:
+            raise EngineError("this is an encode worker (--encoder-only): it serves POST /encode, "
+                              "not generation", 400, "encoder_only")
         if len(item.input_ids) == 0:
             raise EngineError("the prompt is empty", 400, "empty_prompt")
         if len(item.input_ids) >= self.cfg.max_position:
@@ -231,6 +277,7 @@ class Engine:
         seq = Seq(item.rid, item.input_ids, item.params, return_logprob=item.return_logprob,
                   top_logprobs_num=item.top_logprobs_num, prefill_only=prefill_only,
                   input_logprobs=item.input_logprobs)
+        seq.images, seq.encode_items = item.images, item.encode_items
         task = asyncio.create_task(self._drive(item, seq))
         self.live[seq.rid] = (seq, task)
         seq.done.add_done_callback(lambda _f: self._done(seq))

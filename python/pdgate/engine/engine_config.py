@@ -59,6 +59,8 @@ class EngineConfig:
     vllm_endpoints_only: bool = False
     enable_prefix_caching: bool = True
     kv_events_config: Any = None                     # vLLM's KVEventsConfig JSON, dict or parsed
+    encoder_only: bool = False                       # SGLang's --encoder-only: an EPD encode worker
+    mm_embedding_cache_items: int = 256
     log_level: str = "info"
     grpc_service: Optional[str] = None
 
@@ -85,6 +87,10 @@ class EngineConfig:
         if not advertise:
             wildcard = self.host in ("0.0.0.0", "::", "")
             advertise = socket.gethostbyname(socket.gethostname()) if wildcard else self.host
+        if self.encoder_only and mode != "null":
+            raise EngineConfigError("--encoder-only is a role of its own: no --disaggregation-mode / kv_role")
+        if self.mm_embedding_cache_items < 0:
+            raise EngineConfigError("--mm-embedding-cache-items must be >= 0")
         if self.page_size < 1 or self.max_total_tokens < self.page_size:
             raise EngineConfigError("--page-size must be >= 1 and --max-total-tokens >= --page-size")
         return self.replace(kv_transfer_config=kv, kv_events_config=events, disaggregation_mode=mode,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .sampling import BadRequest, SamplingParams
 
@@ -21,6 +21,8 @@ class GenItem:
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     kv_transfer_params: dict | None = None
+    images: list = field(default_factory=list)   # multimodal.ImageItem, in prompt order
+    encode_items: dict | None = None             # EPD: item index -> encode_bootstrap_info item
 
     @property
     def has_bootstrap(self) -> bool:

@@ -54,6 +54,20 @@ class EngineCollector:
         for (proto, role, result), n in sorted(st.results.items()):
             t.add_metric([proto, role, result], n)
         yield t
+        if e.images is not None:
+            m = CounterMetricFamily(P + "mm_embeddings", "Image embeddings by source: computed (the "
+                                    "tower ran here), cached (embedding cache hit), received (from an "
+                                    "encode worker), sent (to a prefill)", labels=["source"])
+            for source, n in e.images.counts.items():
+                m.add_metric([source], n)
+            yield m
+            mb = CounterMetricFamily(P + "mm_embedding_bytes", "Image embedding bytes moved",
+                                     labels=["direction"])
+            for direction, n in e.images.bytes.items():
+                mb.add_metric([direction], n)
+            yield mb
+            yield GaugeMetricFamily(P + "mm_embedding_cache_items", "Embeddings in the cache",
+                                    value=len(e.images.cache))
         yield from flavor_metrics(e, pool)
 
 

@@ -25,6 +25,7 @@ class Segment:
     start: int             # position of tokens[0]
     tokens: list[int]
     all_logits: bool = False  # logits for every row (input logprobs), else only the last
+    embeds: tuple | None = None  # (offsets into tokens, rows): image embeddings replacing those tokens'
 
 
 class Model:
@@ -43,7 +44,13 @@ class Model:
         toks = np.concatenate([np.asarray(s.tokens, dtype=np.int64) for s in segs])
         pos = np.concatenate([np.arange(s.start, s.start + len(s.tokens)) for s in segs])
         page_idx, slot = self._slots(pool, segs, pos)
-        x = w["embed"][toks]
+        x = w["embed"][toks]  # a copy: image rows may overwrite placeholder rows
+        off = 0
+        for s in segs:
+            if s.embeds is not None:
+                rel, rows = s.embeds
+                x[off + rel] = rows
+            off += len(s.tokens)
         for layer in range(cfg.num_layers):
             x = x + self._attention(pool, layer, segs, x, pos, page_idx, slot)
             x = x + self._mlp(layer, x)
@@ -52,7 +59,10 @@ class Model:
         for s in segs:
             n = len(s.tokens)
             rows = x[off:off + n] if s.all_logits else x[off + n - 1:off + n]
-            out.append(rows @ w["lm_head"])
+            logits = rows @ w["lm_head"]
+            if cfg.image_token_id is not None:  # a placeholder is never sampled
+                logits[:, cfg.image_token_id] = np.float32(-1e9)
+            out.append(logits)
             off += n
         return out
 

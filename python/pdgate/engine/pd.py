@@ -151,10 +151,15 @@ class PDDriver:
 
     async def _route(self, item: GenItem) -> tuple[str, int]:
         """SGLang: find the prefill rank's side channel through its bootstrap server."""
-        port = item.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
-        base = f"http://{item.bootstrap_host}:{port}/route"
+        return await self.route(item.bootstrap_host, item.bootstrap_port)
+
+    async def route(self, host: str, port: int | None) -> tuple[str, int]:
+        """The side channel of the data source (a prefill, or an EPD encode worker) whose
+        bootstrap server is at host:port."""
+        port = port or DEFAULT_BOOTSTRAP_PORT
+        base = f"http://{host}:{port}/route"
         params = {"engine_rank": "0", "target_dp_group": "0", "target_pp_rank": "0"}
-        info = await self._get_json(base, params, f"bootstrap server {item.bootstrap_host}:{port}")
+        info = await self._get_json(base, params, f"bootstrap server {host}:{port}")
         return info["rank_ip"], int(info["rank_port"])
 
     async def _query(self, p: dict) -> tuple[str, int]:

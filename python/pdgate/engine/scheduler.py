@@ -113,7 +113,8 @@ class Scheduler:
             n = min(len(seq.tokens) - seq.computed, budget)
             budget -= n
             plan.append((seq, Segment(seq.pages, seq.computed, seq.tokens[seq.computed:seq.computed + n],
-                                      all_logits=seq.wants_input_logprobs and seq.computed < seq.prompt_len)))
+                                      all_logits=seq.wants_input_logprobs and seq.computed < seq.prompt_len,
+                                      embeds=seq.mm_slice(seq.computed, n))))
             if seq.computed + n == len(seq.tokens):
                 moved.append(seq)
         return plan
@@ -185,7 +186,7 @@ class Scheduler:
         if n > seq.committed:
             self.pool.commit(seq.pages[seq.committed:n])
             seq.committed = n
-        if self.pool.cache is not None:
+        if self.pool.cache is not None and not seq.images:  # the cache names pages by token ids only
             self.pool.cache.fill(seq.tokens, seq.pages, seq.block_digests, seq.computed)
 
     def _finish(self, seq: Seq) -> None:

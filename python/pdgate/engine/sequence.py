@@ -48,12 +48,25 @@ class Seq:
         self.aborted = False
         self.kv_transfer_params: dict | None = None
         self.meta_extra: dict = {}
+        # Multimodal: the prompt's images (multimodal.ImageItem) and, once a worker that computes
+        # the prompt has them, their embeddings as (prompt positions, rows).
+        self.images: list = []
+        self.encode_items: dict | None = None
+        self.mm_rows: tuple | None = None
         self.created = time.monotonic()
         self.changed = asyncio.Event()
         self.done = asyncio.get_running_loop().create_future()
         # prefill-only sequences: set when the first token is sampled; the PD code finishes the
         # sequence itself, after the KV has moved
         self.prefilled = asyncio.get_running_loop().create_future()
+
+    def mm_slice(self, start: int, n: int):
+        """The image embeddings of prompt positions [start, start+n): (offsets in the run, rows)."""
+        if self.mm_rows is None:
+            return None
+        pos, rows = self.mm_rows
+        sel = (pos >= start) & (pos < start + n)
+        return (pos[sel] - start, rows[sel]) if sel.any() else None
 
     @property
     def finished(self) -> bool:

@@ -11,9 +11,10 @@ import logging
 import signal
 import time
 
+import numpy as np
 from aiohttp import web
 
-from . import api_native, api_openai, metrics
+from . import api_encode, api_native, api_openai, metrics
 from .engine import Engine
 from .engine_config import EngineConfig
 from .errors import EngineStartError
@@ -48,6 +49,8 @@ def engine_app(engine: Engine) -> web.Application:
     r.add_get("/debug/kv_transfers", debug_transfers)
     r.add_route("*", "/flush_cache", flush_cache)
     r.add_post("/reset_prefix_cache", flush_cache)
+    if engine.encoder_only:
+        r.add_post("/encode", api_encode.encode)
     return app
 
 
@@ -87,6 +90,10 @@ async def health_generate(request: web.Request) -> web.Response:
     e: Engine = request.app["engine"]
     if not e.ready:
         return web.json_response(error_body("starting", "server_error", 503), status=503)
+    if e.encoder_only:  # an encode worker's check is one real encode (SGLang's encoder /health encodes)
+        e.images.tower.forward(np.zeros((3, e.images.tower.vc.image_size, e.images.tower.vc.image_size),
+                                        dtype=np.float32))
+        return web.Response(text="")
     item = GenItem(rid=f"health-{time.monotonic_ns()}", input_ids=e.tokenizer.encode("hi"),
                    params=params_from_dict({"max_new_tokens": 1, "temperature": 0}))
     seq = e.submit(item)
@@ -112,6 +119,7 @@ def info_dict(e: Engine) -> dict:
         "chunked_prefill_size": a.chunked_prefill_size, "tp_size": 1, "dp_size": 1, "pp_size": 1,
         "context_length": e.cfg.max_position, "kv_side_channel_port": e.ctx.port,
         "kv_layout": e.ctx.layout, "engine": "pdgate-reference", "version": "0.1.0",
+        "encoder_only": e.encoder_only, "is_multimodal": e.images is not None,
         "disable_radix_cache": not a.enable_prefix_caching, "kv_events_config": config_dict(a.kv_events_config),
     })
     return d
@@ -127,7 +135,7 @@ async def model_info(request: web.Request) -> web.Response:
     return web.json_response({
         "model_path": e.config.model, "tokenizer_path": e.config.model, "is_generation": True,
         "preferred_sampling_params": None, "weight_version": e.ctx.layout["fingerprint"],
-        "has_image_understanding": False, "has_audio_understanding": False,
+        "has_image_understanding": e.images is not None, "has_audio_understanding": False,
         "model_type": "llama", "architectures": ["LlamaForCausalLM"],
         "num_parameters": c.num_params(), "num_layers": c.num_layers, "hidden_size": c.hidden_size,
         "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
@@ -151,6 +159,8 @@ def loads_dict(e: Engine) -> dict:
         "token_usage": round(used_pages / pool["total"], 6),
         "kv_pages": pool,
         "prefix_cache": e.prefix_cache_stats(),
+        "multimodal": (dict(e.images.stats(), embeddings_waiting_for_prefill=e.embeds.pending)
+                       if e.images is not None else None),
         "disaggregation": {
             "mode": e.mode, "transfer_backend": e.config.disaggregation_transfer_backend,
             "kv_connector": (e.kv_transfer_config or {}).get("kv_connector"),

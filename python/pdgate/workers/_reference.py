@@ -74,7 +74,8 @@ def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
 class ReferenceWorker:
     """A reference engine worker process.
 
-    mode: "prefill" | "decode" | "null". kv_connector: None for SGLang bootstrap style, or
+    mode: "prefill" | "decode" | "null" | "encode" (an EPD encode worker: `--encoder-only`, needs
+    a multimodal model such as `tiny-mm`; like a prefill it runs a bootstrap server). kv_connector: None for SGLang bootstrap style, or
     "NixlConnector" / "MooncakeConnector" for vLLM style (`--kv-transfer-config`).
     port / bootstrap_port: None picks free ports (bootstrap only for prefill workers).
     grpc_service: "sglang" / "vllm" serves that gRPC service on `port` (`grpc_url`) and the HTTP
@@ -86,8 +87,8 @@ class ReferenceWorker:
                  kv_connector: str | None = None, extra_args: Sequence[str] = (),
                  env: Mapping[str, str] | None = None, log_path: str | None = None,
                  host: str = "127.0.0.1", grpc_service: str | None = None):
-        if mode not in ("prefill", "decode", "null"):
-            raise ValueError(f"mode must be prefill, decode or null, not {mode!r}")
+        if mode not in ("prefill", "decode", "null", "encode"):
+            raise ValueError(f"mode must be prefill, decode, null or encode, not {mode!r}")
         if kv_connector is not None and kv_connector not in _CONNECTORS:
             raise ValueError(f"kv_connector must be None or one of {_CONNECTORS}")
         if grpc_service not in (None, "sglang", "vllm"):
@@ -95,7 +96,7 @@ class ReferenceWorker:
         self.mode, self.model, self.host, self.grpc_service = mode, model, host, grpc_service
         self._auto_port, self._auto_bootstrap = port is None, bootstrap_port is None
         self.port = port or free_port(host, span=2 if grpc_service else 1)
-        self.bootstrap_port = (bootstrap_port or free_port(host)) if mode == "prefill" else bootstrap_port
+        self.bootstrap_port = (bootstrap_port or free_port(host)) if mode in ("prefill", "encode") else bootstrap_port
         self.transfer_backend = transfer_backend
         self.kv_connector = kv_connector
         self.extra_args = list(extra_args)
@@ -118,10 +119,13 @@ class ReferenceWorker:
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "pdgate.engine", "--model", self.model, "--host", self.host,
-               "--port", str(self.port), "--disaggregation-mode", self.mode,
+               "--port", str(self.port),
+               "--disaggregation-mode", "null" if self.mode == "encode" else self.mode,
                "--disaggregation-transfer-backend", self.transfer_backend]
         if self.bootstrap_port is not None:
             cmd += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+        if self.mode == "encode":
+            cmd += ["--encoder-only"]
         if self.kv_connector is not None:
             role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(self.mode, "kv_both")
             cmd += ["--kv-transfer-config",
@@ -149,10 +153,10 @@ class ReferenceWorker:
             else:
                 self._fail(f"worker not healthy within {timeout:g}s")
             if attempt < 2 and "address already in use" in self.log_tail().lower() and (
-                    self._auto_port or (self.mode == "prefill" and self._auto_bootstrap)):
+                    self._auto_port or (self.mode in ("prefill", "encode") and self._auto_bootstrap)):
                 self.proc = None
                 self.port = free_port(self.host, span=2 if self.grpc_service else 1) if self._auto_port else self.port
-                if self.mode == "prefill" and self._auto_bootstrap:
+                if self.mode in ("prefill", "encode") and self._auto_bootstrap:
                     self.bootstrap_port = free_port(self.host)
                 continue
             self._fail(f"worker exited with code {self.proc.returncode}")

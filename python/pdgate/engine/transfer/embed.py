@@ -1,0 +1,131 @@
+"""EPD: image embeddings from an encode worker to a prefill over the TCP side channel.
+
+The rendezvous is TokenSpeed's (docs/protocols.md, "EPD"): the gateway mints a room per image
+and gives it to both the encode worker (`POST /encode`, `items[].bootstrap_room`) and the prefill
+(`encode_bootstrap_info.items[]`, with the encode worker's bootstrap host and port). The encode
+worker is the data source: it runs the bootstrap server, and the prefill finds its side channel
+there, connects, and registers for the room. Either may come first:
+
+    prefill -> encode   {"op": "embed_register", "room", "content_hash", "shape"}
+    encode  -> prefill  {"op": "embed", "room", "content_hash", "shape", "dtype": "float32"} + rows
+                        (or {"op": "error", "message"})
+    prefill -> encode   {"op": "ack", "room"}
+
+The prefill checks room, hash, shape and size before it uses a byte. An embedding nobody
+registers for within the bootstrap timeout is dropped, as is a registration no encode answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+
+from ..sequence import EngineError
+from . import wire
+from .context import TransferContext, with_timeout
+
+log = logging.getLogger("pdgate.engine.transfer")
+
+
+class EmbedSource:
+    """Encode side: embeddings offered by room, waiting for the prefill that registers for it."""
+
+    def __init__(self, ctx: TransferContext, counts: dict, nbytes: dict):
+        self.ctx, self.counts, self.nbytes = ctx, counts, nbytes
+        self.slots: dict[int, asyncio.Future] = {}
+        self.claimed: set[int] = set()
+        self._expiry: dict[int, asyncio.TimerHandle] = {}
+
+    def _slot(self, room: int) -> asyncio.Future:
+        return self.slots.setdefault(room, asyncio.get_running_loop().create_future())
+
+    def check_free(self, room: int) -> None:
+        fut = self.slots.get(room)
+        if fut is not None and fut.done():
+            raise EngineError(f"bootstrap_room {room} already holds an embedding", 400, "duplicate_bootstrap_room")
+
+    def offer(self, room: int, content_hash: str, emb: np.ndarray) -> None:
+        self.check_free(room)
+        fut = self._slot(room)
+        fut.set_result((content_hash, np.ascontiguousarray(emb, dtype=np.float32)))
+        if room not in self.claimed:
+            loop = asyncio.get_running_loop()
+            self._expiry[room] = loop.call_later(self.ctx.timeouts.bootstrap, self._expire, room, fut)
+
+    def _expire(self, room: int, fut: asyncio.Future) -> None:
+        self._expiry.pop(room, None)
+        if self.slots.get(room) is fut and room not in self.claimed:
+            log.info("embedding for room %d expired: no prefill registered", room)
+            del self.slots[room]
+
+    def _drop(self, room: int, fut: asyncio.Future) -> None:
+        self.claimed.discard(room)
+        t = self._expiry.pop(room, None)
+        if t is not None:
+            t.cancel()
+        if self.slots.get(room) is fut:
+            del self.slots[room]
+
+    @property
+    def pending(self) -> int:
+        return len(self.slots)
+
+    async def on_register(self, hdr: dict, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter) -> None:
+        room = hdr.get("room")
+        if not isinstance(room, int) or room in self.claimed:
+            await wire.send(writer, {"op": "error", "message": f"bad or duplicate registration for room {room!r}"})
+            return
+        fut = self._slot(room)
+        self.claimed.add(room)
+        try:
+            try:
+                content_hash, emb = await asyncio.wait_for(asyncio.shield(fut), self.ctx.timeouts.bootstrap)
+            except asyncio.TimeoutError:
+                await wire.send(writer, {"op": "error", "message": f"no embedding for room {room} within "
+                                         f"{self.ctx.timeouts.bootstrap:g}s"})
+                return
+            want = hdr.get("content_hash")
+            if want is not None and want != content_hash:
+                await wire.send(writer, {"op": "error", "message": f"room {room} holds image {content_hash}, "
+                                         f"not {want}"})
+                return
+            await wire.send(writer, {"op": "embed", "room": room, "content_hash": content_hash,
+                                     "shape": list(emb.shape), "dtype": "float32"}, emb.tobytes())
+            ack, _ = await asyncio.wait_for(wire.recv(reader, 0), self.ctx.timeouts.transfer)
+            if ack.get("op") == "ack" and ack.get("room") == room:
+                self.counts["sent"] += 1
+                self.nbytes["sent"] += emb.nbytes
+        finally:
+            self._drop(room, fut)
+
+
+async def embed_receive(ctx: TransferContext, addr: tuple[str, int], room: int, content_hash: str,
+                        shape: tuple[int, int]) -> np.ndarray:
+    """Prefill side: register for `room` at the encode worker's side channel, read and check the
+    rows, ack. Bounded by the bootstrap timeout (the encode may still be running)."""
+    async def attempt() -> np.ndarray:
+        writer = None
+        try:
+            reader, writer = await asyncio.open_connection(*addr)
+            await wire.send(writer, {"op": "embed_register", "room": room, "content_hash": content_hash,
+                                     "shape": list(shape), "engine_id": ctx.engine_id})
+            hdr, payload = await wire.recv(reader, shape[0] * shape[1] * 4)
+            if hdr.get("op") == "error":
+                raise EngineError(f"encode worker: {hdr.get('message')}", 500, "embedding_transfer_failed")
+            if (hdr.get("op"), hdr.get("room"), hdr.get("content_hash"), hdr.get("dtype")) != \
+                    ("embed", room, content_hash, "float32") or tuple(hdr.get("shape") or ()) != tuple(shape) \
+                    or len(payload) != shape[0] * shape[1] * 4:
+                raise EngineError(f"encode worker sent a mismatched embedding for room {room}: {hdr}",
+                                  500, "embedding_transfer_failed")
+            emb = np.frombuffer(payload, dtype=np.float32).reshape(shape).copy()
+            await wire.send(writer, {"op": "ack", "room": room})
+            return emb
+        except (wire.WireError, ConnectionError, OSError) as e:
+            raise EngineError(f"embedding transfer for room {room} failed: {e}", 500,
+                              "embedding_transfer_failed") from None
+        finally:
+            await wire.close(writer)
+    return await with_timeout(attempt(), ctx.timeouts.bootstrap, f"receiving the embedding of room {room}")
