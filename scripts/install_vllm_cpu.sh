@@ -64,6 +64,8 @@ PYEOF
 pip_in -c "$constraints" -r "$reqs"
 # NIXL with its UCX backend (loads without a GPU); the gRPC servicer serves the SMG contract.
 pip_in -c "$constraints" "nixl==${NIXL_VERSION}" "smg-grpc-servicer[vllm]"
+# `vllm bench serve` reads a JSONL dataset with pandas (part of vllm[bench]): bench/real_vllm.
+pip_in -c "$constraints" pandas
 # torch's CUDA wheel brings Triton (and the gRPC servicer's tokenspeed kernels their own build of
 # it): GPU compilers with no use on CPU, removed so vLLM takes its CPU kernels' path as on the
 # +cpu build it was made for.

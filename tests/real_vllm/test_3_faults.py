@@ -6,7 +6,10 @@ Each test revives what it killed, so the fleet is whole for the next."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -73,5 +76,46 @@ def test_a_killed_prefill_is_retried_on_the_other_and_nothing_hangs(fleet):
             assert r.json()["choices"][0]["text"] == expected["choices"][0]["text"]
         assert time.monotonic() - started < 4 * 150
         wait_until(lambda: all(_idle(w) for w in fleet.all() if w is not victim), 20, "the live workers idle again")
+    finally:
+        fleet.revive(victim)
+
+
+def test_a_nixl_prefill_whose_decode_died_before_pulling_frees_its_blocks(fleet):
+    """A decode that dies between its prefill's answer and its pull: the request is sent again
+    on a new pair (nothing reached the client), and the first prefill, whose blocks no decode
+    will read, frees them when vLLM's NIXL lease runs out (`kv_lease_duration` in the connector's
+    extra config, 30 s by default, renewed by the decode's heartbeats: vllm/distributed/
+    kv_transfer/kv_connector/v1/nixl/base_scheduler.py). No call of a gateway frees them sooner;
+    the gateway's part is not to hang and not to leave the client without its answer."""
+    victim = fleet.decodes[0]
+    body = {"model": MODEL, "prompt": "orphaned blocks", "max_tokens": 8, "temperature": 0}
+    expected = httpx.post(fleet.colocated.url + "/v1/completions", json=body, timeout=300).json()["choices"][0]["text"]
+    wait_until(lambda: all(metric(p, "vllm:kv_cache_usage_perc") == 0 for p in fleet.prefills), 60, "the prefills hold no blocks")
+
+    def orphaned():
+        return next((p for p in fleet.prefills if metric(p, "vllm:kv_cache_usage_perc") > 0
+                     and metric(p, "vllm:num_requests_running") == 0), None)
+
+    # Its API server stopped: it takes the request into its socket's backlog and does nothing
+    # with it, so it neither pulls nor sends a heartbeat until it is killed.
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as ex:
+            for _ in range(2):  # round robin: one of two requests lands on the stopped decode
+                answer = ex.submit(httpx.post, fleet.url + "/v1/completions", json=body, timeout=300)
+                wait_until(lambda: answer.done() or orphaned() is not None, 120, "the answer or a held prefill")
+                if not answer.done():
+                    break
+                assert answer.result().status_code == 200
+            else:
+                raise AssertionError("no request went to the stopped decode")
+            held = orphaned()
+            assert held is not None
+            victim.kill()  # SIGKILL reaches a stopped process
+            r = answer.result()
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected
+        assert _route_part(r.headers["x-pdgate-route"], "decode") == fleet.decodes[1].url
+        wait_until(lambda: metric(held, "vllm:kv_cache_usage_perc") == 0, 30 + 60, "the orphaned blocks freed by the lease")
     finally:
         fleet.revive(victim)
