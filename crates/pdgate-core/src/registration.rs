@@ -87,7 +87,10 @@ impl WorkerRegistration {
         let role = self.role(pd)?;
         let mut spec = WorkerSpec::new(&self.url, role).map_err(|m| bad("url", m))?;
         if role == WorkerRole::Encode && spec.is_grpc() {
-            return Err(bad("url", format!("encode worker {}: gRPC encode workers (TokenSpeedEncoder.Encode) are not built yet; give an http:// encode worker that serves POST /encode", spec.url)));
+            return Err(bad(
+                "url",
+                format!("encode worker {}: gRPC encode workers (TokenSpeedEncoder.Encode) are not built yet; give an http:// encode worker that serves POST /encode", spec.url),
+            ));
         }
         if role == WorkerRole::Encode {
             if let Some(param) = [("kv_connector", self.kv_connector.is_some()), ("kv_events", self.kv_events.is_some())].into_iter().find_map(|(p, given)| given.then_some(p)) {

@@ -22,10 +22,9 @@ impl std::fmt::Display for ImageUrlError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             ImageUrlError::NotAString { index } => write!(f, "image {index}: image_url.url must be a non-empty string"),
-            ImageUrlError::Remote { index } => write!(
-                f,
-                "image {index}: only data: URLs are accepted for images (data:image/png;base64,...); the gateway does not fetch remote images"
-            ),
+            ImageUrlError::Remote { index } => {
+                write!(f, "image {index}: only data: URLs are accepted for images (data:image/png;base64,...); the gateway does not fetch remote images")
+            }
             ImageUrlError::NotBase64Image { index } => write!(f, "image {index}: an image data URL must be data:image/...;base64,..."),
         }
     }

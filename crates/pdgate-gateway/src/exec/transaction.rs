@@ -28,9 +28,9 @@ use serde_json::{Map, Value};
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use super::encode::{self, Encodes};
 use super::accounting::{ask_for_usage_in, placement_of, Account, Ending, Usage, UsageAsk, Who};
 use super::commit::{relay_leg, Committed, RelayPlan, Watched};
+use super::encode::{self, Encodes};
 use super::placement;
 use super::relay::{Finish, PrefillLeg};
 use super::resume::{Continuing, Resumer};
