@@ -75,6 +75,12 @@ def mm(w: ReferenceWorker) -> dict[str, int]:
     return loads(w)["multimodal"]["embeddings"]
 
 
+def encode_field(route: str) -> list[str]:
+    """The encode workers of a decision record (`...; encode=URL,URL; images=N; ...`)."""
+    fields = dict(f.split("=", 1) for f in route.split("; ") if "=" in f)
+    return fields["encode"].split(",") if "encode" in fields else []
+
+
 def start(workers: list[ReferenceWorker]) -> None:
     with ThreadPoolExecutor(len(workers)) as pool:
         list(pool.map(lambda w: w.start(timeout=90), workers))
@@ -106,9 +112,10 @@ class Epd:
         return pdgate.Gateway(**options)
 
     def encoder_of(self, route: str) -> ReferenceWorker:
-        named = [e for e in self.encoders if f"encode={e.url}" in route or f",{e.url}" in route]
+        """The one encode worker an `x-pdgate-route` header names."""
+        named = encode_field(route)
         assert len(named) == 1, route
-        return named[0]
+        return next(e for e in self.encoders if e.url == named[0])
 
     def clean(self) -> None:
         wait_idle([self.prefill, self.decode], IDLE_WITHIN_S)
@@ -160,7 +167,8 @@ def test_epd_equals_colocated_through_the_gateway(epd: tuple[Epd, pdgate.Gateway
         assert usage["prompt_tokens"] == want["usage"]["prompt_tokens"]
         assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"]  # the KV moved
         route = r.headers["x-pdgate-route"]
-        assert f"images={n}" in route and "encode=http://127.0.0.1:" in route, route
+        assert f"images={n}" in route and encode_field(route), route
+        assert set(encode_field(route)) <= {e.url for e in fleet.encoders}
         assert f"prefill={fleet.prefill.url}" in route and f"decode={fleet.decode.url}" in route
     after = {w.url: mm(w) for w in (fleet.prefill, fleet.decode)}
     p0, p1 = before[fleet.prefill.url], after[fleet.prefill.url]
@@ -203,7 +211,7 @@ def test_a_repeated_image_goes_to_the_same_encode_worker(epd: tuple[Epd, pdgate.
     assert mm(first)["cached"] >= 1
     # different images spread over both encode workers
     used = set()
-    for seed in range(100, 112):
+    for seed in range(100, 120):
         r = httpx.post(gw.url + "/v1/chat/completions", json=chat("x", f"img:{data_url(noise_image(seed, (8, 8)))}",
                                                                   max_tokens=2), timeout=60)
         assert r.status_code == 200, r.text
@@ -255,7 +263,7 @@ def test_an_encode_worker_that_is_down_fails_within_the_deadline(epd: tuple[Epd,
         err = r.json()["error"]
         assert err["code"] == "encode_unavailable" and "encode" in err["message"], err
         route = r.headers["x-pdgate-route"]
-        assert f"encode={down}" in route and "attempts=2" in route, route
+        assert encode_field(route) == [down] and "attempts=2" in route, route
         # a text-only request still works: it needs no encode worker
         ok = httpx.post(gw.url + "/v1/chat/completions", json=chat("just text", max_tokens=3), timeout=40)
         assert ok.status_code == 200, ok.text
