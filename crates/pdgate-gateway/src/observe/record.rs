@@ -18,7 +18,7 @@ const MAX_VALUE: usize = 200;
 const MAX_POLICY: usize = 120;
 /// Upper bound of the whole header value: three values, a policy and the fixed parts.
 #[cfg(test)]
-const MAX_HEADER_LEN: usize = 4 * MAX_VALUE + MAX_ENCODE + MAX_POLICY + 260;
+const MAX_HEADER_LEN: usize = 4 * MAX_VALUE + MAX_ENCODE + MAX_POLICY + 300;
 /// Longest list of encode workers shown in the header (EPD).
 const MAX_ENCODE: usize = 2 * MAX_VALUE;
 
