@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib.metadata as _metadata
 
 from pdgate._async_gateway import AsyncGateway
-from pdgate._options import DecodeWorker, GatewayOptions, PrefillWorker
+from pdgate._options import DecodeWorker, EncodeWorker, GatewayOptions, PrefillWorker
 from pdgate.errors import (
     CommandLineError,
     ConfigError,
@@ -46,6 +46,7 @@ __all__ = [
     "CommandLineError",
     "ConfigError",
     "DecodeWorker",
+    "EncodeWorker",
     "Gateway",
     "GatewayError",
     "GatewayOptions",

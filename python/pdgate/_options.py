@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal, TypedDict
 
-__all__ = ["DecodeWorker", "GatewayOptions", "PrefillWorker"]
+__all__ = ["DecodeWorker", "EncodeWorker", "GatewayOptions", "PrefillWorker"]
 
 
 class _PrefillWorkerRequired(TypedDict):
@@ -33,6 +33,16 @@ class DecodeWorker(_DecodeWorkerRequired, total=False):
     kv_connector: Literal["bootstrap", "nixl", "mooncake"] | None
 
 
+class _EncodeWorkerRequired(TypedDict):
+    url: str
+
+
+class EncodeWorker(_EncodeWorkerRequired, total=False):
+    """One ``EncodeWorker`` entry in its object form; ``url`` is required."""
+
+    bootstrap_port: int | None
+
+
 class GatewayOptions(TypedDict, total=False):
     """Keyword options of ``pdgate.Gateway`` and ``pdgate.AsyncGateway``, all optional: each
     is the ``pdgate launch`` flag of the same name with ``-`` written as ``_``."""
@@ -49,6 +59,12 @@ class GatewayOptions(TypedDict, total=False):
     """--prefill: A prefill worker, optionally its bootstrap port (`none` for the engine default), then any of `kv_connector=NAME` (overrides the global connector), `kv_engine_id=ID` (a Mooncake prefill's engine id), `kv_events=tcp://HOST:PORT` and `kv_events_replay=tcp://HOST:PORT` (the engine's KV event publisher and replay socket) and `label=KEY=VALUE` (repeatable). Repeat for more workers."""
     decode: list[str | list[str] | tuple[str, ...] | DecodeWorker] | tuple[str | list[str] | tuple[str, ...] | DecodeWorker, ...]
     """--decode: A decode worker, optionally followed by `kv_connector=NAME`, `kv_events=tcp://HOST:PORT`, `kv_events_replay=tcp://HOST:PORT` and `label=KEY=VALUE` (repeatable). Repeat for more workers."""
+    epd_disaggregation: bool
+    """--epd-disaggregation: Encode/prefill/decode mode (SMG's spelling): PD mode with the bootstrap connector, plus encode workers (--encode) that run the vision encoder for a chat request's images and ship the embeddings to the prefill. Text-only requests run as plain PD."""
+    encode: list[str | list[str | int | None] | tuple[str | int | None, ...] | EncodeWorker] | tuple[str | list[str | int | None] | tuple[str | int | None, ...] | EncodeWorker, ...]
+    """--encode: An encode worker (EPD, http:// serving `POST /encode`) and its bootstrap port (`none` for the engine default), then any `label=KEY=VALUE`. Repeat for more workers. gRPC encode workers are not built yet."""
+    encode_policy: Literal["random", "round_robin", "consistent_hashing"]
+    """--encode-policy: EPD: which encode worker gets each image: random, round_robin, or consistent_hashing (by the image's content hash, SHA-256 of its bytes, so a repeated image goes to the same encode worker). Default: "consistent_hashing"."""
     kv_connector: Literal["bootstrap", "nixl", "mooncake"]
     """--kv-connector: How KV moves between prefill and decode: SGLang bootstrap rendezvous, vLLM NIXL (pull) or vLLM Mooncake (push). Workers registered with their own connector override this. Default: "bootstrap"."""
     policy: Literal["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash", "least_tokens", "most_free_kv"]

@@ -5,8 +5,8 @@ The invariant is the PD one with images: greedy output of an image + text prompt
 encode -> prefill -> decode equals the same request on one colocated multimodal worker, token for
 token, while the prefill's counters show the embeddings received and none computed, the decode
 reports the whole prompt cached, and the encode worker ran its tower once per distinct image.
-The legs are driven the way SMG's EPD router drives them (`engine_router.epd`); the gateway side
-of EPD is not built yet.
+The legs are driven the way SMG's EPD router drives them (`engine_router.epd`); the same
+through pdgate's gateway is tests/gateway/test_epd_gateway.py.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 CONTEXT = {
     "prefill": ["--pd-disaggregation"],
     "decode": ["--pd-disaggregation"],
+    "encode": ["--epd-disaggregation"],
     "service_discovery": ["--selector", "app=llm"],
     "selector": ["--service-discovery"],
     "prefill_selector": ["--service-discovery", "--pd-disaggregation", "--decode-selector", "role=decode"],
@@ -31,6 +32,7 @@ SAMPLE_VALUES = {
     "worker_urls": "http://127.0.0.1:9",
     "prefill": "http://127.0.0.1:9",
     "decode": "http://127.0.0.1:9",
+    "encode": "http://127.0.0.1:9",
     "selector": "app=llm",
     "prefill_selector": "role=prefill",
     "decode_selector": "role=decode",

@@ -34,6 +34,32 @@ pub enum PolicyName {
     MostFreeKv,
 }
 
+/// How EPD assigns a request's media items to encode workers (SMG's `--encode-policy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, ValueEnum, Default)]
+#[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
+pub enum EncodePolicy {
+    Random,
+    RoundRobin,
+    /// By the item's content hash: a repeated image goes to the same encode worker (whose
+    /// embedding cache then has it).
+    #[default]
+    #[serde(alias = "consistent_hash")]
+    #[value(alias = "consistent_hash")]
+    ConsistentHashing,
+}
+
+impl EncodePolicy {
+    /// The routing policy that implements it (over the encode pool, keyed by the content hash).
+    pub fn policy_name(self) -> PolicyName {
+        match self {
+            EncodePolicy::Random => PolicyName::Random,
+            EncodePolicy::RoundRobin => PolicyName::RoundRobin,
+            EncodePolicy::ConsistentHashing => PolicyName::ConsistentHash,
+        }
+    }
+}
+
 /// Where `cache_aware` learns what each worker's prefix cache holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, ValueEnum, Default)]
 #[serde(rename_all = "snake_case")]
@@ -86,6 +112,25 @@ pub struct GatewayConfig {
     #[arg(long, num_args = 1.., action = ArgAction::Append, value_name = "URL")]
     #[serde(deserialize_with = "crate::config_serde::decode_list")]
     pub decode: Vec<Vec<String>>,
+
+    /// Encode/prefill/decode mode (SMG's spelling): PD mode with the bootstrap connector, plus
+    /// encode workers (--encode) that run the vision encoder for a chat request's images and
+    /// ship the embeddings to the prefill. Text-only requests run as plain PD.
+    #[arg(long)]
+    pub epd_disaggregation: bool,
+
+    /// An encode worker (EPD, http:// serving `POST /encode`) and its bootstrap port (`none`
+    /// for the engine default), then any `label=KEY=VALUE`. Repeat for more workers. gRPC
+    /// encode workers are not built yet.
+    #[arg(long, num_args = 1.., action = ArgAction::Append, value_names = ["URL", "BOOTSTRAP_PORT"])]
+    #[serde(deserialize_with = "crate::config_serde::encode_list")]
+    pub encode: Vec<Vec<String>>,
+
+    /// EPD: which encode worker gets each image: random, round_robin, or consistent_hashing
+    /// (by the image's content hash, SHA-256 of its bytes, so a repeated image goes to the same
+    /// encode worker).
+    #[arg(long, value_enum, default_value_t = EncodePolicy::ConsistentHashing)]
+    pub encode_policy: EncodePolicy,
 
     /// How KV moves between prefill and decode: SGLang bootstrap rendezvous, vLLM NIXL (pull)
     /// or vLLM Mooncake (push). Workers registered with their own connector override this.
@@ -716,6 +761,9 @@ impl GatewayConfig {
     /// Applies what another router's spelling implies: `--vllm-pd-disaggregation` is PD mode
     /// with NIXL unless the connector was given.
     fn resolve_spellings(&mut self, connector_given: bool) {
+        if self.epd_disaggregation {
+            self.pd_disaggregation = true;
+        }
         if self.vllm_pd_disaggregation {
             self.pd_disaggregation = true;
             if !connector_given {
@@ -735,6 +783,12 @@ impl GatewayConfig {
         // mode (unused under `disaggregated`: see `warnings`).
         if !self.pd_disaggregation && (!self.prefill.is_empty() || !self.decode.is_empty()) {
             return bad("--prefill/--decode need --pd-disaggregation".into());
+        }
+        if !self.epd_disaggregation && !self.encode.is_empty() {
+            return bad("--encode needs --epd-disaggregation".into());
+        }
+        if self.epd_disaggregation && (self.kv_connector != KvConnector::Bootstrap || self.vllm_pd_disaggregation) {
+            return bad(format!("--epd-disaggregation runs the bootstrap connector (SGLang/TokenSpeed style); --kv-connector {} is not built for EPD", self.kv_connector.as_str()));
         }
         if self.request_timeout_secs == 0 {
             return bad("--request-timeout-secs must be at least 1".into());
@@ -944,6 +998,10 @@ impl GatewayConfig {
         out.extend(self.prefill_args()?);
         for tokens in &self.decode {
             let reg = crate::config_serde::decode_from_tokens(tokens).map_err(ConfigError::Invalid)?;
+            out.push(reg.into_spec(true).map_err(|e| ConfigError::Invalid(e.message))?);
+        }
+        for tokens in &self.encode {
+            let reg = crate::config_serde::encode_from_tokens(tokens).map_err(ConfigError::Invalid)?;
             out.push(reg.into_spec(true).map_err(|e| ConfigError::Invalid(e.message))?);
         }
         let mut seen = std::collections::HashSet::new();

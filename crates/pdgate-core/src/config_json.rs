@@ -15,7 +15,7 @@ use crate::config::{ConfigError, GatewayConfig};
 
 /// Options whose entries are worker descriptions (`crate::config_serde`), with whether an entry
 /// carries a bootstrap port. Their JSON shape is custom, so it is described here.
-const WORKER_LIST_OPTIONS: [(&str, bool); 2] = [("prefill", true), ("decode", false)];
+const WORKER_LIST_OPTIONS: [(&str, bool); 3] = [("prefill", true), ("decode", false), ("encode", true)];
 
 /// The KV connector names a worker entry accepts (`KvConnector::from_name`'s canonical ones).
 const KV_CONNECTORS: [&str; 3] = ["bootstrap", "nixl", "mooncake"];
@@ -62,14 +62,14 @@ fn scalar_schema(arg: &Arg) -> Option<Value> {
 }
 
 /// One worker entry: `"URL"`, `["URL", PORT?, "kv_connector=NAME"?]` or an object.
-fn worker_entry_schema(with_port: bool) -> Value {
-    let mut properties = json!({
-        "url": {"type": "string"},
-        "kv_connector": {"enum": [KV_CONNECTORS[0], KV_CONNECTORS[1], KV_CONNECTORS[2], null]},
-    });
+fn worker_entry_schema(id: &str, with_port: bool) -> Value {
+    let mut properties = json!({"url": {"type": "string"}});
+    if id != "encode" {
+        properties["kv_connector"] = json!({"enum": [KV_CONNECTORS[0], KV_CONNECTORS[1], KV_CONNECTORS[2], null]});
+    }
     let (title, max_tokens, token_types) = if with_port {
         properties["bootstrap_port"] = json!({"type": ["integer", "null"], "minimum": 1, "maximum": 65535});
-        ("PrefillWorker", 3, json!(["string", "integer", "null"]))
+        (if id == "encode" { "EncodeWorker" } else { "PrefillWorker" }, 3, json!(["string", "integer", "null"]))
     } else {
         ("DecodeWorker", 2, json!(["string"]))
     };
@@ -90,7 +90,7 @@ fn is_repeated(arg: &Arg) -> bool {
 pub fn option_schema(arg: &Arg, default: Option<&Value>) -> Value {
     let id = arg.get_id().as_str();
     if let Some((_, with_port)) = WORKER_LIST_OPTIONS.iter().find(|(name, _)| *name == id) {
-        return json!({"type": "array", "items": worker_entry_schema(*with_port)});
+        return json!({"type": "array", "items": worker_entry_schema(id, *with_port)});
     }
     let Some(scalar) = scalar_schema(arg) else { return json!({}) };
     if is_repeated(arg) {

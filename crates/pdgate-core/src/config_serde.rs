@@ -20,6 +20,11 @@ pub fn decode_from_tokens(tokens: &[String]) -> Result<WorkerRegistration, Strin
     crate::registration::from_tokens(tokens, WorkerRole::Decode)
 }
 
+/// `[URL, PORT?, label=K=V?, ...]` → an encode registration (EPD).
+pub fn encode_from_tokens(tokens: &[String]) -> Result<WorkerRegistration, String> {
+    crate::registration::from_tokens(tokens, WorkerRole::Encode)
+}
+
 fn json_token(v: &Value) -> Result<String, String> {
     match v {
         Value::String(s) => Ok(s.clone()),
@@ -69,21 +74,24 @@ fn entry_tokens(v: &Value, with_port: bool) -> Result<Vec<String>, String> {
     }
 }
 
-fn list<'de, D: Deserializer<'de>>(d: D, with_port: bool) -> Result<Vec<Vec<String>>, D::Error> {
+fn list<'de, D: Deserializer<'de>>(d: D, role: WorkerRole) -> Result<Vec<Vec<String>>, D::Error> {
     let entries = Vec::<Value>::deserialize(d)?;
-    let tokens: Result<Vec<_>, String> = entries.iter().map(|e| entry_tokens(e, with_port)).collect();
+    let tokens: Result<Vec<_>, String> = entries.iter().map(|e| entry_tokens(e, role.has_bootstrap_server())).collect();
     let tokens = tokens.map_err(serde::de::Error::custom)?;
     for t in &tokens {
-        let checked = if with_port { prefill_from_tokens(t).map(|_| ()) } else { decode_from_tokens(t).map(|_| ()) };
-        checked.map_err(serde::de::Error::custom)?;
+        crate::registration::from_tokens(t, role).map_err(serde::de::Error::custom)?;
     }
     Ok(tokens)
 }
 
 pub fn prefill_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Vec<String>>, D::Error> {
-    list(d, true)
+    list(d, WorkerRole::Prefill)
 }
 
 pub fn decode_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Vec<String>>, D::Error> {
-    list(d, false)
+    list(d, WorkerRole::Decode)
+}
+
+pub fn encode_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Vec<String>>, D::Error> {
+    list(d, WorkerRole::Encode)
 }

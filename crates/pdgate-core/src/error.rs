@@ -18,6 +18,8 @@ pub enum Leg {
     Regular,
     Prefill,
     Decode,
+    /// EPD: a call to an encode worker for a request's images.
+    Encode,
 }
 
 impl Leg {
@@ -26,6 +28,7 @@ impl Leg {
             Leg::Regular => "worker",
             Leg::Prefill => "prefill",
             Leg::Decode => "decode",
+            Leg::Encode => "encode",
         }
     }
 }

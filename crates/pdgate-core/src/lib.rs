@@ -10,6 +10,7 @@ pub mod breaker;
 pub mod config;
 mod config_json;
 mod config_serde;
+pub mod epd;
 pub mod error;
 pub mod health;
 pub mod kv_events;

@@ -17,10 +17,10 @@ use crate::worker::{KvConnector, WorkerRole, WorkerSpec};
 #[serde(deny_unknown_fields)]
 pub struct WorkerRegistration {
     pub url: String,
-    /// `regular`, `prefill` or `decode`; required in PD mode, `regular` otherwise.
+    /// `regular`, `prefill`, `decode` or `encode` (EPD); required in PD mode, `regular` otherwise.
     #[serde(default)]
     pub worker_type: Option<String>,
-    /// Prefill only: its bootstrap server's port (`None`: the engine's default).
+    /// Prefill and encode only: its bootstrap server's port (`None`: the engine's default).
     #[serde(default)]
     pub bootstrap_port: Option<u16>,
     /// Overrides the gateway-wide connector (our names or the engines' class names).
@@ -71,12 +71,13 @@ impl WorkerRegistration {
             "regular" => WorkerRole::Regular,
             "prefill" => WorkerRole::Prefill,
             "decode" => WorkerRole::Decode,
+            "encode" => WorkerRole::Encode,
             "" => return Err(bad("worker_type", "worker_type is required in PD mode: prefill or decode")),
-            other => return Err(bad("worker_type", format!("unknown worker_type {other:?}: regular, prefill or decode"))),
+            other => return Err(bad("worker_type", format!("unknown worker_type {other:?}: regular, prefill, decode or encode"))),
         };
         match (pd, role) {
             (true, WorkerRole::Regular) => Err(bad("worker_type", "this gateway runs in PD mode: add prefill or decode workers")),
-            (false, WorkerRole::Prefill | WorkerRole::Decode) => Err(bad("worker_type", "this gateway runs in regular mode: add regular workers")),
+            (false, WorkerRole::Prefill | WorkerRole::Decode | WorkerRole::Encode) => Err(bad("worker_type", "this gateway runs in regular mode: add regular workers")),
             _ => Ok(role),
         }
     }
@@ -85,8 +86,19 @@ impl WorkerRegistration {
     pub fn into_spec(self, pd: bool) -> Result<WorkerSpec, RegistrationError> {
         let role = self.role(pd)?;
         let mut spec = WorkerSpec::new(&self.url, role).map_err(|m| bad("url", m))?;
-        if self.bootstrap_port.is_some() && role != WorkerRole::Prefill {
-            return Err(bad("bootstrap_port", "bootstrap_port is for prefill workers"));
+        if role == WorkerRole::Encode && spec.is_grpc() {
+            return Err(bad(
+                "url",
+                format!("encode worker {}: gRPC encode workers (TokenSpeedEncoder.Encode) are not built yet; give an http:// encode worker that serves POST /encode", spec.url),
+            ));
+        }
+        if role == WorkerRole::Encode {
+            if let Some(param) = [("kv_connector", self.kv_connector.is_some()), ("kv_events", self.kv_events.is_some())].into_iter().find_map(|(p, given)| given.then_some(p)) {
+                return Err(bad(param, format!("encode workers hold no KV: {param} is for prefill, decode and regular workers")));
+            }
+        }
+        if self.bootstrap_port.is_some() && !role.has_bootstrap_server() {
+            return Err(bad("bootstrap_port", "bootstrap_port is for prefill and encode workers"));
         }
         if self.bootstrap_port == Some(0) {
             return Err(bad("bootstrap_port", "bootstrap_port must be 1-65535"));
@@ -113,9 +125,9 @@ impl WorkerRegistration {
     }
 }
 
-/// The command-line form of one `--prefill` / `--decode`: `URL [PORT] [kv_connector=NAME]
-/// [kv_engine_id=ID] [label=K=V]...` (a port only for a prefill, right after the URL; `none`
-/// for the engine default).
+/// The command-line form of one `--prefill` / `--decode` / `--encode`: `URL [PORT]
+/// [kv_connector=NAME] [kv_engine_id=ID] [label=K=V]...` (a port only for a prefill or an
+/// encode worker, right after the URL; `none` for the engine default).
 pub fn from_tokens(tokens: &[String], role: WorkerRole) -> Result<WorkerRegistration, String> {
     let flag = if role == WorkerRole::Regular { "worker-urls" } else { role.as_str() };
     let (url, rest) = tokens.split_first().ok_or_else(|| format!("--{flag} needs a URL"))?;
@@ -132,7 +144,7 @@ pub fn from_tokens(tokens: &[String], role: WorkerRole) -> Result<WorkerRegistra
         } else if let Some(kv) = token.strip_prefix("label=") {
             let (k, v) = parse_label(kv).ok_or_else(|| format!("label {kv:?} after {flag} {url}: expected label=KEY=VALUE"))?;
             reg.labels.insert(k.to_string(), v.to_string());
-        } else if i == 0 && role == WorkerRole::Prefill {
+        } else if i == 0 && role.has_bootstrap_server() {
             reg.bootstrap_port = parse_port(token)?;
         } else {
             return Err(format!("unexpected token {token:?} after {flag} {url}"));
@@ -237,6 +249,17 @@ mod tests {
         assert!(from_tokens(&tokens(&["http://d:1", "label=novalue"]), WorkerRole::Decode).is_err());
     }
 
+    /// EPD: `--encode URL BOOTSTRAP_PORT`, as SMG's command line gives it.
+    #[test]
+    fn an_encode_worker_from_flags_and_json() {
+        let flags = from_tokens(&tokens(&["http://e:30010", "8990", "label=zone=a"]), WorkerRole::Encode).unwrap();
+        let spec = flags.clone().into_spec(true).unwrap();
+        assert_eq!((spec.role, spec.bootstrap_port, spec.host.as_str()), (WorkerRole::Encode, Some(8990), "e"));
+        let json: WorkerRegistration = serde_json::from_str(r#"{"url": "http://e:30010", "worker_type": "encode", "bootstrap_port": 8990, "labels": {"zone": "a"}}"#).unwrap();
+        assert_eq!(json.into_spec(true).unwrap(), spec);
+        assert!(from_tokens(&tokens(&["http://e:1", "none"]), WorkerRole::Encode).unwrap().bootstrap_port.is_none());
+    }
+
     #[test]
     fn the_api_body_and_the_flags_agree() {
         let json: WorkerRegistration = serde_json::from_str(
@@ -280,6 +303,17 @@ mod tests {
             assert_eq!(reg(json).into_spec(pd).unwrap_err().param, param, "{json}");
         }
         assert!(serde_json::from_str::<WorkerRegistration>(r#"{"url": "http://w:1", "zone": "a"}"#).is_err(), "unknown fields are refused");
+        let encode = [
+            (r#"{"url": "grpc://e:50060", "worker_type": "encode"}"#, "url"),
+            (r#"{"url": "http://e:1", "worker_type": "encode", "kv_connector": "nixl"}"#, "kv_connector"),
+            (r#"{"url": "http://e:1", "worker_type": "encode", "kv_events": "tcp://e:5557"}"#, "kv_events"),
+            (r#"{"url": "http://e:1", "worker_type": "encode", "kv_engine_id": "x"}"#, "kv_engine_id"),
+        ];
+        for (json, param) in encode {
+            assert_eq!(reg(json).into_spec(true).unwrap_err().param, param, "{json}");
+        }
+        assert!(reg(r#"{"url": "grpc://e:50060", "worker_type": "encode"}"#).into_spec(true).unwrap_err().message.contains("not built"));
+        assert_eq!(reg(r#"{"url": "http://e:1", "worker_type": "encode"}"#).into_spec(false).unwrap_err().param, "worker_type");
         assert_eq!(reg(r#"{"url": "http://w:1"}"#).into_spec(false).unwrap().role, WorkerRole::Regular);
     }
 }

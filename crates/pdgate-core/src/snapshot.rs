@@ -70,13 +70,14 @@ fn min_known(a: Option<u64>, b: Option<u64>) -> Option<u64> {
     }
 }
 
-const ROLES: [WorkerRole; 3] = [WorkerRole::Regular, WorkerRole::Prefill, WorkerRole::Decode];
+const ROLES: [WorkerRole; 4] = [WorkerRole::Regular, WorkerRole::Prefill, WorkerRole::Decode, WorkerRole::Encode];
 
 fn role_slot(role: WorkerRole) -> usize {
     match role {
         WorkerRole::Regular => 0,
         WorkerRole::Prefill => 1,
         WorkerRole::Decode => 2,
+        WorkerRole::Encode => 3,
     }
 }
 
@@ -85,15 +86,15 @@ pub struct PoolSnapshot {
     workers: Vec<WorkerView>,
     options: SnapshotOptions,
     /// Indices of eligible workers per role, ascending (the silent ones under panic routing).
-    eligible: [Vec<usize>; 3],
+    eligible: [Vec<usize>; 4],
     /// Per role: no worker was eligible, so the silent ones are routed to (Envoy's panic
     /// threshold, at zero healthy): busy engines that do not answer health are not refused.
-    panic: [bool; 3],
+    panic: [bool; 4],
     by_url: HashMap<String, usize>,
     keys: Vec<PairingKey>,
     pairing: PairingIndex,
     /// Consistent-hash rings per role over all workers of the role, eligible or not.
-    rings: [OnceLock<Arc<HashRing>>; 3],
+    rings: [OnceLock<Arc<HashRing>>; 4],
     /// Smallest reported context length among eligible workers, per model they serve (`None`
     /// when none of them reports one).
     context_by_model: HashMap<String, Option<u64>>,
@@ -122,6 +123,9 @@ impl PoolSnapshot {
             let routed = if snap.panic[role_slot(w.spec.role)] { w.panic_eligible() } else { w.eligible() };
             if routed {
                 snap.eligible[role_slot(w.spec.role)].push(i);
+            }
+            // An encode worker generates nothing: its context length bounds no request.
+            if routed && w.spec.role != WorkerRole::Encode {
                 let len = w.context_length;
                 snap.context_any = min_known(snap.context_any, len);
                 for m in &w.models {

@@ -59,6 +59,9 @@ pub enum WorkerRole {
     Regular,
     Prefill,
     Decode,
+    /// EPD: runs the vision encoder for a request's images and ships the embeddings to the
+    /// prefill (`--encode URL BOOTSTRAP_PORT`, docs/protocols.md §8).
+    Encode,
 }
 
 impl WorkerRole {
@@ -67,7 +70,14 @@ impl WorkerRole {
             WorkerRole::Regular => "regular",
             WorkerRole::Prefill => "prefill",
             WorkerRole::Decode => "decode",
+            WorkerRole::Encode => "encode",
         }
+    }
+
+    /// Whether the worker runs a bootstrap server others connect to (a prefill for KV, an
+    /// encode worker for embeddings).
+    pub fn has_bootstrap_server(self) -> bool {
+        matches!(self, WorkerRole::Prefill | WorkerRole::Encode)
     }
 }
 
@@ -79,7 +89,7 @@ pub struct WorkerSpec {
     pub role: WorkerRole,
     /// Host part of `url`, as sent in `bootstrap_host`.
     pub host: String,
-    /// Prefill only: port of the engine's bootstrap server (`None` = engine default).
+    /// Prefill and encode only: port of the engine's bootstrap server (`None` = engine default).
     pub bootstrap_port: Option<u16>,
     /// Overrides the gateway-wide connector for this worker.
     pub kv_connector: Option<KvConnector>,

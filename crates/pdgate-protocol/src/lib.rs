@@ -15,6 +15,7 @@ mod json_scan;
 pub mod kv_transfer;
 pub mod limits;
 pub mod logprobs;
+pub mod media;
 pub mod openai;
 pub mod prometheus;
 pub mod rendezvous;

@@ -14,8 +14,10 @@ use serde_json::{Map, Value};
 /// - the fields of `kv_transfer_params` at the top level, where a lenient engine might read
 ///   them: `transfer_id`, `remote_engine_id`, `remote_bootstrap_addr`, `remote_host`,
 ///   `remote_port`, `remote_block_ids`, `remote_request_id`, `do_remote_prefill`,
-///   `do_remote_decode`.
-pub const GATEWAY_FIELDS: [&str; 19] = [
+///   `do_remote_decode`;
+/// - EPD (TokenSpeed, docs/protocols.md §8): `encode_bootstrap_info` (where a prefill fetches
+///   a request's image embeddings).
+pub const GATEWAY_FIELDS: [&str; 20] = [
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",
@@ -35,6 +37,7 @@ pub const GATEWAY_FIELDS: [&str; 19] = [
     "remote_request_id",
     "do_remote_prefill",
     "do_remote_decode",
+    "encode_bootstrap_info",
 ];
 
 /// Whether `key` is one of [`GATEWAY_FIELDS`] (a `match`: this runs for every key of every
@@ -61,6 +64,7 @@ pub fn is_gateway_field(key: &str) -> bool {
             | "remote_request_id"
             | "do_remote_prefill"
             | "do_remote_decode"
+            | "encode_bootstrap_info"
     )
 }
 

@@ -124,6 +124,7 @@ where
             prompt_ids: Default::default(),
             ids_to_ledger: false,
             prompt_memo: Default::default(),
+            images: Arc::from([]),
         }),
     )
     .await;

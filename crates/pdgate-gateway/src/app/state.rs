@@ -75,6 +75,7 @@ impl AppState {
             make_policy_with(config.effective_prefill_policy(), &options),
             make_policy_with(config.effective_decode_policy(), &options),
         );
+        let encode_policy = make_policy_with(config.encode_policy.policy_name(), &options);
         let fleet = Arc::new(Fleet {
             registry,
             upstream: upstream.clone(),
@@ -98,6 +99,7 @@ impl AppState {
             regular_policy,
             prefill_policy,
             decode_policy,
+            encode_policy,
             retry: RetryPolicy::from_config(&config),
             retry_budget: Mutex::new(RetryBudget::new(RetryBudgetConfig::from_config(&config))),
             sequence: AtomicU64::new(0),

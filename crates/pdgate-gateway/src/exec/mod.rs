@@ -9,6 +9,7 @@
 //! - `relay`:       the stream after commit, the prefill drain, the accounting at the end;
 //! - `accounting`:  usage, TTFT/TPOT, the finished request's record for goodput;
 //! - `resume`:      continuing a stream on a new pair after its decode died;
+//! - `encode`:      EPD: a request's images, and the encode legs sent with the prefill;
 //! - `spans`:       the phase spans for `--enable-trace`;
 //! - `policy_rng`:  the routing rng (`--seed`).
 //!
@@ -17,6 +18,7 @@
 
 pub mod accounting;
 mod commit;
+mod encode;
 pub mod kv_room;
 pub mod placement;
 pub mod policy_rng;
@@ -59,6 +61,8 @@ pub struct Exec {
     pub regular_policy: Box<dyn Policy>,
     pub prefill_policy: Box<dyn Policy>,
     pub decode_policy: Box<dyn Policy>,
+    /// EPD: which encode worker gets each image (`--encode-policy`).
+    pub encode_policy: Box<dyn Policy>,
     pub retry: RetryPolicy,
     /// Retries across all requests stay within this budget (see `pdgate_core::retry_budget`).
     pub retry_budget: Mutex<RetryBudget>,
@@ -138,6 +142,9 @@ pub struct Ctx {
     /// The prompts as the first leg to a tokenizing worker client found them, for the other leg
     /// and retries; `Default` for a new prompt (a resume's continuation).
     pub prompt_memo: crate::clients::grpc::PromptMemo,
+    /// EPD: the request's images, found at admission (`encode.rs`); empty for text-only
+    /// requests and outside `--epd-disaggregation`.
+    pub images: Arc<[pdgate_core::epd::Image]>,
 }
 
 impl Ctx {

@@ -72,6 +72,11 @@ impl Resumer {
         if text_ids.is_some() {
             refused = refusal_given(&ctx.req, true);
         }
+        // EPD: a continuation is a completions request of token ids; the images' embeddings
+        // would not be in it.
+        if refused.is_none() && !ctx.images.is_empty() {
+            refused = Some("images");
+        }
         let tracker = refused.is_none().then(|| match &text_ids {
             Some(ids) => ResumeTracker::with_prompt_ids(&ctx.req, ids),
             None => ResumeTracker::new(&ctx.req),

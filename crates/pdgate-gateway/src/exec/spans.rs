@@ -62,6 +62,7 @@ pub fn leg(leg: Leg, worker: &str) -> Span {
         Leg::Prefill => tracing::info_span!(target: TARGET, "prefill", otel.kind = "client", worker, error.type = Empty, otel.status_code = Empty),
         Leg::Decode => tracing::info_span!(target: TARGET, "decode", otel.kind = "client", worker, error.type = Empty, otel.status_code = Empty),
         Leg::Regular => tracing::info_span!(target: TARGET, "regular", otel.kind = "client", worker, error.type = Empty, otel.status_code = Empty),
+        Leg::Encode => tracing::info_span!(target: TARGET, "encode", otel.kind = "client", worker, error.type = Empty, otel.status_code = Empty),
     }
 }
 

@@ -30,11 +30,12 @@ use tracing::Instrument;
 
 use super::accounting::{ask_for_usage_in, placement_of, Account, Ending, Usage, UsageAsk, Who};
 use super::commit::{relay_leg, Committed, RelayPlan, Watched};
+use super::encode::{self, Encodes};
 use super::placement;
 use super::relay::{Finish, PrefillLeg};
 use super::resume::{Continuing, Resumer};
 use super::{spans, AttemptFailure, Ctx};
-use crate::clients::client::{AbortGuard, LegRequest, WorkerClient};
+use crate::clients::client::{AbortGuard, LegFuture, LegRequest, WorkerClient};
 use crate::fleet::gauges::InflightGuard;
 use crate::fleet::registry::Runtime;
 use crate::fleet::token_load::TokenGuard;
@@ -51,6 +52,11 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         return finish(&ctx, error_response(&err), &record, Some(&err));
     }
     drop(admit_span);
+    // EPD: the images, before anything reaches a worker (a remote URL is the client's 400).
+    ctx.images = match encode::find_images(&ctx) {
+        Ok(images) => images,
+        Err(err) => return finish(&ctx, error_response(&err), &record, Some(&err)),
+    };
     // Learns, before the legs are built, whether this stream could be resumed (then the decode
     // is asked for token ids).
     let mut resumer = Resumer::prepare(&mut ctx, continue_stream);
@@ -173,9 +179,20 @@ pub(super) async fn attempt(ctx: &Ctx, failed: &[String], placed: Option<Placeme
     }
     record.policy = Some(chosen.policy.clone());
     record.rendezvous = plan.rendezvous.clone();
+    record.encode.clear();
+    record.images = 0;
+    if let Some(e) = &chosen.encode {
+        record.images = e.legs.len();
+        for leg in &e.legs {
+            if !record.encode.contains(&leg.url) {
+                record.encode.push(leg.url.clone());
+            }
+        }
+    }
     let relayed_url = plan.relayed.url.clone();
     let mode = plan.mode;
-    run(ctx, chosen, record.attempts, record.resumes).await.map_err(|error| {
+    let encode_failed = Arc::new(std::sync::OnceLock::new());
+    run(ctx, chosen, record.attempts, record.resumes, encode_failed.clone()).await.map_err(|error| {
         if mode == Mode::Pd(KvConnector::Mooncake) {
             if let Some(p) = &prefill_url {
                 ctx.state.fleet.forget_engine_id(p);
@@ -184,6 +201,7 @@ pub(super) async fn attempt(ctx: &Ctx, failed: &[String], placed: Option<Placeme
         let worker = match error.leg {
             Some(Leg::Prefill) => prefill_url,
             Some(Leg::Decode | Leg::Regular) => Some(relayed_url),
+            Some(Leg::Encode) => encode_failed.get().cloned(),
             // A regular attempt's failures are its one worker's (as before the plan).
             None if mode == Mode::Regular => Some(relayed_url),
             None => None,
@@ -198,6 +216,8 @@ struct Chosen {
     prefill_runtime: Option<Arc<Runtime>>,
     relayed_runtime: Arc<Runtime>,
     policy: String,
+    /// EPD: the encode legs of a request with images.
+    encode: Option<Encodes>,
 }
 
 /// Select: the policy picks from the snapshot (never a worker that failed this request), and
@@ -230,7 +250,7 @@ fn select(ctx: &Ctx, failed: &[String], placed: Option<Placement>) -> Result<Cho
             // Not known to send ids: its counts must come from its usage event.
             ask_for_usage_in(&mut plan.relayed.body, &ctx.req);
         }
-        return Ok(Chosen { plan, prefill_runtime: None, relayed_runtime, policy: choice.reason.to_string() });
+        return Ok(Chosen { plan, prefill_runtime: None, relayed_runtime, policy: choice.reason.to_string(), encode: None });
     }
     let (pp, dp) = (ctx.state.prefill_policy.as_ref(), ctx.state.decode_policy.as_ref());
     let chosen = loop {
@@ -257,12 +277,15 @@ fn select(ctx: &Ctx, failed: &[String], placed: Option<Placement>) -> Result<Cho
     metrics.decisions.with_label_values(&["prefill", p.branch]).inc();
     metrics.decisions.with_label_values(&["decode", d.branch]).inc();
     // the room: never from the seeded routing rng (replicas with one seed must not share rooms)
-    let plan = plan::pd(snap, &p, &d, &ctx.req, &ctx.request_id, &mut rand::rng())?;
+    let mut plan = plan::pd(snap, &p, &d, &ctx.req, &ctx.request_id, &mut rand::rng())?;
+    // EPD: an encode worker per image, and the prefill told where each embedding waits.
+    let encode = if ctx.images.is_empty() { None } else { Some(encode::decide(ctx, &routing, &mut plan, &exclude)?) };
     Ok(Chosen {
         plan,
         prefill_runtime: Some(routing.runtime[p.worker].clone()),
         relayed_runtime: routing.runtime[d.worker].clone(),
         policy: format!("prefill:{} decode:{}", p.reason, d.reason),
+        encode,
     })
 }
 
@@ -293,10 +316,21 @@ async fn prepare_relayed(ctx: &Ctx, client: &Arc<dyn WorkerClient>, plan: &PdPla
     })
 }
 
-/// Send: starts the prefill leg. Its worker hears a success when the whole answer is in (with
-/// `judge_success`; NIXL judges after reading the params); a prefill dropped unfinished is
+/// What the prefill leg carries besides its body.
+struct PrefillExtras {
+    /// Its worker hears a success when the whole answer is in (NIXL judges after reading the
+    /// params).
+    judge_success: bool,
+    /// Its prompt tokens, queued on its worker for routing until the leg ends.
+    queued: Option<TokenGuard>,
+    /// EPD: the encode legs, awaited with the prefill's own call (`encode::send`).
+    encode: Option<LegFuture<()>>,
+}
+
+/// Send: starts the prefill leg (see [`PrefillExtras`]); a prefill dropped unfinished is
 /// aborted at its engine.
-fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: Bytes, protocol: &'static str, judge_success: bool, queued: Option<TokenGuard>) -> PrefillLeg {
+fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: Bytes, protocol: &'static str, extras: PrefillExtras) -> PrefillLeg {
+    let PrefillExtras { judge_success, queued, encode } = extras;
     let req = LegRequest {
         url: leg.url.clone(),
         path: ctx.req.endpoint.path(),
@@ -309,6 +343,12 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
         prompts: ctx.prompt_memo.clone(),
     };
     let call = client.call(req, ctx.state.fleet.upstream.limits.max_response_bytes);
+    let with_encode = encode.is_some();
+    let call: LegFuture<Bytes> = match encode {
+        None => call,
+        // A failed encode call ends the leg at once, dropping the prefill's call unfinished.
+        Some(encode) => Box::pin(async move { futures_util::future::try_join(encode, call).await.map(|((), answer)| answer) }),
+    };
     let mut abort = AbortGuard::new(client, &leg.url, &leg.abort);
     let (state, url, tokens) = (ctx.state.clone(), leg.url.clone(), ctx.req.prompt_tokens);
     // The leg's span is current while it is sent: the worker gets it as its `traceparent`.
@@ -322,9 +362,14 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
             }
             // The leg ended at the worker, either way: nothing left to abort, and the KV was
             // handed off (or never will be): the prompt no longer loads the prefill for routing.
-            abort.disarm();
-            // Only a leg that had its worker to itself measures the prefill's service time.
-            let alone = queued.as_ref().is_none_or(TokenGuard::alone_since_sent);
+            // Unless an encode call failed: then the prefill's call was dropped unfinished, and
+            // the armed guard aborts it at its engine.
+            if !matches!(&out, Err(e) if e.leg == Some(Leg::Encode)) {
+                abort.disarm();
+            }
+            // Only a leg that had its worker to itself (and waited for no encode worker)
+            // measures the prefill's service time.
+            let alone = !with_encode && queued.as_ref().is_none_or(TokenGuard::alone_since_sent);
             drop(queued);
             state.metrics.leg_duration.with_label_values(&["prefill", protocol]).observe(t.elapsed().as_secs_f64());
             if out.is_ok() && alone {
@@ -342,9 +387,9 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
 }
 
 /// Runs a chosen plan: prepare, send the legs in the plan's order, commit and relay.
-async fn run(ctx: &Ctx, chosen: Chosen, attempts: u32, resumes: u32) -> Result<Committed, GatewayError> {
+async fn run(ctx: &Ctx, chosen: Chosen, attempts: u32, resumes: u32, encode_failed: Arc<std::sync::OnceLock<String>>) -> Result<Committed, GatewayError> {
     let client = ctx.state.client.clone();
-    let Chosen { plan, prefill_runtime, relayed_runtime, .. } = chosen;
+    let Chosen { plan, prefill_runtime, relayed_runtime, encode, .. } = chosen;
     let protocol = plan.mode.as_str();
     let relayed_body = prepare_relayed(ctx, &client, &plan).await?;
     let learn_ids = (ctx.usage == UsageAsk::UnlessIds).then(|| relayed_runtime.clone());
@@ -352,7 +397,8 @@ async fn run(ctx: &Ctx, chosen: Chosen, attempts: u32, resumes: u32) -> Result<C
     let mut watched = Watched { leg: None, answer: None, blame_silent_prefill: plan.order == Order::Concurrent, release: None };
     let body = match (plan.order, &plan.prefill, relayed_body) {
         (Order::PrefillFirst, Some(p), _) => {
-            let sent = send_prefill(ctx, &client, p, prefill_body(p, None)?, protocol, false, prefill_queued);
+            let extras = PrefillExtras { judge_success: false, queued: prefill_queued, encode: None };
+            let sent = send_prefill(ctx, &client, p, prefill_body(p, None)?, protocol, extras);
             let answer = sent.answer.await?;
             let body = nixl_decode_body(ctx, &p.url, &answer, &mut finish)?;
             ctx.state.fleet.record_outcome(&p.url, Outcome::Success);
@@ -360,7 +406,10 @@ async fn run(ctx: &Ctx, chosen: Chosen, attempts: u32, resumes: u32) -> Result<C
             body
         }
         (_, Some(p), Some(body)) => {
-            watched.leg = Some(send_prefill(ctx, &client, p, prefill_body(p, Some(&body))?, protocol, true, prefill_queued));
+            // EPD: the encode calls go out with the prefill and decode legs, as SMG sends them.
+            let encode = encode.map(|e| encode::send(ctx, &client, e, encode_failed)).transpose()?;
+            let extras = PrefillExtras { judge_success: true, queued: prefill_queued, encode };
+            watched.leg = Some(send_prefill(ctx, &client, p, prefill_body(p, Some(&body))?, protocol, extras));
             body
         }
         (_, None, Some(body)) => body,

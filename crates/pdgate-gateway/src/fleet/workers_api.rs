@@ -86,7 +86,11 @@ async fn one(State(state): State<Arc<Fleet>>, Path(id): Path<String>) -> Respons
 /// The body of `POST /workers`, checked by the one registration parser (pdgate-core).
 fn build_spec(state: &Fleet, body: &Bytes) -> Result<WorkerSpec, GatewayError> {
     let reg = parse::<WorkerRegistration>(body)?;
-    reg.into_spec(state.config.pd_disaggregation).map_err(|e| GatewayError::invalid(Some(e.param), e.message))
+    let spec = reg.into_spec(state.config.pd_disaggregation).map_err(|e| GatewayError::invalid(Some(e.param), e.message))?;
+    if spec.role == WorkerRole::Encode && !state.config.epd_disaggregation {
+        return Err(GatewayError::invalid(Some("worker_type"), "encode workers need a gateway started with --epd-disaggregation"));
+    }
+    Ok(spec)
 }
 
 async fn add(State(state): State<Arc<Fleet>>, body: Bytes) -> Response {
@@ -102,7 +106,8 @@ async fn add(State(state): State<Arc<Fleet>>, body: Bytes) -> Response {
             let expected = match spec.role {
                 WorkerRole::Prefill => "prefill",
                 WorkerRole::Decode => "decode",
-                WorkerRole::Regular => "null",
+                // An encode worker (`--encoder-only`) generates nothing and reports no PD mode.
+                WorkerRole::Regular | WorkerRole::Encode => "null",
             };
             if mode != expected {
                 return Err(GatewayError::invalid(Some("worker_type"), format!("{} reports disaggregation_mode {mode:?} but was added as {}", spec.url, spec.role.as_str())));

@@ -18,7 +18,9 @@ const MAX_VALUE: usize = 200;
 const MAX_POLICY: usize = 120;
 /// Upper bound of the whole header value: three values, a policy and the fixed parts.
 #[cfg(test)]
-const MAX_HEADER_LEN: usize = 4 * MAX_VALUE + MAX_POLICY + 240;
+const MAX_HEADER_LEN: usize = 4 * MAX_VALUE + MAX_ENCODE + MAX_POLICY + 300;
+/// Longest list of encode workers shown in the header (EPD).
+const MAX_ENCODE: usize = 2 * MAX_VALUE;
 
 pub use pdgate_core::plan::Rendezvous;
 
@@ -41,6 +43,10 @@ pub struct Record {
     /// A whole answer sent again on a new pair after its decode died (resume). A stream's
     /// resumes come after its head: the request log and the resume log line say them.
     pub resumes: u32,
+    /// EPD: the encode workers the request's images went to (each once, in image order).
+    pub encode: Vec<String>,
+    /// EPD: how many images the request sent to encode workers.
+    pub images: usize,
 }
 
 /// Appends `v` cut to `max` bytes (at a char boundary), with anything that is not a visible
@@ -78,6 +84,11 @@ impl Record {
                 let _ = write!(s, "; {k}=");
                 push_bounded(&mut s, v, MAX_VALUE);
             }
+        }
+        if !self.encode.is_empty() {
+            s.push_str("; encode=");
+            push_bounded(&mut s, &self.encode.join(","), MAX_ENCODE);
+            let _ = write!(s, "; images={}", self.images);
         }
         match &self.rendezvous {
             None => {}
@@ -151,6 +162,21 @@ mod tests {
     }
 
     #[test]
+    fn an_epd_request_names_its_encode_workers_and_images() {
+        let r = Record {
+            protocol: "bootstrap",
+            prefill: Some("http://p:1".into()),
+            decode: Some("http://d:2".into()),
+            encode: vec!["http://e0:3".into(), "http://e1:3".into()],
+            images: 3,
+            rendezvous: Some(Rendezvous::Rooms(Rooms::Single(42))),
+            attempts: 1,
+            ..Default::default()
+        };
+        assert_eq!(r.header_value(), "protocol=bootstrap; prefill=http://p:1; decode=http://d:2; encode=http://e0:3,http://e1:3; images=3; room=42; attempts=1");
+    }
+
+    #[test]
     fn a_resumed_whole_answer_says_so() {
         let r = Record { protocol: "nixl", decode: Some("http://d:2".into()), attempts: 2, resumes: 1, ..Default::default() };
         assert_eq!(r.header_value(), "protocol=nixl; decode=http://d:2; attempts=2; resumes=1");
@@ -193,6 +219,8 @@ mod tests {
             worker: Some(long.clone()),
             prefill: Some(long.clone()),
             decode: Some(long.clone()),
+            encode: vec![long.clone(), long.clone()],
+            images: usize::MAX,
             rendezvous: Some(Rendezvous::TransferId(long)),
             policy: Some("x".repeat(5000)),
             attempts: u32::MAX,
