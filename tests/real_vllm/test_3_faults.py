@@ -96,6 +96,11 @@ def test_a_nixl_prefill_whose_decode_died_before_pulling_frees_its_blocks(fleet)
         return next((p for p in fleet.prefills if metric(p, "vllm:kv_cache_usage_perc") > 0
                      and metric(p, "vllm:num_requests_running") == 0), None)
 
+    def at_victim() -> bool:
+        # vLLM PD sends the decode leg once the prefill has answered: in flight there means
+        # the prefill's blocks wait for the stopped decode (a pull to the other would end).
+        return gateway_metric(fleet.url, "pdgate_worker_inflight", worker=victim.url, role="decode") >= 1
+
     # Its API server stopped: it takes the request into its socket's backlog and does nothing
     # with it, so it neither pulls nor sends a heartbeat until it is killed.
     os.kill(victim.proc.pid, signal.SIGSTOP)
@@ -103,12 +108,13 @@ def test_a_nixl_prefill_whose_decode_died_before_pulling_frees_its_blocks(fleet)
         with ThreadPoolExecutor(1) as ex:
             for _ in range(2):  # round robin: one of two requests lands on the stopped decode
                 answer = ex.submit(httpx.post, fleet.url + "/v1/completions", json=body, timeout=300)
-                wait_until(lambda: answer.done() or orphaned() is not None, 120, "the answer or a held prefill")
+                wait_until(lambda: answer.done() or at_victim(), 120, "the answer, or the decode leg at the stopped decode")
                 if not answer.done():
                     break
                 assert answer.result().status_code == 200
             else:
                 raise AssertionError("no request went to the stopped decode")
+            wait_until(lambda: orphaned() is not None, 60, "a prefill holding the blocks the stopped decode was to pull")
             held = orphaned()
             assert held is not None
             victim.kill()  # SIGKILL reaches a stopped process
