@@ -299,13 +299,15 @@ def responses_events(url: str, body: dict) -> list[tuple[str, dict]]:
     return out
 
 
-def test_a_stream_whose_decode_is_killed_stays_a_valid_responses_stream() -> None:
-    """Resume after decode death (bootstrap): the continued stream is one valid Responses stream
-    (consecutive sequence numbers, one terminal event, completed) whose text is the
-    uninterrupted answer's, which a plain engine computes directly."""
+@pytest.mark.parametrize("connector", ["bootstrap", "nixl", "mooncake"])
+def test_a_stream_whose_decode_is_killed_stays_a_valid_responses_stream(connector: str) -> None:
+    """Resume after decode death, over each PD protocol: the continued stream is one valid
+    Responses stream (consecutive sequence numbers, one terminal event, completed) whose text is
+    the uninterrupted answer's, which a plain engine of the decodes' flavour computes directly."""
     from tests.gateway.test_resume import KILL_AFTER, MAX_TOKENS, Fleet, until_killed
 
-    reference = ReferenceWorker(mode="null", model=MODEL)
+    # NIXL and Mooncake decodes are vLLM-flavoured (test_resume.py's `flavour_of`).
+    reference = ReferenceWorker(mode="null", model=MODEL, extra_args=[] if connector == "bootstrap" else ["--api-flavor", "vllm"])
     start([reference])
     try:
         body = {"model": MODEL, "input": "resume this response", "max_output_tokens": MAX_TOKENS, "temperature": 0,
@@ -313,7 +315,7 @@ def test_a_stream_whose_decode_is_killed_stays_a_valid_responses_stream() -> Non
         plain = openai.OpenAI(base_url=reference.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         want = plain.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": body["input"]}],
                                              max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
-        with Fleet(max_resumes=None, connector="bootstrap") as fleet:
+        with Fleet(max_resumes=None, connector=connector) as fleet:
             for got in until_killed(fleet, lambda: responses_events(fleet.gw.url, body)):
                 assert [d["sequence_number"] for _, d in got] == list(range(len(got)))
                 kinds = [k for k, _ in got]
