@@ -323,15 +323,18 @@ def anthropic_events(url: str, body: dict) -> list[tuple[str, dict]]:
     return out
 
 
-def test_a_stream_whose_decode_is_killed_stays_a_valid_messages_stream() -> None:
+@pytest.mark.parametrize("connector", ["bootstrap", "nixl", "mooncake"])
+def test_a_stream_whose_decode_is_killed_stays_a_valid_messages_stream(connector: str) -> None:
     """The decode SIGKILLs itself after its 5th token (test_resume.py's fault hook); the gateway
     resumes the chat stream on the other decode, and the client reads one valid Anthropic event
-    sequence whose text is the uninterrupted answer (a plain engine's, on greedy decoding)."""
+    sequence whose text is the uninterrupted answer (a plain engine's of the decodes' flavour,
+    on greedy decoding), over each PD protocol."""
     from tests.gateway.test_resume import Fleet as ResumeFleet, until_killed
 
     messages = [{"role": "user", "content": "resume this chat"}]
     body = {"model": MODEL, "max_tokens": 24, "temperature": 0, "messages": messages}
-    plain = ReferenceWorker(mode="null", model=MODEL)
+    # NIXL and Mooncake decodes are vLLM-flavoured (test_resume.py's `flavour_of`).
+    plain = ReferenceWorker(mode="null", model=MODEL, extra_args=[] if connector == "bootstrap" else ["--api-flavor", "vllm"])
     plain.start(timeout=90)
     try:
         want = httpx.post(plain.url + "/v1/chat/completions", timeout=60, json={
@@ -339,7 +342,7 @@ def test_a_stream_whose_decode_is_killed_stays_a_valid_messages_stream() -> None
     finally:
         plain.stop()
     assert want["usage"]["completion_tokens"] > 5, "the answer must outlive the kill point"
-    with ResumeFleet(max_resumes=None) as fleet:
+    with ResumeFleet(max_resumes=None, connector=connector) as fleet:
         for got in until_killed(fleet, lambda: anthropic_events(fleet.gw.url, body)):
             names = [n for n, _ in got]
             assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"], names

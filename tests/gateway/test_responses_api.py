@@ -184,6 +184,26 @@ def test_multi_turn_retrieve_delete_cancel(fleet: PdFleet) -> None:
     got = c.responses.retrieve(third.id)
     assert got.id == third.id and got.output_text == third.output_text
     assert c.responses.retrieve(first.id).output_text == first.output_text
+    # The items used to generate the third response: the conversation before its output.
+    items = list(c.responses.input_items.list(third.id, order="asc"))
+    texts = [(i.type, i.role, i.content[0].text) for i in items]
+    assert texts == [("message", "user", "first turn"), ("message", "assistant", first.output_text),
+                     ("message", "user", "second turn"), ("message", "assistant", second.output_text),
+                     ("message", "user", "third")], texts
+    assert items[1].id == first.output[0].id and items[3].id == second.output[0].id, "earlier outputs keep their ids"
+    assert len({i.id for i in items}) == 5
+    # Newest first by default; pages of 2 follow `after` to the end (the SDK's auto-paging).
+    page = c.responses.input_items.list(third.id, limit=2)
+    assert [i.id for i in page.data] == [items[4].id, items[3].id] and page.has_more
+    assert (page.first_id, page.last_id) == (items[4].id, items[3].id)
+    assert [i.id for i in c.responses.input_items.list(third.id, limit=2)] == [i.id for i in reversed(items)]
+    last = c.responses.input_items.list(third.id, order="asc", after=items[2].id, limit=100)
+    assert [i.id for i in last.data] == [items[3].id, items[4].id] and not last.has_more
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.responses.input_items.list(third.id, limit=101)
+    assert bad.value.body["param"] == "limit"
+    with pytest.raises(openai.NotFoundError):
+        c.responses.input_items.list("resp_unknown")
     with pytest.raises(openai.BadRequestError):
         c.responses.cancel(first.id)
     c.responses.delete(first.id)
@@ -191,9 +211,13 @@ def test_multi_turn_retrieve_delete_cancel(fleet: PdFleet) -> None:
         c.responses.retrieve(first.id)
     with pytest.raises(openai.NotFoundError):
         c.responses.delete(first.id)
+    # An unknown previous response: OpenAI's 400 (code previous_response_not_found), no worker asked.
     before = fleet.engine_requests()
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as unknown:
         c.responses.create(model=MODEL, input="x", previous_response_id=first.id)
+    assert unknown.value.body["code"] == "previous_response_not_found" and unknown.value.body["type"] == "invalid_request_error"
+    assert unknown.value.body["param"] == "previous_response_id"
+    assert unknown.value.body["message"] == f"Previous response with id '{first.id}' not found."
     assert fleet.engine_requests() == before
 
 
@@ -202,7 +226,7 @@ def test_store_false_is_not_kept(fleet: PdFleet) -> None:
     r = c.responses.create(model=MODEL, input="forget me", store=False, max_output_tokens=4, temperature=0)
     assert r.store is False
     before = fleet.engine_requests()
-    with pytest.raises(openai.NotFoundError) as err:
+    with pytest.raises(openai.BadRequestError) as err:
         c.responses.create(model=MODEL, input="again", previous_response_id=r.id)
     assert err.value.body["code"] == "previous_response_not_found"
     assert err.value.body["param"] == "previous_response_id"
@@ -275,13 +299,15 @@ def responses_events(url: str, body: dict) -> list[tuple[str, dict]]:
     return out
 
 
-def test_a_stream_whose_decode_is_killed_stays_a_valid_responses_stream() -> None:
-    """Resume after decode death (bootstrap): the continued stream is one valid Responses stream
-    (consecutive sequence numbers, one terminal event, completed) whose text is the
-    uninterrupted answer's, which a plain engine computes directly."""
+@pytest.mark.parametrize("connector", ["bootstrap", "nixl", "mooncake"])
+def test_a_stream_whose_decode_is_killed_stays_a_valid_responses_stream(connector: str) -> None:
+    """Resume after decode death, over each PD protocol: the continued stream is one valid
+    Responses stream (consecutive sequence numbers, one terminal event, completed) whose text is
+    the uninterrupted answer's, which a plain engine of the decodes' flavour computes directly."""
     from tests.gateway.test_resume import KILL_AFTER, MAX_TOKENS, Fleet, until_killed
 
-    reference = ReferenceWorker(mode="null", model=MODEL)
+    # NIXL and Mooncake decodes are vLLM-flavoured (test_resume.py's `flavour_of`).
+    reference = ReferenceWorker(mode="null", model=MODEL, extra_args=[] if connector == "bootstrap" else ["--api-flavor", "vllm"])
     start([reference])
     try:
         body = {"model": MODEL, "input": "resume this response", "max_output_tokens": MAX_TOKENS, "temperature": 0,
@@ -289,7 +315,7 @@ def test_a_stream_whose_decode_is_killed_stays_a_valid_responses_stream() -> Non
         plain = openai.OpenAI(base_url=reference.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         want = plain.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": body["input"]}],
                                              max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
-        with Fleet(max_resumes=None, connector="bootstrap") as fleet:
+        with Fleet(max_resumes=None, connector=connector) as fleet:
             for got in until_killed(fleet, lambda: responses_events(fleet.gw.url, body)):
                 assert [d["sequence_number"] for _, d in got] == list(range(len(got)))
                 kinds = [k for k, _ in got]
@@ -411,11 +437,9 @@ def test_beside_smg(tmp_path_factory: pytest.TempPathFactory) -> None:
         assert cut(mine["next_text"]) == cut(theirs["next_text"])
         assert mine["usage"] == theirs["usage"]
         assert mine["stream_kinds"] == theirs["stream_kinds"]
-        # Differences (docs/migrating-from-smg.md): an unknown previous response is 404 here and
-        # 400 in SMG, with the same code; an orphan function_call_output is refused here and
-        # answered by SMG.
-        assert (mine["unknown_previous"], theirs["unknown_previous"]) == ((404, "previous_response_not_found"),
-                                                                          (400, "previous_response_not_found"))
+        # An unknown previous response is OpenAI's 400 in both; an orphan function_call_output
+        # is refused here and answered by SMG (docs/migrating-from-smg.md).
+        assert mine["unknown_previous"] == theirs["unknown_previous"] == (400, "previous_response_not_found")
         assert (mine["orphan"], theirs["orphan"]) == (400, 200)
         # SMG in front of the same engines' HTTP side forwards the Responses request itself.
         flags = ["--pd-disaggregation", "--prefill", p.url, str(p.bootstrap_port), "--decode", d.url]

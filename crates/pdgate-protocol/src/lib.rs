@@ -9,6 +9,7 @@
 pub mod answer;
 pub mod anthropic;
 pub mod bootstrap;
+mod chat_chunk;
 pub mod content;
 pub mod engine_load;
 mod json_scan;
@@ -26,4 +27,4 @@ pub mod sse;
 pub mod usage;
 
 pub use limits::Limits;
-pub use request::{estimate_tokens, parse_request, Endpoint, InvalidRequest, ParsedRequest};
+pub use request::{estimate_tokens, parse_object, parse_request, Endpoint, InvalidRequest, ParsedRequest};

@@ -145,9 +145,15 @@ impl ParsedRequest {
 /// to the gateway (the request then says `rewritten`).
 pub fn parse_request(endpoint: Endpoint, bytes: &[u8], limits: &Limits) -> Result<ParsedRequest, InvalidRequest> {
     let value: Value = serde_json::from_slice(bytes).map_err(|e| InvalidRequest { param: None, message: format!("request body is not valid JSON: {e}") })?;
-    let Value::Object(mut body) = value else {
+    let Value::Object(body) = value else {
         return Err(InvalidRequest { param: None, message: "request body must be a JSON object".into() });
     };
+    parse_object(endpoint, body, limits)
+}
+
+/// [`parse_request`] of a body already parsed: a translated route (Messages, Responses) builds
+/// its chat body as a value and hands it here, rather than writing it out and reading it again.
+pub fn parse_object(endpoint: Endpoint, mut body: Map<String, Value>, limits: &Limits) -> Result<ParsedRequest, InvalidRequest> {
     check_common(&body)?;
     let scanned = limits::scan(&body, "", limits)?;
     let batch_items = match endpoint {

@@ -13,7 +13,7 @@ use pdgate_core::{GatewayError, WorkerRole};
 use pdgate_protocol::Endpoint;
 use serde_json::json;
 
-use crate::app::intake::admit_with;
+use crate::app::intake::{admit_with, Prepared};
 use crate::app::state::AppState;
 use crate::edge::auth;
 use crate::fleet::workers_api;
@@ -76,7 +76,7 @@ async fn generate(State(s): State<Arc<AppState>>, req: Request) -> Response {
 /// Admission: not a loop, body within the limit and in time, valid JSON of the right shape,
 /// then execution.
 async fn admit(state: Arc<AppState>, endpoint: Endpoint, req: Request) -> Response {
-    admit_with(state, endpoint, endpoint.path(), req, |raw| std::future::ready(Ok(raw))).await
+    admit_with(state, endpoint, endpoint.path(), req, |raw| std::future::ready(Ok(Prepared::Raw(raw)))).await
 }
 
 async fn liveness() -> Response {

@@ -10,7 +10,8 @@ use axum::extract::Request;
 use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::Response;
 use pdgate_core::GatewayError;
-use pdgate_protocol::{parse_request, Endpoint};
+use pdgate_protocol::{parse_object, parse_request, Endpoint};
+use serde_json::{Map, Value};
 use tokio::time::Instant;
 
 use crate::app::state::AppState;
@@ -26,13 +27,31 @@ pub(crate) fn client_error(state: &AppState, route: &'static str, err: &GatewayE
     resp
 }
 
-/// [`admit`] for a route that translates its body into `endpoint`'s (`/v1/responses` into chat
-/// completions): `prepare` turns the body read into the body parsed and executed, and `route`
-/// names the client's route in metrics, logs and the request log.
+/// What a route's `prepare` step hands to [`admit_with`].
+pub(crate) enum Prepared {
+    /// The client's body, to be parsed as `endpoint`'s (the plain routes).
+    Raw(Bytes),
+    /// A translated route's body, built as a value: parsed as is (not read again from `raw`);
+    /// `raw` is the same body written out, which the legs forward.
+    Built { raw: Bytes, body: Map<String, Value> },
+}
+
+impl Prepared {
+    /// A built body, written out once.
+    pub(crate) fn built(body: Map<String, Value>) -> Result<Self, GatewayError> {
+        let raw = serde_json::to_vec(&body).map_err(|e| GatewayError::invalid(None, format!("could not encode the request: {e}")))?;
+        Ok(Prepared::Built { raw: Bytes::from(raw), body })
+    }
+}
+
+/// Admits a request on `route`, run as `endpoint`'s: `prepare` turns the body read into the one
+/// parsed and executed (the plain routes hand it on; `/v1/messages` and `/v1/responses`
+/// translate it into chat completions), and `route` names the client's route in metrics, logs
+/// and the request log.
 pub(crate) async fn admit_with<F, Fut>(state: Arc<AppState>, endpoint: Endpoint, route: &'static str, req: Request, prepare: F) -> Response
 where
     F: FnOnce(axum::body::Bytes) -> Fut,
-    Fut: std::future::Future<Output = Result<axum::body::Bytes, GatewayError>>,
+    Fut: std::future::Future<Output = Result<Prepared, GatewayError>>,
 {
     // The whole request, not the HeaderMap extractor: that one clones every header.
     let (parts, body) = req.into_parts();
@@ -59,11 +78,15 @@ where
         Ok(b) => b,
         Err(resp) => return resp,
     };
-    let raw = match prepare(raw).await {
-        Ok(b) => b,
+    let (raw, parsed) = match prepare(raw).await {
+        Ok(Prepared::Raw(raw)) => {
+            let parsed = parse_request(endpoint, &raw, &state.limits);
+            (raw, parsed)
+        }
+        Ok(Prepared::Built { raw, body }) => (raw, parse_object(endpoint, body, &state.limits)),
         Err(err) => return client_error(&state, route, &err, started),
     };
-    let req = match parse_request(endpoint, &raw, &state.limits) {
+    let req = match parsed {
         Ok(r) => r,
         Err(e) => return client_error(&state, route, &GatewayError::invalid(e.param.as_deref(), e.message), started),
     };

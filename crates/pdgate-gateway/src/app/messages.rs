@@ -23,7 +23,7 @@ use pdgate_protocol::anthropic::{answer, error, stream::MessagesStream};
 use pdgate_protocol::Endpoint;
 use serde_json::{json, Value};
 
-use crate::app::intake::{admit_with, client_error, read_body};
+use crate::app::intake::{admit_with, client_error, read_body, Prepared};
 use crate::app::state::AppState;
 use crate::prompt_ids::{prompt_token_ids, PromptKind};
 
@@ -38,21 +38,21 @@ pub fn routes(router: Router<Arc<AppState>>) -> Router<Arc<AppState>> {
 
 /// Translates the body in `admit_with`'s prepare step, keeping what the answer's translation
 /// needs.
-fn translate(kind: Kind, slot: &Mutex<Option<Translated>>) -> impl FnOnce(Bytes) -> std::future::Ready<Result<Bytes, GatewayError>> + '_ {
+fn translate(kind: Kind, slot: &Mutex<Option<Translated>>) -> impl FnOnce(Bytes) -> std::future::Ready<Result<Prepared, GatewayError>> + '_ {
     move |raw| std::future::ready(translate_now(raw, kind, slot))
 }
 
-fn translate_now(raw: Bytes, kind: Kind, slot: &Mutex<Option<Translated>>) -> Result<Bytes, GatewayError> {
+fn translate_now(raw: Bytes, kind: Kind, slot: &Mutex<Option<Translated>>) -> Result<Prepared, GatewayError> {
     let mut t = to_chat(&raw, kind).map_err(|e| GatewayError::invalid(e.param.as_deref(), e.message))?;
     if kind == Kind::CountTokens {
         // Counted by the worker that runs it: one token is the least it can generate.
         t.chat.insert("max_tokens".into(), json!(1));
     }
-    let bytes = serde_json::to_vec(&t.chat).map_err(|e| GatewayError::invalid(None, e.to_string()))?;
+    let chat = std::mem::take(&mut t.chat);
     if let Ok(mut s) = slot.lock() {
         *s = Some(t);
     }
-    Ok(Bytes::from(bytes))
+    Prepared::built(chat)
 }
 
 async fn messages(State(state): State<Arc<AppState>>, req: Request) -> Response {

@@ -15,7 +15,6 @@ pub mod answer;
 pub mod error;
 pub mod request;
 pub mod stream;
-mod stream_scan;
 
 #[cfg(test)]
 mod tests;

@@ -12,8 +12,8 @@ use serde_json::{json, Value};
 
 use super::answer::usage;
 use super::error::{body_of, from_stream_error};
-use super::stream_scan::{usual_chunk, Chunk};
 use super::{message_id, stop_reason};
+use crate::chat_chunk::{Chunk, ChunkReader};
 use crate::json_scan::event_object;
 use crate::sse::{find_boundary, parse_event, SseDecoder};
 
@@ -38,6 +38,7 @@ enum Phase {
 #[derive(Debug)]
 pub struct MessagesStream {
     sse: SseDecoder,
+    chunks: ChunkReader,
     /// The client's model name as a JSON string, written into `message_start`.
     model_json: Vec<u8>,
     stop_sequences: Vec<String>,
@@ -56,6 +57,7 @@ impl MessagesStream {
     pub fn new(model: String, stop_sequences: Vec<String>) -> Self {
         MessagesStream {
             sse: SseDecoder::new(),
+            chunks: ChunkReader::default(),
             model_json: json_string(&model),
             stop_sequences,
             phase: Phase::Start,
@@ -123,7 +125,7 @@ impl MessagesStream {
             self.done(out);
             return;
         }
-        if let Some(c) = usual_chunk(data) {
+        if let Some(c) = self.chunks.read(data) {
             self.usual(&c, out);
             return;
         }
@@ -159,7 +161,7 @@ impl MessagesStream {
         }
     }
 
-    /// A chunk of the usual shape, from its raw parts (stream_scan.rs).
+    /// A chunk of the usual shape, from its raw parts (chat_chunk.rs).
     fn usual(&mut self, c: &Chunk<'_>, out: &mut Vec<u8>) {
         if self.phase == Phase::Start {
             let id = c.id.unwrap_or(b"pdgate");
@@ -275,8 +277,7 @@ impl MessagesStream {
 
 /// An integer's digits, without an allocation.
 fn push_int(out: &mut Vec<u8>, n: u64) {
-    use std::io::Write;
-    let _ = write!(out, "{n}");
+    crate::responses::stream::push_u64(out, n);
 }
 
 /// A value as JSON bytes (writing into a Vec cannot fail).

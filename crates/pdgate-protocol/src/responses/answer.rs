@@ -26,21 +26,28 @@ impl ResponseMeta {
 
     /// The Response object in `status`, with these output items and usage.
     pub fn response(&self, status: &str, output: Vec<Value>, usage: Option<Value>, model: Option<&str>) -> Value {
+        let mut r = self.response_base();
+        Self::set_outcome(&mut r, status, output, usage, model);
+        r
+    }
+
+    /// [`Self::response`]'s object with an empty outcome (what the request alone says), for
+    /// [`Self::set_outcome`]: a stream builds it once, for its first events and its last.
+    pub fn response_base(&self) -> Value {
         let e = |k: &str, default: Value| self.echo.get(k).cloned().unwrap_or(default);
-        let model = model.map(Value::from).unwrap_or_else(|| e("model", "".into()));
-        let mut r = json!({
+        json!({
             "id": self.id,
             "object": "response",
             "created_at": self.created_at,
             "background": false,
-            "status": status,
+            "status": "in_progress",
             "error": null,
             "incomplete_details": null,
             "instructions": e("instructions", Value::Null),
             "max_output_tokens": e("max_output_tokens", Value::Null),
             "metadata": e("metadata", json!({})),
-            "model": model,
-            "output": output,
+            "model": e("model", "".into()),
+            "output": [],
             "parallel_tool_calls": e("parallel_tool_calls", true.into()),
             "previous_response_id": e("previous_response_id", Value::Null),
             "reasoning": e("reasoning", Value::Null),
@@ -51,13 +58,23 @@ impl ResponseMeta {
             "tools": e("tools", json!([])),
             "top_p": e("top_p", 1.0.into()),
             "truncation": e("truncation", "disabled".into()),
-            "usage": usage,
+            "usage": null,
             "user": e("user", Value::Null),
-        });
+        })
+    }
+
+    /// Makes `r` (from [`Self::response_base`]) the Response in `status` with this output,
+    /// usage and (the worker's) model; the request's model when `model` is `None`.
+    pub fn set_outcome(r: &mut Value, status: &str, output: Vec<Value>, usage: Option<Value>, model: Option<&str>) {
+        r["status"] = status.into();
+        r["output"] = Value::Array(output);
+        r["usage"] = usage.unwrap_or(Value::Null);
+        if let Some(m) = model {
+            r["model"] = m.into();
+        }
         if status == "incomplete" {
             r["incomplete_details"] = json!({"reason": "max_output_tokens"});
         }
-        r
     }
 }
 

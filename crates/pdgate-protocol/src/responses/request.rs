@@ -183,7 +183,7 @@ impl ResponsesRequest {
     /// The chat body of this turn after `history` (the previous response's conversation items),
     /// or the error that names the offending item (e.g. a `function_call_output` whose
     /// `function_call` is in neither the history nor this input).
-    pub fn chat_body(&self, history: &[Value]) -> Result<Vec<u8>, InvalidRequest> {
+    pub fn chat_body(&self, history: &[Value]) -> Result<Map<String, Value>, InvalidRequest> {
         let mut messages = Vec::new();
         if let Some(i) = &self.instructions {
             messages.push(json!({"role": "system", "content": i}));
@@ -192,7 +192,7 @@ impl ResponsesRequest {
         messages.extend(items_to_messages(items.iter().copied(), history.len())?);
         let mut chat = self.chat.clone();
         chat.insert("messages".into(), Value::Array(messages));
-        serde_json::to_vec(&Value::Object(chat)).map_err(|e| InvalidRequest { param: None, message: format!("could not encode the request: {e}") })
+        Ok(chat)
     }
 }
 

@@ -12,7 +12,9 @@
 use serde_json::{json, Value};
 
 use super::answer::{self, ResponseMeta};
-use crate::sse::SseDecoder;
+use crate::chat_chunk::{Chunk, ChunkReader};
+use crate::json_scan::event_object;
+use crate::sse::{find_boundary, parse_event, SseDecoder};
 
 struct Call {
     output_index: usize,
@@ -25,21 +27,31 @@ struct Call {
 }
 
 /// See the module doc. Feed the chat stream's bytes, write what each call returns.
+///
+/// The usual chunks (a piece of text, the finish reason, the usage) are read from their bytes
+/// (`chat_chunk.rs`) and their text pasted into the delta event as the escaped JSON string it
+/// was; anything else (tool calls, errors) is parsed.
 pub struct StreamTranslator {
     meta: ResponseMeta,
     /// `meta.message_id()`, made once (ids are `[A-Za-z0-9_]`: no JSON escaping).
     message_id: String,
     decoder: SseDecoder,
+    chunks: ChunkReader,
     seq: u64,
     model: Option<String>,
     /// Output items finished, by output index.
     done_items: Vec<Value>,
-    /// The open message: its output index and text so far.
-    message: Option<(usize, String)>,
+    /// The open message: its output index and text so far, as the contents of a JSON string
+    /// (escaped as the worker wrote it; decoded once, when the message is done).
+    message: Option<(usize, Vec<u8>)>,
     calls: Vec<Call>,
     usage: Option<Value>,
     finish_reason: Option<String>,
     terminal: Option<Value>,
+    /// The Response object the first events carried, made the terminal one at the end.
+    base: Option<Value>,
+    /// The terminal event went out (the terminal value may have been taken since).
+    ended: bool,
 }
 
 impl StreamTranslator {
@@ -48,6 +60,7 @@ impl StreamTranslator {
             message_id: meta.message_id(),
             meta,
             decoder: SseDecoder::new(),
+            chunks: ChunkReader::default(),
             seq: 0,
             model: None,
             done_items: Vec::new(),
@@ -56,47 +69,57 @@ impl StreamTranslator {
             usage: None,
             finish_reason: None,
             terminal: None,
+            base: None,
+            ended: false,
         }
     }
 
-    /// The first two events, before any chunk.
-    pub fn start(&mut self) -> String {
-        let mut out = String::new();
-        let r = self.meta.response("in_progress", Vec::new(), None, None);
-        self.emit(&mut out, "response.created", json!({"response": r}));
-        self.emit(&mut out, "response.in_progress", json!({"response": r}));
+    /// The first two events, before any chunk. The Response object is written once for both.
+    pub fn start(&mut self) -> Vec<u8> {
+        let mut out = Vec::new();
+        let base = self.meta.response_base();
+        let r = json_bytes(&base);
+        self.base = Some(base);
+        self.emit_response(&mut out, "response.created", &r);
+        self.emit_response(&mut out, "response.in_progress", &r);
         out
     }
 
     /// The events a piece of the chat stream completes.
-    pub fn feed(&mut self, bytes: &[u8]) -> String {
-        let mut out = String::new();
-        for ev in self.decoder.feed(bytes) {
-            if self.terminal.is_some() {
-                break;
-            }
-            if ev.is_done() {
-                self.complete(&mut out);
-                continue;
-            }
-            match serde_json::from_str::<Value>(&ev.data) {
-                Ok(v) if v.get("error").is_some() => {
-                    let e = &v["error"];
-                    let msg = e.get("message").and_then(Value::as_str).unwrap_or("the worker's stream failed");
-                    let code = e.get("code").and_then(Value::as_str).unwrap_or("server_error");
-                    self.fail(&mut out, code, msg);
+    pub fn feed(&mut self, bytes: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut start = 0;
+        // Whole events are read where they lie (the relay hands over whole events, mostly);
+        // only a part event waits in the decoder, and what follows it goes through there too.
+        if self.decoder.pending() == 0 {
+            while let Some((end, sep)) = find_boundary(&bytes[start..], 0) {
+                let raw = &bytes[start..start + end];
+                match event_object(raw) {
+                    Some(payload) => self.event(payload, &mut out),
+                    None => {
+                        if let Some(ev) = parse_event(raw) {
+                            self.event(ev.data.as_bytes(), &mut out);
+                        }
+                    }
                 }
-                Ok(v) => self.chunk(&mut out, &v),
-                Err(_) => self.fail(&mut out, "bad_worker_response", "the worker sent an event that is not JSON"),
+                start += end + sep;
+            }
+        }
+        if start < bytes.len() {
+            for ev in self.decoder.feed(&bytes[start..]) {
+                self.event(ev.data.as_bytes(), &mut out);
             }
         }
         out
     }
 
     /// The chat stream ended: a stream that ended without `[DONE]` or an error fails here.
-    pub fn end(&mut self) -> String {
-        let mut out = String::new();
-        if self.terminal.is_none() {
+    pub fn end(&mut self) -> Vec<u8> {
+        let mut out = Vec::new();
+        if let Some(ev) = self.decoder.finish() {
+            self.event(ev.data.as_bytes(), &mut out);
+        }
+        if !self.ended {
             self.fail(&mut out, "stream_truncated", "the answer's stream ended before it was complete");
         }
         out
@@ -107,22 +130,84 @@ impl StreamTranslator {
         self.terminal.as_ref()
     }
 
-    fn emit(&mut self, out: &mut String, kind: &str, mut data: Value) {
+    /// [`Self::terminal`], taken (once): for the store, without a copy.
+    pub fn take_terminal(&mut self) -> Option<Value> {
+        self.terminal.take()
+    }
+
+    fn event(&mut self, data: &[u8], out: &mut Vec<u8>) {
+        if self.ended {
+            return;
+        }
+        if data.trim_ascii() == b"[DONE]" {
+            self.complete(out);
+            return;
+        }
+        if let Some(c) = self.chunks.read(data) {
+            self.usual(&c, out);
+            return;
+        }
+        match serde_json::from_slice::<Value>(data) {
+            Ok(v) if v.get("error").is_some() => {
+                let e = &v["error"];
+                let msg = e.get("message").and_then(Value::as_str).unwrap_or("the worker's stream failed");
+                let code = e.get("code").and_then(Value::as_str).unwrap_or("server_error");
+                self.fail(out, code, msg);
+            }
+            Ok(v) => self.chunk(out, &v),
+            Err(_) => self.fail(out, "bad_worker_response", "the worker sent an event that is not JSON"),
+        }
+    }
+
+    fn emit(&mut self, out: &mut Vec<u8>, kind: &str, mut data: Value) {
         data["type"] = kind.into();
         data["sequence_number"] = self.seq.into();
         self.seq += 1;
-        out.push_str("event: ");
-        out.push_str(kind);
-        out.push_str("\ndata: ");
-        out.push_str(&data.to_string());
-        out.push_str("\n\n");
+        out.extend_from_slice(b"event: ");
+        out.extend_from_slice(kind.as_bytes());
+        out.extend_from_slice(b"\ndata: ");
+        // Writing a Value into a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut *out, &data);
+        out.extend_from_slice(b"\n\n");
+    }
+
+    /// An event whose data is `{"response": <response>}`, `response` already written as JSON;
+    /// the same fields as [`Self::emit`] would write, in its order.
+    fn emit_response(&mut self, out: &mut Vec<u8>, kind: &str, response: &[u8]) {
+        let seq = self.seq;
+        self.seq += 1;
+        out.extend_from_slice(b"event: ");
+        out.extend_from_slice(kind.as_bytes());
+        out.extend_from_slice(b"\ndata: {\"response\":");
+        out.extend_from_slice(response);
+        out.extend_from_slice(b",\"sequence_number\":");
+        push_u64(out, seq);
+        out.extend_from_slice(b",\"type\":\"");
+        out.extend_from_slice(kind.as_bytes());
+        out.extend_from_slice(b"\"}\n\n");
     }
 
     fn next_index(&self) -> usize {
         self.done_items.len() + usize::from(self.message.is_some()) + self.calls.len()
     }
 
-    fn chunk(&mut self, out: &mut String, v: &Value) {
+    /// A chunk of the usual shape, from its raw parts.
+    fn usual(&mut self, c: &Chunk<'_>, out: &mut Vec<u8>) {
+        if let (None, Some(m)) = (&self.model, c.model) {
+            self.model = Some(decode(m));
+        }
+        if let Some(u) = c.usage {
+            self.usage = serde_json::from_slice::<Value>(u).ok().as_ref().and_then(answer::usage_of);
+        }
+        if let Some(raw) = c.text.filter(|t| !t.is_empty()) {
+            self.text(out, raw);
+        }
+        if let Some(f) = c.finish {
+            self.finish_reason = Some(String::from_utf8_lossy(f).into_owned());
+        }
+    }
+
+    fn chunk(&mut self, out: &mut Vec<u8>, v: &Value) {
         if let Some(m) = v.get("model").and_then(Value::as_str) {
             self.model.get_or_insert_with(|| m.to_string());
         }
@@ -132,7 +217,8 @@ impl StreamTranslator {
         let Some(choice) = v.pointer("/choices/0") else { return };
         let delta = choice.get("delta");
         if let Some(text) = delta.and_then(|d| d.get("content")).and_then(Value::as_str).filter(|t| !t.is_empty()) {
-            self.text(out, text);
+            let quoted = json_bytes(&Value::from(text));
+            self.text(out, &quoted[1..quoted.len() - 1]);
         }
         if let Some(calls) = delta.and_then(|d| d.get("tool_calls")).and_then(Value::as_array) {
             for c in calls {
@@ -144,45 +230,111 @@ impl StreamTranslator {
         }
     }
 
-    fn open_message(&mut self, out: &mut String) {
+    /// The message's two opening events, written directly (the same fields as [`Self::emit`]
+    /// would write, in its order).
+    fn open_message(&mut self, out: &mut Vec<u8>) {
         self.close_calls(out);
         let index = self.next_index();
-        let id = self.meta.message_id();
-        self.emit(out, "response.output_item.added", json!({"output_index": index, "item": answer::message_item(&id, "", "in_progress")}));
-        self.emit(out, "response.content_part.added", json!({"output_index": index, "item_id": id, "content_index": 0, "part": answer::text_part("")}));
-        self.message = Some((index, String::new()));
+        self.event_head(out, "response.output_item.added");
+        out.extend_from_slice(b"{\"item\":{\"content\":[],\"id\":\"");
+        out.extend_from_slice(self.message_id.as_bytes());
+        out.extend_from_slice(b"\",\"role\":\"assistant\",\"status\":\"in_progress\",\"type\":\"message\"},\"output_index\":");
+        push_u64(out, index as u64);
+        self.event_tail(out, "response.output_item.added");
+        self.event_head(out, "response.content_part.added");
+        out.extend_from_slice(b"{\"content_index\":0,\"item_id\":\"");
+        out.extend_from_slice(self.message_id.as_bytes());
+        out.extend_from_slice(b"\",\"output_index\":");
+        push_u64(out, index as u64);
+        out.extend_from_slice(b",\"part\":{\"annotations\":[],\"logprobs\":[],\"text\":\"\",\"type\":\"output_text\"}");
+        self.event_tail(out, "response.content_part.added");
+        self.message = Some((index, Vec::new()));
+    }
+
+    /// `event: <kind>` and the `data: ` prefix.
+    fn event_head(&self, out: &mut Vec<u8>, kind: &str) {
+        out.extend_from_slice(b"event: ");
+        out.extend_from_slice(kind.as_bytes());
+        out.extend_from_slice(b"\ndata: ");
+    }
+
+    /// The data's last two fields (`sequence_number`, `type`; the object is open before) and
+    /// the event's end.
+    fn event_tail(&mut self, out: &mut Vec<u8>, kind: &str) {
+        out.extend_from_slice(b",\"sequence_number\":");
+        push_u64(out, self.seq);
+        self.seq += 1;
+        out.extend_from_slice(b",\"type\":\"");
+        out.extend_from_slice(kind.as_bytes());
+        out.extend_from_slice(b"\"}\n\n");
     }
 
     /// The hot path (one event per token): written directly, not built as a JSON value. The
-    /// same fields as [`Self::emit`] would write, in a fixed order.
-    fn text(&mut self, out: &mut String, text: &str) {
+    /// same fields as [`Self::emit`] would write, in its order. `raw` is the text as the
+    /// contents of a JSON string.
+    fn text(&mut self, out: &mut Vec<u8>, raw: &[u8]) {
         if self.message.is_none() {
             self.open_message(out);
         }
         let Some((index, acc)) = self.message.as_mut() else { return };
-        acc.push_str(text);
+        acc.extend_from_slice(raw);
         let index = *index;
-        let delta = Value::from(text).to_string();
-        let id = &self.message_id;
         let seq = self.seq;
         self.seq += 1;
-        out.push_str("event: response.output_text.delta\ndata: ");
-        out.push_str(&format!(
-            "{{\"content_index\":0,\"delta\":{delta},\"item_id\":\"{id}\",\"logprobs\":[],\"output_index\":{index},\"sequence_number\":{seq},\"type\":\"response.output_text.delta\"}}\n\n"
-        ));
+        out.extend_from_slice(b"event: response.output_text.delta\ndata: {\"content_index\":0,\"delta\":\"");
+        out.extend_from_slice(raw);
+        out.extend_from_slice(b"\",\"item_id\":\"");
+        out.extend_from_slice(self.message_id.as_bytes());
+        out.extend_from_slice(b"\",\"logprobs\":[],\"output_index\":");
+        push_u64(out, index as u64);
+        out.extend_from_slice(b",\"sequence_number\":");
+        push_u64(out, seq);
+        out.extend_from_slice(b",\"type\":\"response.output_text.delta\"}\n\n");
     }
 
-    fn close_message(&mut self, out: &mut String) {
-        let Some((index, text)) = self.message.take() else { return };
-        let id = self.meta.message_id();
-        self.emit(out, "response.output_text.done", json!({"output_index": index, "item_id": id, "content_index": 0, "text": text, "logprobs": []}));
-        self.emit(out, "response.content_part.done", json!({"output_index": index, "item_id": id, "content_index": 0, "part": answer::text_part(&text)}));
-        let item = answer::message_item(&id, &text, answer::item_status(answer::status_of(self.finish_reason.as_deref())));
-        self.emit(out, "response.output_item.done", json!({"output_index": index, "item": item}));
-        self.done_items.push(item);
+    /// The message's three closing events, written directly with its text as it came (the
+    /// escaped contents of a JSON string); the text is decoded once, for the Response object.
+    fn close_message(&mut self, out: &mut Vec<u8>) {
+        let Some((index, raw)) = self.message.take() else { return };
+        let status = answer::item_status(answer::status_of(self.finish_reason.as_deref()));
+        let id = std::mem::take(&mut self.message_id);
+        let part = |out: &mut Vec<u8>| {
+            out.extend_from_slice(b"{\"annotations\":[],\"logprobs\":[],\"text\":\"");
+            out.extend_from_slice(&raw);
+            out.extend_from_slice(b"\",\"type\":\"output_text\"}");
+        };
+        self.event_head(out, "response.output_text.done");
+        out.extend_from_slice(b"{\"content_index\":0,\"item_id\":\"");
+        out.extend_from_slice(id.as_bytes());
+        out.extend_from_slice(b"\",\"logprobs\":[],\"output_index\":");
+        push_u64(out, index as u64);
+        out.extend_from_slice(b",\"text\":\"");
+        out.extend_from_slice(&raw);
+        out.push(b'"');
+        self.event_tail(out, "response.output_text.done");
+        self.event_head(out, "response.content_part.done");
+        out.extend_from_slice(b"{\"content_index\":0,\"item_id\":\"");
+        out.extend_from_slice(id.as_bytes());
+        out.extend_from_slice(b"\",\"output_index\":");
+        push_u64(out, index as u64);
+        out.extend_from_slice(b",\"part\":");
+        part(out);
+        self.event_tail(out, "response.content_part.done");
+        self.event_head(out, "response.output_item.done");
+        out.extend_from_slice(b"{\"item\":{\"content\":[");
+        part(out);
+        out.extend_from_slice(b"],\"id\":\"");
+        out.extend_from_slice(id.as_bytes());
+        out.extend_from_slice(b"\",\"role\":\"assistant\",\"status\":\"");
+        out.extend_from_slice(status.as_bytes());
+        out.extend_from_slice(b"\",\"type\":\"message\"},\"output_index\":");
+        push_u64(out, index as u64);
+        self.event_tail(out, "response.output_item.done");
+        self.done_items.push(answer::message_item(&id, &decode(&raw), status));
+        self.message_id = id;
     }
 
-    fn call_delta(&mut self, out: &mut String, c: &Value) {
+    fn call_delta(&mut self, out: &mut Vec<u8>, c: &Value) {
         let chat_index = c.get("index").and_then(Value::as_u64).unwrap_or(self.calls.len() as u64);
         let fragment = c.pointer("/function/arguments").and_then(Value::as_str).unwrap_or("");
         let pos = match self.calls.iter().position(|k| k.chat_index == chat_index) {
@@ -208,7 +360,7 @@ impl StreamTranslator {
         self.emit(out, "response.function_call_arguments.delta", data);
     }
 
-    fn close_calls(&mut self, out: &mut String) {
+    fn close_calls(&mut self, out: &mut Vec<u8>) {
         for call in std::mem::take(&mut self.calls) {
             self.emit(out, "response.function_call_arguments.done", json!({"output_index": call.output_index, "item_id": call.item_id, "arguments": call.arguments}));
             let item = answer::call_item(&call.item_id, &call.call_id, &call.name, &call.arguments, "completed");
@@ -217,7 +369,7 @@ impl StreamTranslator {
         }
     }
 
-    fn complete(&mut self, out: &mut String) {
+    fn complete(&mut self, out: &mut Vec<u8>) {
         if self.message.is_none() && self.calls.is_empty() && self.done_items.is_empty() {
             // An empty answer is still one (empty) message, as in the whole answer.
             self.open_message(out);
@@ -225,16 +377,59 @@ impl StreamTranslator {
         self.close_message(out);
         self.close_calls(out);
         let status = answer::status_of(self.finish_reason.as_deref());
-        let r = self.meta.response(status, self.done_items.clone(), self.usage.clone(), self.model.as_deref());
+        let r = self.outcome(status);
         let kind = if status == "incomplete" { "response.incomplete" } else { "response.completed" };
-        self.emit(out, kind, json!({"response": r}));
+        self.emit_response(out, kind, &json_bytes(&r));
         self.terminal = Some(r);
+        self.ended = true;
     }
 
-    fn fail(&mut self, out: &mut String, code: &str, message: &str) {
-        let mut r = self.meta.response("failed", self.done_items.clone(), self.usage.clone(), self.model.as_deref());
-        r["error"] = json!({"code": code, "message": message});
-        self.emit(out, "response.failed", json!({"response": r}));
-        self.terminal = Some(r);
+    /// The terminal Response object: the first events' one, with the outcome.
+    fn outcome(&mut self, status: &str) -> Value {
+        let mut r = self.base.take().unwrap_or_else(|| self.meta.response_base());
+        ResponseMeta::set_outcome(&mut r, status, std::mem::take(&mut self.done_items), self.usage.take(), self.model.as_deref());
+        r
     }
+
+    fn fail(&mut self, out: &mut Vec<u8>, code: &str, message: &str) {
+        let mut r = self.outcome("failed");
+        r["error"] = json!({"code": code, "message": message});
+        self.emit_response(out, "response.failed", &json_bytes(&r));
+        self.terminal = Some(r);
+        self.ended = true;
+    }
+}
+
+/// The contents of a JSON string (escapes and all) as the text they stand for; bytes that are
+/// not valid UTF-8 (which a worker should never send) as U+FFFD.
+fn decode(raw: &[u8]) -> String {
+    if !raw.contains(&b'\\') {
+        return String::from_utf8_lossy(raw).into_owned();
+    }
+    let mut quoted = Vec::with_capacity(raw.len() + 2);
+    quoted.push(b'"');
+    quoted.extend_from_slice(raw);
+    quoted.push(b'"');
+    serde_json::from_slice(&quoted).unwrap_or_else(|_| String::from_utf8_lossy(raw).into_owned())
+}
+
+/// A value as JSON bytes (writing into a Vec cannot fail; `to_string` would go through
+/// `fmt`, several times slower).
+fn json_bytes(v: &Value) -> Vec<u8> {
+    serde_json::to_vec(v).unwrap_or_default()
+}
+
+/// A number's decimal digits (`write!` goes through `fmt`: several times the cost, per token).
+pub(crate) fn push_u64(out: &mut Vec<u8>, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[i..]);
 }

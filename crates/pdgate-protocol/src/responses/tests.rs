@@ -4,8 +4,7 @@ use super::*;
 
 fn chat_of(body: Value, history: &[Value]) -> Value {
     let req = parse_responses(body.to_string().as_bytes()).unwrap_or_else(|e| panic!("{e:?}"));
-    let bytes = req.chat_body(history).unwrap_or_else(|e| panic!("{e:?}"));
-    serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{e}"))
+    Value::Object(req.chat_body(history).unwrap_or_else(|e| panic!("{e:?}")))
 }
 
 fn meta() -> ResponseMeta {
@@ -162,10 +161,10 @@ fn translate(wire: &str, split: usize) -> (String, Option<Value>) {
     let mut t = StreamTranslator::new(meta());
     let mut out = t.start();
     for piece in wire.as_bytes().chunks(split.max(1)) {
-        out.push_str(&t.feed(piece));
+        out.extend(t.feed(piece));
     }
-    out.push_str(&t.end());
-    (out, t.terminal().cloned())
+    out.extend(t.end());
+    (String::from_utf8(out).unwrap_or_else(|e| panic!("not UTF-8: {e}")), t.terminal().cloned())
 }
 
 #[test]
@@ -208,6 +207,23 @@ fn text_stream_is_the_responses_event_sequence_at_any_split() {
         evs[4].1,
         json!({"type": "response.output_text.delta", "sequence_number": 4, "output_index": 0, "item_id": "msg_abc", "content_index": 0, "delta": "Hel", "logprobs": []})
     );
+    // So are the hand-written opening and closing events of the message.
+    let text = "Hel\"\\\n\u{1}élo";
+    let item = |status: &str, text: &str| answer::message_item("msg_abc", text, status);
+    assert_eq!(evs[2].1, json!({"type": "response.output_item.added", "sequence_number": 2, "output_index": 0, "item": item("in_progress", "")}));
+    assert_eq!(
+        evs[3].1,
+        json!({"type": "response.content_part.added", "sequence_number": 3, "output_index": 0, "item_id": "msg_abc", "content_index": 0, "part": answer::text_part("")})
+    );
+    assert_eq!(
+        evs[7].1,
+        json!({"type": "response.output_text.done", "sequence_number": 7, "output_index": 0, "item_id": "msg_abc", "content_index": 0, "text": text, "logprobs": []})
+    );
+    assert_eq!(
+        evs[8].1,
+        json!({"type": "response.content_part.done", "sequence_number": 8, "output_index": 0, "item_id": "msg_abc", "content_index": 0, "part": answer::text_part(text)})
+    );
+    assert_eq!(evs[9].1, json!({"type": "response.output_item.done", "sequence_number": 9, "output_index": 0, "item": item("completed", text)}));
     let r = terminal.unwrap_or_else(|| panic!("no terminal"));
     assert_eq!(r["output"][0]["content"][0]["text"], json!("Hel\"\\\n\u{1}élo"));
     assert_eq!(r["usage"]["output_tokens"], json!(2));
@@ -271,4 +287,13 @@ fn an_empty_answer_is_one_empty_message() {
     let (out, r) = translate(&[chunk(json!({"content": ""}), Some("stop")), "data: [DONE]\n\n".into()].concat(), 100);
     assert_eq!(events(&out).len(), 2 + 5 + 1);
     assert_eq!(r.map(|r| r["output"][0]["content"][0]["text"].clone()), Some(json!("")));
+}
+
+#[test]
+fn numbers_are_written_as_their_digits() {
+    for n in [0u64, 7, 10, 99, 100, 12345, u64::MAX] {
+        let mut out = Vec::new();
+        super::stream::push_u64(&mut out, n);
+        assert_eq!(out, n.to_string().into_bytes());
+    }
 }

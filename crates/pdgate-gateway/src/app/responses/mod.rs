@@ -8,12 +8,13 @@
 //! back: whole, or chunk by chunk into the Responses event stream. Kept responses live in a
 //! [`store::ResponseStore`] (in memory by default).
 
+pub mod items;
 pub mod store;
 
 use std::sync::{Arc, Mutex};
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, Request, State};
+use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
@@ -26,7 +27,7 @@ use pdgate_protocol::responses::{parse_responses, response_from_chat, ResponseMe
 use pdgate_protocol::{Endpoint, InvalidRequest};
 use serde_json::{json, Value};
 
-use crate::app::intake::admit_with;
+use crate::app::intake::{admit_with, Prepared};
 use crate::app::state::AppState;
 use crate::render::error_response;
 use store::{Bounds, MemoryStore, ResponseStore, StoredResponse};
@@ -59,7 +60,11 @@ impl Responses {
 
     /// The kept responses: `GET`/`DELETE /v1/responses/{id}`, `POST .../cancel`.
     pub fn stored_routes<S: Clone + Send + Sync + 'static>(self: &Arc<Self>) -> Router<S> {
-        Router::new().route("/v1/responses/{id}", axum::routing::get(retrieve).delete(delete)).route("/v1/responses/{id}/cancel", post(cancel)).with_state(self.clone())
+        Router::new()
+            .route("/v1/responses/{id}", axum::routing::get(retrieve).delete(delete))
+            .route("/v1/responses/{id}/cancel", post(cancel))
+            .route("/v1/responses/{id}/input_items", axum::routing::get(input_items))
+            .with_state(self.clone())
     }
 }
 
@@ -80,17 +85,17 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// What the body said, kept for the answer's translation.
-struct Prepared {
+/// What the body said, kept for the answer's translation: this turn.
+struct Turn {
     req: ResponsesRequest,
     /// The conversation before this turn (`previous_response_id`'s items).
     history: Vec<Value>,
 }
 
 async fn create(State(r): State<Arc<Responses>>, req: Request) -> Response {
-    let prepared: Arc<Mutex<Option<Prepared>>> = Arc::default();
-    // An unknown previous response is answered here, a 404 with OpenAI's own code (the front
-    // counts and logs the refusal by its `GatewayError`).
+    let prepared: Arc<Mutex<Option<Turn>>> = Arc::default();
+    // An unknown previous response is answered here as OpenAI answers it: 400 with its own code
+    // (the front counts and logs the refusal by its `GatewayError`).
     let unknown_previous: Arc<Mutex<Option<String>>> = Arc::default();
     let (slot, previous_slot) = (prepared.clone(), unknown_previous.clone());
     let store = r.store.clone();
@@ -101,18 +106,18 @@ async fn create(State(r): State<Arc<Responses>>, req: Request) -> Response {
                 Some(kept) => kept.items.clone(),
                 None => {
                     *lock(&previous_slot) = Some(id.clone());
-                    return Err(not_found(id));
+                    return Err(GatewayError::invalid(Some("previous_response_id"), format!("Previous response with id '{id}' not found.")));
                 }
             },
             None => Vec::new(),
         };
         let chat = req.chat_body(&history).map_err(invalid)?;
-        *lock(&slot) = Some(Prepared { req, history });
-        Ok(Bytes::from(chat))
+        *lock(&slot) = Some(Turn { req, history });
+        Prepared::built(chat)
     };
     let resp = admit_with(r.state.clone(), Endpoint::ChatCompletions, ROUTE, req, prepare).await;
     if let Some(id) = lock(&unknown_previous).take() {
-        return coded_error(StatusCode::NOT_FOUND, &format!("Previous response with id '{id}' not found."), "previous_response_not_found", Some("previous_response_id"));
+        return coded_error(StatusCode::BAD_REQUEST, &format!("Previous response with id '{id}' not found."), "previous_response_not_found", Some("previous_response_id"));
     }
     let taken = lock(&prepared).take();
     // Refused before or by the translation, or failed before any answer: the error is already
@@ -130,22 +135,25 @@ async fn create(State(r): State<Arc<Responses>>, req: Request) -> Response {
     }
 }
 
-/// The conversation a kept response ends: the history, this input, this output.
-fn conversation(p: &Prepared, response: &Value) -> Vec<Value> {
+/// The conversation a kept response ends: the history, this input (each item with an id, for
+/// `input_items`' cursors), this output.
+fn conversation(p: &Turn, response: &Value) -> Vec<Value> {
     let output = response.get("output").and_then(Value::as_array).cloned().unwrap_or_default();
-    p.history.iter().chain(&p.req.input).cloned().chain(output).collect()
+    let id = response.get("id").and_then(Value::as_str).unwrap_or_default();
+    p.history.iter().cloned().chain(items::with_ids(&p.req.input, id)).chain(output).collect()
 }
 
-async fn keep(store: &dyn ResponseStore, p: &Prepared, response: &Value) {
+async fn keep(store: &dyn ResponseStore, p: &Turn, response: Value) {
     let status = response.get("status").and_then(Value::as_str);
     if p.req.store && matches!(status, Some("completed" | "incomplete")) {
-        if let Some(id) = response.get("id").and_then(Value::as_str) {
-            store.put(id.to_string(), StoredResponse { response: response.clone(), items: conversation(p, response) }).await;
+        if let Some(id) = response.get("id").and_then(Value::as_str).map(str::to_string) {
+            let items = conversation(p, &response);
+            store.put(id, StoredResponse { response, items }).await;
         }
     }
 }
 
-async fn whole_answer(state: &AppState, resp: Response, meta: ResponseMeta, p: Prepared, store: &dyn ResponseStore) -> Response {
+async fn whole_answer(state: &AppState, resp: Response, meta: ResponseMeta, p: Turn, store: &dyn ResponseStore) -> Response {
     let (mut parts, body) = resp.into_parts();
     let chat = match axum::body::to_bytes(body, state.config.max_response_bytes).await {
         Ok(b) => serde_json::from_slice::<Value>(&b).ok(),
@@ -155,15 +163,16 @@ async fn whole_answer(state: &AppState, resp: Response, meta: ResponseMeta, p: P
         return error_response(&GatewayError::bad_worker_response(pdgate_core::Leg::Decode, "the chat answer could not be read as JSON for /v1/responses"));
     };
     let response = response_from_chat(&chat, &meta);
-    keep(store, &p, &response).await;
+    let body = serde_json::to_vec(&response).unwrap_or_default();
+    keep(store, &p, response).await;
     parts.headers.remove(header::CONTENT_LENGTH);
     parts.headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    Response::from_parts(parts, Body::from(response.to_string()))
+    Response::from_parts(parts, Body::from(body))
 }
 
 /// The chat stream's body, translated event by event. It reads the chat stream to its end even
 /// after the terminal event, so the relay finishes (accounting, breakers) as for a chat client.
-fn stream_answer(resp: Response, meta: ResponseMeta, p: Prepared, store: Arc<dyn ResponseStore>) -> Response {
+fn stream_answer(resp: Response, meta: ResponseMeta, p: Turn, store: Arc<dyn ResponseStore>) -> Response {
     let (mut parts, body) = resp.into_parts();
     parts.headers.remove(header::CONTENT_LENGTH);
     let mut translator = StreamTranslator::new(meta);
@@ -171,10 +180,10 @@ fn stream_answer(resp: Response, meta: ResponseMeta, p: Prepared, store: Arc<dyn
     struct St {
         chunks: axum::body::BodyDataStream,
         t: StreamTranslator,
-        head: Option<String>,
+        head: Option<Vec<u8>>,
         ended: bool,
         kept: bool,
-        p: Prepared,
+        p: Turn,
         store: Arc<dyn ResponseStore>,
     }
     let st = St { chunks: body.into_data_stream(), t: translator, head: Some(head), ended: false, kept: false, p, store };
@@ -193,10 +202,10 @@ fn stream_answer(resp: Response, meta: ResponseMeta, p: Prepared, store: Arc<dyn
                 }
             };
             if !st.kept {
-                if let Some(done) = st.t.terminal().cloned() {
+                if let Some(done) = st.t.take_terminal() {
                     st.kept = true;
                     // Kept before the client sees the terminal event: a retrieve right after works.
-                    keep(st.store.as_ref(), &st.p, &done).await;
+                    keep(st.store.as_ref(), &st.p, done).await;
                 }
             }
             if !out.is_empty() {
@@ -220,6 +229,15 @@ async fn delete(State(r): State<Arc<Responses>>, Path(id): Path<String>) -> Resp
         Json(json!({"id": id, "object": "response", "deleted": true})).into_response()
     } else {
         error_response(&not_found(&id))
+    }
+}
+
+/// `GET /v1/responses/{id}/input_items` (see [`items`]).
+async fn input_items(State(r): State<Arc<Responses>>, Path(id): Path<String>, Query(q): Query<items::ListQuery>) -> Response {
+    let Some(kept) = r.store.get(&id).await else { return error_response(&not_found(&id)) };
+    match items::page(items::input_items(&kept), &q) {
+        Ok(list) => Json(list).into_response(),
+        Err(bad) => error_response(&GatewayError::invalid(Some(bad.param), bad.message)),
     }
 }
 

@@ -24,9 +24,26 @@ pub struct StoredResponse {
 
 impl StoredResponse {
     fn bytes(&self) -> usize {
-        // Close enough for a bound: the JSON text of what is kept.
-        self.response.to_string().len() + self.items.iter().map(|i| i.to_string().len()).sum::<usize>()
+        // Close enough for a bound: the JSON text of what is kept (counted, not written).
+        json_len(&self.response) + self.items.iter().map(json_len).sum::<usize>()
     }
+}
+
+/// The length of a value's JSON text, without writing it anywhere.
+fn json_len(v: &Value) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0 += b.len();
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut n = Count(0);
+    let _ = serde_json::to_writer(&mut n, v);
+    n.0
 }
 
 pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

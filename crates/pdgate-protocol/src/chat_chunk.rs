@@ -1,0 +1,221 @@
+//! A usual chat chunk, read from its bytes: the fast path of the stream translators (Messages,
+//! Responses). A chat stream is mostly chunks of one choice whose delta is a piece of text, then
+//! a finish reason and the usage; parsing each into a `serde_json::Value` cost more than the rest
+//! of the translation. Strings are taken as the raw JSON string contents they are (escapes and
+//! all) and written into the translated events as they are, neither decoded nor encoded. Anything else (tool calls,
+//! reasoning, an error, several choices, a repeated key, an escaped finish reason) is `None`:
+//! the caller parses.
+
+use crate::json_scan::Scan;
+
+/// What the translator needs of a usual chunk.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Chunk<'a> {
+    /// The top-level `id` (raw string contents).
+    pub id: Option<&'a [u8]>,
+    /// The top-level `model` when a string (raw string contents).
+    pub model: Option<&'a [u8]>,
+    /// `choices[0].delta.content` (raw string contents).
+    pub text: Option<&'a [u8]>,
+    /// `choices[0].finish_reason` when not null (no escapes).
+    pub finish: Option<&'a [u8]>,
+    /// `choices[0].stop_reason` when not null: the raw JSON value (vLLM's matched stop).
+    pub stop_reason: Option<&'a [u8]>,
+    /// `usage` when not null: the raw JSON object.
+    pub usage: Option<&'a [u8]>,
+}
+
+/// The chunk in one event's data; `None` when it is not of the usual shape.
+pub(crate) fn usual_chunk(payload: &[u8]) -> Option<Chunk<'_>> {
+    if payload.first() != Some(&b'{') {
+        return None;
+    }
+    let mut s = Scan { b: payload, i: 0 };
+    let (mut c, mut seen) = (Chunk::default(), 0u8);
+    s.object(|s, key, _, _| match key {
+        b"choices" => {
+            once(&mut seen, 1)?;
+            let n = s.array(|s| choice(s, &mut c))?;
+            (n <= 1).then_some(())
+        }
+        b"id" => {
+            once(&mut seen, 2)?;
+            c.id = Some(s.string()?);
+            Some(())
+        }
+        b"usage" => {
+            once(&mut seen, 4)?;
+            c.usage = non_null(s)?;
+            Some(())
+        }
+        b"model" => {
+            once(&mut seen, 8)?;
+            match s.peek_after_ws()? {
+                b'"' => c.model = Some(s.string()?),
+                _ => drop(s.value()?),
+            }
+            Some(())
+        }
+        b"error" => None,
+        _ => s.value().map(drop),
+    })?;
+    s.ws();
+    (s.i == payload.len() && seen & 1 == 1).then_some(c)
+}
+
+fn once(seen: &mut u8, bit: u8) -> Option<()> {
+    if *seen & bit != 0 {
+        return None;
+    }
+    *seen |= bit;
+    Some(())
+}
+
+/// A member's raw value, `None` inside for `null`.
+fn non_null<'a>(s: &mut Scan<'a>) -> Option<Option<&'a [u8]>> {
+    let (a, z) = s.value()?;
+    let raw = &s.b[a..z];
+    Some((raw != b"null").then_some(raw))
+}
+
+fn choice<'a>(s: &mut Scan<'a>, c: &mut Chunk<'a>) -> Option<()> {
+    let mut seen = 0u8;
+    s.object(|s, key, _, _| match key {
+        b"finish_reason" => {
+            once(&mut seen, 1)?;
+            match s.peek_after_ws()? {
+                b'"' => {
+                    let f = s.string()?;
+                    c.finish = (!f.contains(&b'\\')).then_some(f);
+                    c.finish.map(drop)
+                }
+                _ => non_null(s)?.is_none().then_some(()),
+            }
+        }
+        b"stop_reason" => {
+            once(&mut seen, 2)?;
+            c.stop_reason = non_null(s)?;
+            Some(())
+        }
+        b"delta" => {
+            once(&mut seen, 4)?;
+            s.object(|s, k, _, _| match k {
+                b"content" => {
+                    once(&mut seen, 8)?;
+                    match s.peek_after_ws()? {
+                        b'"' => {
+                            c.text = Some(s.string()?);
+                            Some(())
+                        }
+                        _ => non_null(s)?.is_none().then_some(()),
+                    }
+                }
+                b"role" => {
+                    once(&mut seen, 16)?;
+                    s.value().map(drop)
+                }
+                _ => None,
+            })
+        }
+        b"index" | b"logprobs" | b"token_ids" => s.value().map(drop),
+        _ => None,
+    })
+}
+
+/// Reads a stream's chunks: [`usual_chunk`], with a shortcut for the text chunks after the
+/// first. An engine writes every text chunk of a stream alike (the same id, model, fields and
+/// order; only the text differs), so once one text chunk was read in full, a chunk whose bytes
+/// before and after the text are those of that chunk, with a JSON string's contents in between,
+/// is the same chunk with another text: no walk over the rest.
+#[derive(Debug, Default)]
+pub(crate) struct ChunkReader {
+    /// A text chunk read in full (no finish reason, stop reason or usage), and where its text
+    /// lies in it.
+    template: Option<(Vec<u8>, usize, usize)>,
+}
+
+impl ChunkReader {
+    pub(crate) fn read<'a>(&mut self, payload: &'a [u8]) -> Option<Chunk<'a>> {
+        if let Some(text) = self.same_but_text(payload) {
+            return Some(Chunk { text: Some(text), ..Chunk::default() });
+        }
+        let c = usual_chunk(payload)?;
+        // A text chunk (not the first, empty one with the role) is the next template.
+        if c.finish.is_none() && c.stop_reason.is_none() && c.usage.is_none() {
+            if let Some(text) = c.text.filter(|t| !t.is_empty()) {
+                let start = text.as_ptr() as usize - payload.as_ptr() as usize;
+                self.template = Some((payload.to_vec(), start, start + text.len()));
+            }
+        }
+        Some(c)
+    }
+
+    /// The text of a chunk that is the template but for its text.
+    fn same_but_text<'a>(&self, payload: &'a [u8]) -> Option<&'a [u8]> {
+        let (t, start, end) = self.template.as_ref()?;
+        let (prefix, suffix) = (&t[..*start], &t[*end..]);
+        if payload.len() < prefix.len() + suffix.len() || !payload.starts_with(prefix) || !payload.ends_with(suffix) {
+            return None;
+        }
+        // The string that opens at the prefix's closing quote must close where the suffix starts.
+        let mut s = Scan { b: payload, i: prefix.len().checked_sub(1)? };
+        let text = s.string()?;
+        (s.i == payload.len() - suffix.len() + 1).then_some(text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{usual_chunk, Chunk, ChunkReader};
+
+    #[test]
+    fn reads_the_usual_chunks_and_refuses_the_rest() {
+        let usual =
+            br#"{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"a\"b\\n"},"logprobs":null,"finish_reason":null}]}"#;
+        assert_eq!(usual_chunk(usual), Some(Chunk { id: Some(b"c1"), model: Some(b"m"), text: Some(br#"a\"b\\n"#), ..Chunk::default() }));
+        let last = br#"{"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop","stop_reason":"END"}],"usage":null}"#;
+        assert_eq!(usual_chunk(last), Some(Chunk { id: Some(b"c"), finish: Some(b"stop"), stop_reason: Some(br#""END""#), ..Chunk::default() }));
+        let usage = br#"{"id":"c","choices":[],"usage":{"prompt_tokens":1}}"#;
+        assert_eq!(usual_chunk(usage), Some(Chunk { id: Some(b"c"), usage: Some(br#"{"prompt_tokens":1}"#), ..Chunk::default() }));
+        for other in [
+            &br#"{"choices":[{"delta":{"tool_calls":[]}}]}"#[..],
+            br#"{"choices":[{"delta":{"reasoning_content":"r"}}]}"#,
+            br#"{"choices":[{"delta":{"content":"a","content":"b"}}]}"#,
+            br#"{"choices":[{"delta":{"content":"a"}},{"delta":{"content":"b"}}]}"#,
+            br#"{"choices":[{"delta":{"content":"a"},"finish_reason":"st\u006fp"}]}"#,
+            br#"{"error":{"message":"x"}}"#,
+            br#"{"id":"c"}"#,
+            b"[DONE]",
+        ] {
+            assert_eq!(usual_chunk(other), None, "{}", String::from_utf8_lossy(other));
+        }
+    }
+
+    #[test]
+    fn a_reader_takes_the_text_of_chunks_like_the_first_and_reads_any_other_in_full() {
+        let chunk = |text: &str, finish: &str| {
+            format!(r#"{{"id":"c","model":"m","choices":[{{"index":0,"delta":{{"content":{}}},"finish_reason":{finish}}}]}}"#, serde_json::to_string(text).unwrap_or_default())
+        };
+        let mut r = ChunkReader::default();
+        let role = r#"{"id":"c","model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#;
+        assert_eq!(r.read(role.as_bytes()).map(|c| c.text), Some(Some(&b""[..])));
+        for (i, text) in ["first", "", "a\"b", "tail\\", "\"", "é ü", "x"].into_iter().enumerate() {
+            let raw = chunk(text, "null");
+            let want = usual_chunk(raw.as_bytes()).map(|c| c.text);
+            let got = r.read(raw.as_bytes());
+            assert_eq!(got.as_ref().map(|c| c.text), want, "{raw}");
+            if i > 0 {
+                assert_eq!(got.map(|c| c.id), Some(None), "after the first: the shortcut");
+            }
+        }
+        // Not the template's shape: read in full, with everything it says.
+        let last = chunk("", r#""stop""#);
+        assert_eq!(r.read(last.as_bytes()).and_then(|c| c.finish), Some(&b"stop"[..]));
+        // The template's bytes around something that is not one string: read in full.
+        let trick = chunk("PLACE", "null").replace("PLACE", r#"a","x":"b"#);
+        assert_eq!(r.read(trick.as_bytes()), None);
+        assert_eq!(usual_chunk(trick.as_bytes()), None);
+        let other = r#"{"id":"d","choices":[{"index":0,"delta":{"content":"z"}}]}"#;
+        assert_eq!(r.read(other.as_bytes()).and_then(|c| c.id), Some(&b"d"[..]));
+    }
+}
