@@ -227,3 +227,47 @@ def test_a_client_that_hangs_up_leaves_no_embedding_pinned(fleet: Fleet) -> None
     finally:
         hole.close()
     fleet.clean()
+
+
+def test_an_encode_worker_killed_mid_request_is_retried_on_a_sound_one(fleet: Fleet) -> None:
+    """The only encode worker takes the image and hangs (the prefill already waits on its
+    bootstrap server for the embedding); a sound one joins through `POST /workers`; then the
+    first is SIGKILLed. The encode call breaks (`encode_unavailable`), or the prefill's transfer
+    from it does (`encode_bad_response`, the failure still the encode worker's); the attempt is
+    retried before the first byte on the sound worker, and the answer is the colocated one."""
+    doomed = ReferenceWorker(mode="encode", model=MODEL, extra_args=["--fault-encode", "hang"])
+    doomed.start(timeout=90)
+    try:
+        with fleet.gateway([doomed], encode_timeout_secs=120, breaker_failure_threshold=5) as gw:
+            assert wait_status(gw.url + "/readiness", 200) == 200
+            body = chat("killed: ", f"img:{NOISE}", max_tokens=6)
+            want = colocated(fleet, body)
+            result: dict[str, Any] = {}
+
+            def send() -> None:
+                result["r"] = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=120)
+
+            sender = threading.Thread(target=send)
+            sender.start()
+            # the prefill registered for the embedding on the doomed worker: the request is in flight there
+            wait_for("the prefill waits on the doomed encode worker", lambda: waiting(doomed) == 1, 30)
+            added = httpx.post(gw.url + "/workers", json={"url": fleet.good.url, "worker_type": "encode",
+                                                          "bootstrap_port": fleet.good.bootstrap_port}, timeout=10)
+            assert added.status_code == 201, added.text
+            wait_for("the sound encode worker is healthy", lambda: any(
+                w["url"] == fleet.good.url and w["healthy"] for w in httpx.get(gw.url + "/workers", timeout=10).json()["workers"]), 30)
+            doomed.kill()
+            sender.join(120)
+            r = result["r"]
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+            route = r.headers["x-pdgate-route"]
+            assert encode_field(route) == [fleet.good.url] and "attempts=2" in route, route
+            # one failed encode leg: the encode call's broken connection, or the prefill's broken
+            # embedding transfer from the same worker, blamed on it (whichever ends first)
+            codes = {c: leg_errors(gw, c) for c in ("encode_unavailable", "encode_bad_response")}
+            assert sum(codes.values()) == 1, codes
+            assert breakers(gw)[fleet.prefill.url] == "closed"
+    finally:
+        doomed.stop()
+    fleet.clean()
