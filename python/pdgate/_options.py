@@ -65,6 +65,8 @@ class GatewayOptions(TypedDict, total=False):
     """--encode: An encode worker (EPD, http:// serving `POST /encode`) and its bootstrap port (`none` for the engine default), then any `label=KEY=VALUE`. Repeat for more workers. gRPC encode workers are not built yet."""
     encode_policy: Literal["random", "round_robin", "consistent_hashing"]
     """--encode-policy: EPD: which encode worker gets each image: random, round_robin, or consistent_hashing (by the image's content hash, SHA-256 of its bytes, so a repeated image goes to the same encode worker). Default: "consistent_hashing"."""
+    encode_timeout_secs: int
+    """--encode-timeout-secs: EPD: how long an encode worker may take to accept an image (answer `POST /encode`). One that does not is a failed encode leg (`encode_timeout`): its breaker hears it and the request is retried on another encode worker while its own deadline allows. Default: 30. Range: 0 to 18446744073709551615."""
     kv_connector: Literal["bootstrap", "nixl", "mooncake"]
     """--kv-connector: How KV moves between prefill and decode: SGLang bootstrap rendezvous, vLLM NIXL (pull) or vLLM Mooncake (push). Workers registered with their own connector override this. Default: "bootstrap"."""
     policy: Literal["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash", "least_tokens", "most_free_kv"]

@@ -75,3 +75,33 @@ def test_sharegpt_first_human_turn_and_reply_length(tmp_path: Path) -> None:
     assert sorted((r.prompt, r.prompt_len, r.output_len) for r in reqs) == [("abc", 3, 5), ("hello", 5, 2)]
     fixed = sharegpt_requests(str(path), 1, 7, np.random.default_rng(0))
     assert len(fixed) == 1 and fixed[0].output_len == 7
+
+
+def test_images_go_to_a_share_of_requests_and_leave_the_text_alone() -> None:
+    """EPD: `with_images` gives a fraction of the requests K distinct PNG data URLs, from its own
+    generator (the prompts are those of the run without images), and the chat body carries them
+    as image_url parts after the text."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from pdgate.bench.client import RequestSpec, build_body
+    from pdgate.bench.dataset import with_images
+
+    plain = random_requests(200, 20, 4, rng=np.random.default_rng(1))
+    mixed = with_images(plain, 0.25, 2, 24, seed=1)
+    assert [r.prompt for r in mixed] == [r.prompt for r in plain]
+    picked = [r for r in mixed if r.images]
+    assert 30 <= len(picked) <= 70 and all(len(r.images) == 2 for r in picked)
+    urls = [u for r in picked for u in r.images]
+    assert len(set(urls)) == len(urls)  # every image different: no embedding cache hit
+    img = Image.open(io.BytesIO(base64.b64decode(urls[0].split(",", 1)[1])))
+    assert (img.format, img.size) == ("PNG", (24, 24))
+    assert with_images(plain, 0.25, 2, 24, seed=1) == mixed
+    body = build_body(RequestSpec(url="u", model="m", chat=True, stream=True), picked[0])
+    parts = body["messages"][0]["content"]
+    assert parts[0] == {"type": "text", "text": picked[0].prompt}
+    assert [p["image_url"]["url"] for p in parts[1:]] == list(picked[0].images)
+    with pytest.raises(ValueError):
+        build_body(RequestSpec(url="u", model="m", chat=False, stream=True), picked[0])

@@ -79,3 +79,13 @@ def test_goodput_and_percentile_parsing() -> None:
             parse_goodput(bad)
     assert percentile_key(99.0, "ttft") == "p99_ttft_ms"
     assert percentile_key(99.9, "itl") == "p99.9_itl_ms"
+
+
+def test_image_and_text_ttft_apart() -> None:
+    outs = [RequestOutput(success=True, prompt_len=5, output_tokens=2, ttft=t, latency=t + 0.1, images=k)
+            for t, k in ((0.5, 2), (0.7, 1), (0.1, 0), (0.3, 0))]
+    r = compute_metrics(outs, 1.0, {}, [50])
+    assert r["epd"]["image_requests"] == 2 and r["epd"]["images"] == 3
+    assert r["epd"]["median_image_ttft_ms"] == pytest.approx(600.0)
+    assert r["epd"]["median_text_ttft_ms"] == pytest.approx(200.0)
+    assert "epd" not in compute_metrics([RequestOutput(success=True, ttft=0.1, latency=0.2)], 1.0, {}, [50])

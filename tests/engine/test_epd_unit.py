@@ -173,3 +173,40 @@ def test_wrong_image_or_missing_encode_fails_and_nothing_stays():
     wrong, missing, pending, sent = asyncio.run(_with_source(0.3, body))
     assert "holds image other" in wrong and "no embedding for room 2" in missing
     assert pending == 0 and sent == 0
+
+
+def test_abort_drops_an_encode_calls_rooms_at_once():
+    """`/abort_request` on an encode worker (`EmbedSource.abort`): an offered embedding is freed,
+    a prefill's waiting registration gets an error, other calls' rooms stay, and the aborted
+    req_id is refused if its `/encode` comes late. The bootstrap timeout is long (60 s), so
+    what is gone was gone by the abort."""
+    emb = np.ones((16, 64), dtype=np.float32)
+
+    async def body(src, addr, counts):
+        rx = _ctx(60)
+        src.track("encode-r1-0", [1])
+        src.offer(1, "h1", emb)                      # offered, nobody registered yet
+        src.track("encode-r1-1", [2])                # still encoding; the prefill already waits
+        waiter = asyncio.create_task(embed_receive(rx, addr, 2, "h2", (16, 64)))
+        src.track("encode-r2-0", [3])
+        src.offer(3, "h3", emb)                      # another request's: must stay
+        for _ in range(200):
+            if 2 in src.claimed:
+                break
+            await asyncio.sleep(0.01)
+        assert src.pending == 3
+        dropped = src.abort(lambda req: req.startswith("encode-r1"))
+        with pytest.raises(EngineError) as aborted:
+            await asyncio.wait_for(waiter, 10)
+        for _ in range(200):
+            if src.pending == 1:
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineError) as late:
+            src.track("encode-r1-0", [4])
+        return dropped, str(aborted.value), src.pending, sorted(src.slots), late.value.code
+
+    dropped, aborted, pending, rooms, late = asyncio.run(_with_source(60, body))
+    assert dropped == 2 and "aborted" in aborted
+    assert pending == 1 and rooms == [3]
+    assert late == "aborted"

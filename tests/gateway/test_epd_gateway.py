@@ -20,6 +20,7 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -280,3 +281,35 @@ def test_encode_workers_are_listed_with_their_role(epd: tuple[Epd, pdgate.Gatewa
     assert all(roles[e.url] == "encode" for e in fleet.encoders), roles
     metrics = httpx.get(gw.url + "/metrics", timeout=10).text
     assert any('role="encode"' in line and fleet.encoders[0].url in line for line in metrics.splitlines())
+
+
+def test_anthropic_image_blocks_run_epd(epd: tuple[Epd, pdgate.Gateway]) -> None:
+    """The Messages API through the official SDK: base64 `image` blocks become the chat body's
+    `image_url` data-URL parts in place, so the request runs E/P/D and answers the colocated
+    worker's greedy text for the equivalent chat request; a `url` source is Anthropic's 400."""
+    fleet, gw = epd
+    png = NOISE.split(",", 1)[1]
+    blocks = [{"type": "text", "text": "what is in "},
+              {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}},
+              {"type": "text", "text": " and in "},
+              {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": RED.split(",", 1)[1]}}]
+    want = colocated(fleet, chat("what is in ", f"img:{NOISE}", " and in ", f"img:{RED}", max_tokens=10))
+    received = mm(fleet.prefill)["received"]
+    client = anthropic.Anthropic(base_url=gw.url, api_key="unused", timeout=60, max_retries=0)
+    got = client.messages.create(model=MODEL, max_tokens=10, extra_body={"temperature": 0},
+                                 messages=[{"role": "user", "content": blocks}])
+    assert got.content[0].text == want["choices"][0]["message"]["content"]
+    # Anthropic counts cache reads apart: the decode had the whole prompt's KV from the prefill
+    assert (got.usage.input_tokens, got.usage.cache_read_input_tokens) == (0, want["usage"]["prompt_tokens"])
+    assert mm(fleet.prefill)["received"] == received + 2  # both images came from encode workers
+    # streamed, the same text
+    with client.messages.stream(model=MODEL, max_tokens=10, extra_body={"temperature": 0},
+                                 messages=[{"role": "user", "content": blocks}]) as s:
+        assert "".join(s.text_stream) == want["choices"][0]["message"]["content"]
+    served = requests_served(fleet.prefill)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}])
+    assert "does not fetch remote images" in str(e.value)
+    assert requests_served(fleet.prefill) == served
+    fleet.clean()

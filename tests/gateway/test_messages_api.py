@@ -254,8 +254,10 @@ def test_tools_and_tool_turns_reach_the_worker_as_chat_tools(fleet: Fleet) -> No
 BAD = {
     "missing_max_tokens": {"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
     "unknown_block": {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "hologram", "text": "x"}]}]},
-    "image_block": {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]},
+    "remote_image": {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}]},
+    "document_block": {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}]}]},
     "orphan_tool_result": {"model": MODEL, "max_tokens": 4, "messages": [
         {"role": "user", "content": "x"}, {"role": "assistant", "content": "no tool here"},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_404", "content": "r"}]}]},

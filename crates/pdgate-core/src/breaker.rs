@@ -19,7 +19,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use crate::config::GatewayConfig;
-use crate::error::{ErrorKind, GatewayError};
+use crate::error::{ErrorKind, GatewayError, Leg};
 
 /// The breaker's thresholds, from `--breaker-*` and `--disable-circuit-breaker`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -147,9 +147,12 @@ impl Outcome {
     }
 
     /// [`Outcome::from_error`] for an attempt sent at `sent`: a leg's no-answer timeout becomes
-    /// [`Outcome::NoAnswerSince`].
+    /// [`Outcome::NoAnswerSince`]. Except an encode leg's: it had `--encode-timeout-secs` to
+    /// accept one image, and an encode worker that hangs on `/encode` still passes its health
+    /// probe, so the probe could not tell; its silence is a failure.
     pub fn of_attempt(e: &GatewayError, sent: Instant) -> Self {
         match (&e.kind, Outcome::from_error(e)) {
+            (ErrorKind::Timeout, Outcome::Failure) if e.leg == Some(Leg::Encode) => Outcome::Failure,
             (ErrorKind::Timeout, Outcome::Failure) => Outcome::NoAnswerSince(sent),
             (_, o) => o,
         }
@@ -429,6 +432,15 @@ mod tests {
         }
         assert!(b.allows(t0 + 3 * s, &c));
         assert!(b.failures.is_empty());
+    }
+
+    #[test]
+    fn an_encode_legs_timeout_is_a_failure_not_a_question() {
+        let t0 = Instant::now();
+        let encode = GatewayError::timeout("no answer").on(Leg::Encode);
+        assert_eq!(Outcome::of_attempt(&encode, t0), Outcome::Failure);
+        let prefill = GatewayError::timeout("no answer").on(Leg::Prefill);
+        assert_eq!(Outcome::of_attempt(&prefill, t0), Outcome::NoAnswerSince(t0));
     }
 
     #[test]

@@ -132,6 +132,12 @@ pub struct GatewayConfig {
     #[arg(long, value_enum, default_value_t = EncodePolicy::ConsistentHashing)]
     pub encode_policy: EncodePolicy,
 
+    /// EPD: how long an encode worker may take to accept an image (answer `POST /encode`).
+    /// One that does not is a failed encode leg (`encode_timeout`): its breaker hears it and
+    /// the request is retried on another encode worker while its own deadline allows.
+    #[arg(long, default_value_t = 30)]
+    pub encode_timeout_secs: u64,
+
     /// How KV moves between prefill and decode: SGLang bootstrap rendezvous, vLLM NIXL (pull)
     /// or vLLM Mooncake (push). Workers registered with their own connector override this.
     #[arg(long, value_enum, default_value_t = KvConnector::Bootstrap)]
@@ -792,6 +798,9 @@ impl GatewayConfig {
         }
         if self.request_timeout_secs == 0 {
             return bad("--request-timeout-secs must be at least 1".into());
+        }
+        if self.encode_timeout_secs == 0 {
+            return bad("--encode-timeout-secs must be at least 1".into());
         }
         if self.max_n == 0 || self.max_batch_size == 0 {
             return bad("--max-n and --max-batch-size must be at least 1".into());

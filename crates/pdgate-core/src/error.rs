@@ -217,6 +217,9 @@ impl GatewayError {
     pub fn retryable(&self) -> bool {
         match &self.kind {
             ErrorKind::WorkerUnreachable | ErrorKind::WorkerProtocol | ErrorKind::BadWorkerResponse | ErrorKind::StreamTruncated => true,
+            // An encode leg's timeout is its own (`--encode-timeout-secs`), shorter than the
+            // request's: another encode worker may answer (the retry still needs time left).
+            ErrorKind::Timeout => self.leg == Some(Leg::Encode),
             // 508: the worker is a gateway that saw the request loop; another try loops again.
             ErrorKind::WorkerStatus { status: 508, .. } => false,
             ErrorKind::WorkerStatus { status, .. } => *status >= 500 || *status == 408 || *status == 429,
@@ -375,6 +378,9 @@ mod tests {
         assert_eq!(GatewayError::no_compatible_pair("x").code(), "no_compatible_pd_pair");
         let a = GatewayError::timeout_while_answering(Leg::Decode, "long");
         assert_eq!((a.status(), a.code().as_str(), a.retryable()), (504, "decode_timeout", false));
+        // an encode leg's own timeout (--encode-timeout-secs) may be retried on another encode worker
+        let e = GatewayError::timeout("no answer").on(Leg::Encode);
+        assert_eq!((e.status(), e.code().as_str(), e.retryable()), (504, "encode_timeout", true));
     }
 
     #[test]

@@ -21,6 +21,12 @@ What is measured, every request through the gateway(s), one at a time unless sai
   setup: the simulator's TTFT adds setup + bytes / bandwidth as the exposed hand-off. Engines
   that report no transfers fall back to the difference alone (calibrate_fit.fit_transfer).
 
+- EPD, when the gateway has encode workers (`--epd-disaggregation`): the vision tower's time per
+  image, the median time of `POST /encode {"mm_items": [one new image]}` on the first encode
+  worker (no room: it only encodes), each image a new random `--image-size` PNG so no cache
+  answers; recorded as `encode_image_ms` (it includes the call's HTTP and the PNG's decoding,
+  which an encode leg pays too).
+
 - shared cores (a CPU host's workers slow each other down; GPUs do not): one decode stream's
   inter-token gaps alone, then while long prompts keep the prefill worker computing beside it;
   their slowdown gives the cores the two effectively share (calibrate_fit.shared_cores_estimate),
@@ -44,7 +50,7 @@ import numpy as np
 from .calibrate_fit import (LinearFit, fit_engine_transfer, fit_line, fit_prefill, fit_transfer, handoff_overhead_ms,
                             kv_bytes_per_token, service_model_fields, shared_cores_estimate)
 from .client import RequestOutput, RequestSpec, send_request
-from .dataset import SampleRequest, random_text
+from .dataset import SampleRequest, random_text, with_images
 
 __all__ = ["CalibrationPlan", "calibrate"]
 
@@ -64,6 +70,7 @@ class CalibrationPlan:
     timeout_s: float = 120.0
     seed: int = 0
     admin_api_key: str | None = None     # GET /workers is an admin endpoint
+    image_size: int = 32                 # EPD: the calibration images' side in pixels
     log: Any = print
     notes: list[str] = field(default_factory=list)
 
@@ -201,6 +208,20 @@ def _full_batch_gaps(outs: Sequence[RequestOutput]) -> list[float]:
     return gaps
 
 
+async def _encode_ms(client: httpx.AsyncClient, encoder: str, plan: CalibrationPlan) -> list[float]:
+    """EPD: the time of `POST /encode` with one new image, `repeats` + 2 times (the first is a
+    warm-up and dropped)."""
+    times = []
+    for i in range(plan.repeats + 3):
+        url = with_images([SampleRequest("", 0, 1)], 1.0, 1, plan.image_size, plan.seed * 1000 + i)[0].images[0]
+        t = time.perf_counter()
+        resp = await client.post(encoder.rstrip("/") + "/encode", json={"req_id": f"calibrate-{i}", "mm_items": [url]})
+        if resp.status_code != 200 or any(it.get("cached") for it in resp.json().get("items") or []):
+            raise ValueError(f"calibration: {encoder}/encode answered {resp.status_code}: {resp.text[:200]}")
+        times.append((time.perf_counter() - t) * 1000.0)
+    return times[1:]
+
+
 async def _workers(client: httpx.AsyncClient, base_url: str, key: str | None) -> list[dict[str, Any]]:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     resp = await client.get(base_url.rstrip("/") + "/workers", headers=headers)
@@ -238,6 +259,7 @@ async def _run(plan: CalibrationPlan) -> dict[str, Any]:
         pd_workers = await _workers(client, plan.base_url, plan.admin_api_key)
         prefills = [w["url"] for w in pd_workers if w.get("worker_type") == "prefill"]
         decodes = [w["url"] for w in pd_workers if w.get("worker_type") == "decode"]
+        encoders = [w["url"] for w in pd_workers if w.get("worker_type") == "encode"]
         if not prefills or not decodes:
             raise ValueError(f"{plan.base_url} is not a PD gateway (GET /workers lists no prefill or no decode)")
         local = plan.colocated_base_url
@@ -272,6 +294,10 @@ async def _run(plan: CalibrationPlan) -> dict[str, Any]:
                 shared.update(cores=round(cores, 3), slowdown=round(slowdown, 4))
             else:
                 plan.notes.append("no decode gap fell inside a long prefill: shared cores not measured")
+        encode_samples: list[float] = []
+        if encoders:
+            plan.log("calibrate: the vision tower's time per image on an encode worker ...")
+            encode_samples = await _encode_ms(client, encoders[0], plan)
         info = await _server_info(client, local_workers or decodes)
         fields = service_model_fields(
             prefill, decode, kv_bpt=kv_bpt, link_setup_ms=setup, link_gib_per_s=gib,
@@ -279,6 +305,8 @@ async def _run(plan: CalibrationPlan) -> dict[str, Any]:
             max_batch=int((await _server_info(client, decodes)).get("max_running_requests") or 32))
     if fields["prefill_chunk_tokens"] < 0:  # -1: whole prompts in one step
         fields["prefill_chunk_tokens"] = 0
+    if encode_samples:
+        fields["encode_image_ms"] = round(float(np.median(encode_samples)), 4)
 
     def fit(f: LinearFit | None) -> dict[str, Any] | None:
         return f.to_dict() if f is not None else None
@@ -287,13 +315,14 @@ async def _run(plan: CalibrationPlan) -> dict[str, Any]:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "base_url": plan.base_url, "colocated_base_url": local, "model": plan.model,
         "prefill_workers": prefills, "decode_workers": decodes, "colocated_workers": local_workers,
+        "encode_workers": encoders,
         "kv_bytes_sent": sent, "kv_prompt_tokens": pd_tokens,
         "fits": {"prefill_ms_vs_tokens": fit(prefill), "decode_step_ms_vs_batch": fit(decode),
                  "transfer_ms_vs_bytes": fit(transfer), "engine_transfer_ms_vs_bytes": fit(engine_transfer)},
         "handoff": handoff,
         "shared_cores": shared,
         "samples": {"colocated_ttft_ms": local_samples, "pd_ttft_ms": pd_samples, "decode_itl_ms": decode_samples,
-                    "engine_transfer_ms": tables.transfers},
+                    "engine_transfer_ms": tables.transfers, "encode_image_ms": encode_samples},
         "sources": {"prefill": "idle TTFT via " + (local or plan.base_url),
                     "decode_step": "median inter-token gap, B concurrent requests via " + plan.base_url,
                     "kv_bytes_per_token": "prefill workers' /v1/loads kv_bytes_sent / prompt tokens",

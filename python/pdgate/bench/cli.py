@@ -15,7 +15,8 @@ import numpy as np
 
 from .arrivals import ARRIVALS, arrival_offsets
 from .client import RequestSpec
-from .dataset import LENGTH_DISTRIBUTIONS, SampleRequest, random_requests, sharegpt_requests, trace_requests
+from .dataset import (LENGTH_DISTRIBUTIONS, SampleRequest, random_requests, sharegpt_requests, trace_requests,
+                      with_images)
 from .metrics import DETAILED_KEYS, PERCENTILE_METRICS, compute_metrics, parse_goodput
 from .report import print_report
 
@@ -59,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--random-lognormal-sigma", type=float, default=0.5, help="shape of the lognormal lengths")
     a("--sharegpt-output-len", type=int, default=None)
     a("--custom-output-len", type=int, default=256, help="output tokens for trace lines without one")
+    a("--image-fraction", type=float, default=0.0,
+      help="EPD (pdgate): the share of chat requests that carry images (random PNGs, data URLs)")
+    a("--images-per-request", type=int, default=1, help="EPD: images in a request that has any")
+    a("--image-size", type=int, default=32, help="EPD: the images' side in pixels")
     a("--request-rate", type=parse_rates, default=[math.inf],
       help="requests per second, or a comma list for a sweep (one result per level); inf = all at once")
     a("--burstiness", type=float, default=1.0, help="gamma shape of the intervals (1 = Poisson)")
@@ -116,6 +121,11 @@ def _int_list(text: str) -> list[int]:
 
 
 def _requests(args: argparse.Namespace, rng: np.random.Generator) -> list[SampleRequest]:
+    requests = _text_requests(args, rng)
+    return with_images(requests, args.image_fraction, args.images_per_request, args.image_size, args.seed)
+
+
+def _text_requests(args: argparse.Namespace, rng: np.random.Generator) -> list[SampleRequest]:
     if args.dataset_name == "random":
         return random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                                range_ratio=args.random_range_ratio, prefix_len=args.random_prefix_len,
@@ -216,7 +226,7 @@ def _calibrate(args: argparse.Namespace, model: str) -> int:
         prompt_lens=args.calibrate_prompt_lens, batch_sizes=args.calibrate_batch_sizes,
         repeats=args.calibrate_repeats, decode_prompt_len=args.calibrate_decode_prompt_len,
         decode_output_len=args.calibrate_decode_output_len, contention_prompt_len=args.calibrate_contention_prompt_len,
-        endpoint=args.endpoint,
+        endpoint=args.endpoint, image_size=args.image_size,
         timeout_s=args.request_timeout, seed=args.seed, admin_api_key=args.admin_api_key, log=lambda msg: print(msg, file=sys.stderr))
     data = calibrate(plan, args.service_model_out)
     print(json.dumps({k: v for k, v in data.items() if k != "calibration"}, indent=2))

@@ -41,12 +41,19 @@ class RequestOutput:
     status: int | None = None  # HTTP status, None when no response arrived
     error: str = ""
     error_kind: str = ""       # "" on success; e.g. http_429:overloaded, timeout, connect, stream
+    images: int = 0            # EPD: images the request carried
 
 
 def build_body(spec: RequestSpec, req: SampleRequest) -> dict[str, Any]:
     body: dict[str, Any] = {"model": spec.model, "max_tokens": req.output_len, "stream": spec.stream}
-    if spec.chat:
+    if spec.chat and req.images:
+        parts = [{"type": "text", "text": req.prompt}]
+        parts += [{"type": "image_url", "image_url": {"url": u}} for u in req.images]
+        body["messages"] = [{"role": "user", "content": parts}]
+    elif spec.chat:
         body["messages"] = [{"role": "user", "content": req.prompt}]
+    elif req.images:
+        raise ValueError("images need the chat endpoint (--endpoint /v1/chat/completions)")
     else:
         body["prompt"] = req.prompt
     if spec.stream:
@@ -119,7 +126,7 @@ class _StreamError(Exception):
 async def send_request(client: httpx.AsyncClient, spec: RequestSpec, req: SampleRequest,
                        timeout_s: float) -> RequestOutput:
     """Never raises for a failed request: the failure is the output's `error_kind`."""
-    out = RequestOutput(prompt_len=req.prompt_len)
+    out = RequestOutput(prompt_len=req.prompt_len, images=len(req.images))
     out.start_time = time.perf_counter()
     try:
         async with client.stream("POST", spec.url, json=build_body(spec, req), headers=spec.headers,

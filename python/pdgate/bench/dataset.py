@@ -18,7 +18,7 @@ import numpy as np
 from .trace import TraceLine, read_trace
 
 __all__ = ["LENGTH_DISTRIBUTIONS", "SampleRequest", "random_requests", "sharegpt_requests",
-           "trace_requests", "draw_lengths", "random_text"]
+           "trace_requests", "draw_lengths", "random_text", "with_images"]
 
 LENGTH_DISTRIBUTIONS = ("uniform", "fixed", "lognormal")
 _ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", dtype=np.uint8)
@@ -30,6 +30,7 @@ class SampleRequest:
     prompt_len: int
     output_len: int
     arrival_s: float | None = None
+    images: tuple[str, ...] = ()   # EPD: data URLs, sent after the text as image_url parts
 
 
 def draw_lengths(mean: int, n: int, dist: str, range_ratio: float, sigma: float,
@@ -71,6 +72,38 @@ def random_requests(num: int, input_len: int, output_len: int, *, range_ratio: f
         body = random_text(int(in_lens[i]), rng)
         prompt = prefixes[i % len(prefixes)] + body
         out.append(SampleRequest(prompt, prefix_len + int(in_lens[i]), int(out_lens[i])))
+    return out
+
+
+def with_images(requests: list[SampleRequest], fraction: float, per_request: int, size: int,
+                seed: int) -> list[SampleRequest]:
+    """EPD: give a `fraction` of the requests `per_request` images each: PNGs of `size`x`size`
+    random pixels, every one different (so no embedding cache hides the tower), drawn from a
+    generator of their own so the prompts and arrivals stay those of the text-only run. Needs
+    Pillow."""
+    if not 0.0 <= fraction <= 1.0 or per_request < 1 or size < 1:
+        raise ValueError("--image-fraction must be in [0, 1], --images-per-request and --image-size >= 1")
+    if fraction == 0.0:
+        return requests
+    import base64
+    import io
+    from dataclasses import replace
+
+    from PIL import Image
+
+    rng = np.random.default_rng([seed, 31])
+    picks = rng.random(len(requests)) < fraction
+    out = []
+    for req, pick in zip(requests, picks):
+        if not pick:
+            out.append(req)
+            continue
+        urls = []
+        for _ in range(per_request):
+            buf = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8), "RGB").save(buf, "PNG")
+            urls.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+        out.append(replace(req, images=tuple(urls)))
     return out
 
 

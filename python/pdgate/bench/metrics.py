@@ -122,4 +122,11 @@ def compute_metrics(outputs: Sequence[RequestOutput], duration_s: float, goodput
         if metric not in series:
             raise ValueError(f"unknown percentile metric {metric!r} (expected {', '.join(PERCENTILE_METRICS)})")
         result.update(latency_stats(metric, series[metric], percentiles))
+    if any(o.images for o in outputs):
+        # EPD: image requests and text requests apart (an image request's TTFT includes its tower)
+        epd: dict[str, Any] = {"image_requests": sum(1 for o in outputs if o.images),
+                               "images": sum(o.images for o in outputs)}
+        for name, want in (("image_ttft", True), ("text_ttft", False)):
+            epd.update(latency_stats(name, [o.ttft for o in ok if bool(o.images) == want], percentiles))
+        result["epd"] = epd
     return result

@@ -36,4 +36,13 @@ def print_report(result: dict[str, Any], metrics: Sequence[str], percentiles: Se
         for p in percentiles:
             key = percentile_key(p, metric)
             print(row(f"{key.split('_')[0].upper()} {short} (ms):", f"{result[key]:.2f}"))
+    epd = result.get("epd")
+    if epd:
+        print("{s:{c}^{n}}".format(s="TTFT by kind (EPD)", n=50, c="-"))
+        print(row("Requests with images:", f"{epd['image_requests']} ({epd['images']} images)"))
+        for kind in ("image", "text"):
+            print(row(f"Median TTFT, {kind} requests (ms):", f"{epd[f'median_{kind}_ttft_ms']:.2f}"))
+            for p in percentiles:
+                key = percentile_key(p, f"{kind}_ttft")
+                print(row(f"{key.split('_')[0].upper()} TTFT, {kind} requests (ms):", f"{epd[key]:.2f}"))
     print("=" * 50, flush=True)

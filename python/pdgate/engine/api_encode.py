@@ -8,15 +8,25 @@ embedding comes from the cache or the tower, and with a room it waits there for 
 (`transfer/embed.py`). The answer comes once the embeddings are ready (TokenSpeed answers when
 the work is queued): `{req_id, accepted, items: [{content_hash, bootstrap_room, embedding_len,
 embedding_dim, embedding_size, cached}]}`, the sizes named as SGLang's encode server names them.
+
+`--fault-encode` (tests only) breaks the call on purpose: `hang` reads it and never answers
+(until an `/abort_request` for its req_id or the bootstrap timeout), `garbage` answers 200 with
+a body that is not JSON and encodes nothing, `bad-embedding` answers as usual but offers each
+embedding under another content hash, which the prefill refuses.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from aiohttp import web
 
 from .http_common import read_json
 from .multimodal import load_image
 from .sampling import BadRequest
+from .sequence import EngineError
+
+GARBAGE = "<html><body>502 Bad Gateway</body></html>"
 
 
 def _rooms(body: dict, n: int) -> list[int | None]:
@@ -50,12 +60,28 @@ async def encode(request: web.Request) -> web.Response:
     for room in rooms:
         if room is not None:
             e.embeds.check_free(room)
+    e.embeds.track(req_id, rooms)
+    fault = e.config.fault_encode
+    if fault == "hang":
+        await _hang(e, req_id)
+    if fault == "garbage":
+        return web.Response(text=GARBAGE, content_type="text/html")
     out = []
     for img, room in zip(images, rooms):
         emb, cached = e.images.embed(img)
         if room is not None:
-            e.embeds.offer(room, img.content_hash, emb)
+            e.embeds.offer(room, "0" * 64 if fault == "bad-embedding" else img.content_hash, emb)
         out.append({"content_hash": img.content_hash, "bootstrap_room": room,
                     "embedding_len": emb.shape[0], "embedding_dim": emb.shape[1],
                     "embedding_size": emb.nbytes, "cached": cached})
     return web.json_response({"req_id": req_id, "accepted": True, "items": out})
+
+
+async def _hang(e, req_id: str | None) -> None:
+    """`--fault-encode hang`: never answer; give up when the call is aborted (its rooms are
+    dropped) or after the bootstrap timeout, whichever comes first."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + e.ctx.timeouts.bootstrap
+    while loop.time() < deadline and (req_id is None or req_id not in e.embeds.aborted):
+        await asyncio.sleep(0.05)
+    raise EngineError(f"--fault-encode hang: encode request {req_id} gave up", 499, "aborted")

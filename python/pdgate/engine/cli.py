@@ -84,6 +84,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fault injection for tests: a busy engine's health. Once the engine has taken "
                         "a generation request, every GET /health answers only after SECONDS, while "
                         "generations answer as usual; 0: off")
+    p.add_argument("--fault-encode", choices=["hang", "garbage", "bad-embedding"], default=None,
+                   help="fault injection for tests, on an encode worker (--encoder-only): hang: every "
+                        "POST /encode is read and never answered; garbage: answered 200 with a body that "
+                        "is not JSON, nothing encoded; bad-embedding: answered as usual, but the embedding "
+                        "offered under each room carries another content hash, so the prefill refuses it")
     p.add_argument("--api-flavor", choices=["sglang", "vllm"], default=None,
                    help="which engine's names /metrics exports its load under (sglang:* or vllm:*); "
                         "default: vllm with --kv-transfer-config, else sglang")

@@ -230,8 +230,13 @@ class Engine:
 
             async def one(img):
                 it = wanted[img.index]
-                addr = await self.pd.route(it["bootstrap_host"], it["bootstrap_port"])
-                emb = await embed_receive(self.ctx, addr, it["bootstrap_room"], img.content_hash, shape)
+                try:
+                    addr = await self.pd.route(it["bootstrap_host"], it["bootstrap_port"])
+                    emb = await embed_receive(self.ctx, addr, it["bootstrap_room"], img.content_hash, shape)
+                except EngineError as e:
+                    # names the image, so a router can blame its encode worker, not this prefill
+                    e.param = f"encode_bootstrap_info.items[{img.index}]"
+                    raise
                 self.images.counts["received"] += 1
                 self.images.bytes["received"] += emb.nbytes
                 embeds[img.index] = emb
@@ -335,7 +340,8 @@ class Engine:
         seqs = [seq for key, (seq, _t) in list(self.live.items()) if hit(key)]
         for seq in seqs:
             self.abort(seq)
-        return len(seqs) + self.pull.release(hit, "aborted by /abort_request")
+        rooms = self.embeds.abort(hit) if self.embeds is not None else 0
+        return len(seqs) + rooms + self.pull.release(hit, "aborted by /abort_request")
 
     def is_fake_host(self, item: GenItem) -> bool:
         return item.bootstrap_host == FAKE_BOOTSTRAP_HOST

@@ -22,6 +22,7 @@ TRANSFER_BACKENDS = ("tcp", "mooncake", "nixl")
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
 API_FLAVORS = ("sglang", "vllm")
 GRPC_SERVICES = ("sglang", "vllm")
+ENCODE_FAULTS = ("hang", "garbage", "bad-embedding")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class EngineConfig:
     fault_kill_after_tokens: int = 0
     fault_drop_after_tokens: int = 0
     fault_slow_health: float = 0.0
+    fault_encode: Optional[str] = None               # encode workers: hang | garbage | bad-embedding
     fault_send_delay: float = 0.0                    # seconds before each KV frame (tests only)
     fault_frame_pages: int = 0                       # pages per KV frame, 0: by size (tests only)
     api_flavor: Optional[str] = None                 # None: vllm with kv_transfer_config, else sglang
@@ -89,6 +91,8 @@ class EngineConfig:
             advertise = socket.gethostbyname(socket.gethostname()) if wildcard else self.host
         if self.encoder_only and mode != "null":
             raise EngineConfigError("--encoder-only is a role of its own: no --disaggregation-mode / kv_role")
+        if self.fault_encode is not None and not self.encoder_only:
+            raise EngineConfigError("--fault-encode is a fault of an encode worker: it needs --encoder-only")
         if self.mm_embedding_cache_items < 0:
             raise EngineConfigError("--mm-embedding-cache-items must be >= 0")
         if self.page_size < 1 or self.max_total_tokens < self.page_size:
@@ -119,6 +123,7 @@ def _check_choices(c: EngineConfig) -> None:
                                   TRANSFER_BACKENDS),
                                  ("--kv-load-failure-policy", c.kv_load_failure_policy, LOAD_FAILURE_POLICIES),
                                  ("--api-flavor", c.api_flavor, API_FLAVORS),
-                                 ("--grpc-service", c.grpc_service, GRPC_SERVICES)):
+                                 ("--grpc-service", c.grpc_service, GRPC_SERVICES),
+                                 ("--fault-encode", c.fault_encode, ENCODE_FAULTS)):
         if value is not None and value not in allowed:
             raise EngineConfigError(f"{flag} {value!r}: expected one of {', '.join(allowed)}")

@@ -25,7 +25,7 @@ def error_response(err: Exception) -> web.Response:
                                  status=400)
     if isinstance(err, EngineError):
         type_ = "invalid_request_error" if err.status == 400 else "server_error"
-        return web.json_response(error_body(str(err), type_, err.code), status=err.status)
+        return web.json_response(error_body(str(err), type_, err.code, err.param), status=err.status)
     return web.json_response(error_body(f"internal error: {err}", "server_error", "internal"), status=500)
 
 

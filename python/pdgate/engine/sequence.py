@@ -15,10 +15,11 @@ from .sampling import SamplingParams
 class EngineError(Exception):
     """A request failed inside the engine (transfer, peer, timeout). `status` is the HTTP one."""
 
-    def __init__(self, message: str, status: int = 500, code: str = "engine_error"):
+    def __init__(self, message: str, status: int = 500, code: str = "engine_error", param: str | None = None):
         super().__init__(message)
         self.status = status
         self.code = code
+        self.param = param  # the request field at fault, when one is (an image's encode_bootstrap_info item)
 
 
 class Seq:

@@ -10,7 +10,8 @@ from typing import Any
 from .model import ServiceModel
 from .placement import DISAGGREGATED, Decide, PlacementView, conditional
 
-__all__ = ["WORKED_PROMPT_TOKENS", "WORKED_OUTPUT_TOKENS", "pd_ratio", "split_threshold", "worked_example"]
+__all__ = ["WORKED_PROMPT_TOKENS", "WORKED_OUTPUT_TOKENS", "encode_workers", "pd_ratio", "split_threshold",
+           "worked_example"]
 
 WORKED_PROMPT_TOKENS = 6000
 WORKED_OUTPUT_TOKENS = 400
@@ -60,6 +61,19 @@ def pd_ratio(model: ServiceModel, *, prompt_tokens: int, output_tokens: int, slo
         out["prefill_workers"] = math.ceil(target_rate / usable) if usable else None
         out["decode_workers"] = math.ceil(target_rate / decode_rps) if decode_rps else None
     return out
+
+
+def encode_workers(model: ServiceModel, *, images_per_s: float, max_utilisation: float = 0.8) -> dict[str, Any]:
+    """EPD: encode workers for a rate of images. An encode worker runs one image at a time, so it
+    encodes 1000 / encode_image_ms images per second; kept at `max_utilisation` (the queueing
+    wait grows without bound near 1), the count is the rate over that. The TTFT an image request
+    pays for its images is then about one encode_image_ms plus that wait, off the prefill's time."""
+    if model.encode_image_ms <= 0:
+        return {"images_per_s": images_per_s, "encode_image_ms": model.encode_image_ms, "encode_workers": 0}
+    per_worker = 1000.0 / model.encode_image_ms
+    return {"images_per_s": images_per_s, "encode_image_ms": model.encode_image_ms,
+            "images_per_s_per_worker": per_worker, "max_utilisation": max_utilisation,
+            "encode_workers": math.ceil(images_per_s / (per_worker * max_utilisation)) if images_per_s > 0 else 0}
 
 
 def worked_example(model: ServiceModel | None = None, decide: Decide = conditional) -> dict[str, Any]:

@@ -18,12 +18,12 @@ from pdgate.bench.cli import parse_rates
 from pdgate.bench.dataset import LENGTH_DISTRIBUTIONS
 from pdgate.bench.metrics import parse_goodput
 
-from .analysis import pd_ratio, split_threshold, worked_example
+from .analysis import encode_workers, pd_ratio, split_threshold, worked_example
 from .engine import FAILURE_POLICIES, PLACEMENTS, SimConfig, Simulator
 from .model import ServiceModel
 from .placement import Decide, conditional, load_decision
 from .results import queue_series, simulation_result
-from .traffic import random_traffic, trace_traffic
+from .traffic import draw_images, random_traffic, trace_traffic
 
 __all__ = ["build_parser", "main"]
 
@@ -34,6 +34,7 @@ _MODEL_HELP = {
     "kv_bytes_per_token": "KV bytes per token", "link_setup_ms": "setup per KV send (ms)",
     "link_gib_per_s": "KV link bandwidth (GiB/s)", "send_chunk_tokens": "tokens per KV send (0: one send)",
     "prefill_chunk_tokens": "chunked-prefill size on colocated workers", "max_batch": "decode slots per worker",
+    "encode_image_ms": "EPD: the vision tower's time per image (ms), on an encode worker or the prefilling one",
 }
 
 
@@ -72,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--shared-cores", type=float, default=0.0, metavar="N", help="workers share N CPU cores (processor sharing: "
       "each busy worker runs at min(1, N / busy workers) of its speed), as reference engines on one CPU host "
       "do; 0 (default): each worker has its own hardware, as with one GPU per worker")
+    a("--encode-workers", type=int, default=0, help="EPD: workers that run the vision tower, one image at a "
+      "time (0: the worker that prefills runs it first)")
+    a("--image-fraction", type=float, default=0.0, help="EPD: the share of requests that carry images")
+    a("--images-per-request", type=int, default=1, help="EPD: images in a request that has any")
+    a("--image-tokens", type=int, default=16, help="EPD: prompt tokens per image (placeholders; the reference "
+      "engine's tiny-mm: 16)")
     a("--sample-interval-ms", type=float, default=1000.0)
     a("--seed", type=int, default=0)
     a("--save-detailed", action="store_true", help="include each stage's queue length over time")
@@ -103,12 +110,14 @@ def _traffic(args: argparse.Namespace, rate: float) -> tuple[list[float], list[i
 def _one(args: argparse.Namespace, model: ServiceModel, decide: Decide, placement: str, rate: float,
          goodput: dict[str, float], percentiles: list[float]) -> tuple[dict[str, Any], Simulator]:
     arrivals, prompts, outputs = _traffic(args, rate)
+    images = draw_images(len(prompts), args.image_fraction, args.images_per_request, args.seed)
+    prompts = [p + k * args.image_tokens for p, k in zip(prompts, images)]
     config = SimConfig(placement, args.prefill_workers, args.decode_workers, goodput.get("ttft", 1000.0),
                        goodput.get("tpot", 50.0), args.transfer_failure_rate, args.failure_policy,
-                       args.max_retries, args.sample_interval_ms, args.seed, args.shared_cores)
+                       args.max_retries, args.sample_interval_ms, args.seed, args.shared_cores, args.encode_workers)
     sim = Simulator(model, config, decide)
     started = time.perf_counter()
-    sim.run(arrivals, prompts, outputs)
+    sim.run(arrivals, prompts, outputs, images)
     result = simulation_result(sim, goodput, percentiles, rate if args.arrivals != "replay" else None)
     result["wall_seconds"] = time.perf_counter() - started
     if args.save_detailed:
@@ -121,9 +130,11 @@ def _recommendation(args: argparse.Namespace, model: ServiceModel, goodput: dict
     prompt = args.random_input_len + args.random_prefix_len
     ttft, tpot = goodput.get("ttft", 1000.0), goodput.get("tpot", 50.0)
     rates = [r for r in args.request_rate if math.isfinite(r)]
+    images = args.image_fraction * args.images_per_request
     return {
         "pd_ratio": [pd_ratio(model, prompt_tokens=prompt, output_tokens=args.random_output_len,
                               slo_ttft_ms=ttft, slo_tpot_ms=tpot, target_rate=r) for r in rates],
+        "encode_workers": [encode_workers(model, images_per_s=r * images) for r in rates] if images else [],
         "split_threshold_tokens": {
             f"local_batch={b}": split_threshold(model, local_batch=b, output_tokens=args.random_output_len,
                                                 slo_ttft_ms=ttft, slo_tpot_ms=tpot, decide=decide)

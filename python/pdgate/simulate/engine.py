@@ -6,6 +6,10 @@ Placements, with the same number of workers in each (`prefill_workers + decode_w
 - conditional: prefill and decode workers as disaggregated, and per request the decision sends it
   remote, or runs its prefill on a decode worker (chunked, like vLLM's kv_both).
 
+EPD (`encode_workers` > 0): a request's images first go to the encode workers (each image to
+the one with the least work queued), and the request is placed when the last is encoded;
+without encode workers the worker that prefills runs the tower first (`tower_ms`).
+
 A failed transfer (injected at `transfer_failure_rate`) releases its decode reservation at once,
 then the failure policy retries on a fresh pair (up to `max_retries`), recomputes on the decode
 worker, or fails the request.
@@ -31,13 +35,13 @@ import numpy as np
 from .model import ServiceModel
 from .placement import COLOCATED, DISAGGREGATED, Decide, PlacementView, conditional
 from .stats import SimRequest, StageCounter
-from .workers import PrefillWorker, StepWorker
+from .workers import EncodeWorker, PrefillWorker, StepWorker
 
 __all__ = ["FAILURE_POLICIES", "PLACEMENTS", "SimConfig", "Simulator", "ItlHistogram"]
 
 PLACEMENTS = ("colocated", "disaggregated", "conditional")
 FAILURE_POLICIES = ("retry", "recompute", "fail")
-STAGES = ("prefill_queue", "prefill_running", "transfer", "decode_queue", "decode_running")
+STAGES = ("encode_queue", "prefill_queue", "prefill_running", "transfer", "decode_queue", "decode_running")
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class SimConfig:
     sample_interval_ms: float = 1000.0
     seed: int = 0
     shared_cores: float = 0.0   # processor sharing between busy workers over N cores; 0: off
+    encode_workers: int = 0     # EPD: workers that run the vision tower (0: the prefilling worker does)
 
 
 class ItlHistogram:
@@ -93,6 +98,9 @@ class Simulator:
                 raise ValueError("disaggregated placements need at least one prefill and one decode worker")
             self.prefill = [PrefillWorker(self, i) for i in range(config.prefill_workers)]
             self.decode = [StepWorker(self, i, "decode") for i in range(config.decode_workers)]
+        if config.encode_workers < 0:
+            raise ValueError(f"encode_workers must not be negative, got {config.encode_workers}")
+        self.encode = [EncodeWorker(self, i) for i in range(config.encode_workers)]
         self.typical_output = 1
         if config.shared_cores < 0:
             raise ValueError(f"shared_cores must not be negative, got {config.shared_cores}")
@@ -141,10 +149,14 @@ class Simulator:
         t, _, fn, arg = heapq.heappop(events)
         return t, self.vnow + (t - self.now) * self.speed, fn, arg
 
-    def run(self, arrivals_ms: Sequence[float], prompts: Sequence[int], outputs: Sequence[int]) -> None:
+    def run(self, arrivals_ms: Sequence[float], prompts: Sequence[int], outputs: Sequence[int],
+            images: Sequence[int] | None = None) -> None:
         self.typical_output = max(1, int(np.median(outputs))) if len(outputs) else 1
         for rid, (t, p, o) in enumerate(zip(arrivals_ms, prompts, outputs)):
             req = SimRequest(rid, float(t), int(p), int(o))
+            req.images = int(images[rid]) if images is not None else 0
+            if not self.encode:
+                req.tower_ms = req.images * self.model.encode_image_ms
             self.requests.append(req)
             self.schedule(req.arrival, self.on_arrival, req)
         next_sample = 0.0
@@ -171,6 +183,19 @@ class Simulator:
 
     # The request's path.
     def on_arrival(self, t: float, req: SimRequest) -> None:
+        if req.images and self.encode:
+            req.encode_pending = req.images
+            for _ in range(req.images):
+                min(self.encode, key=lambda w: w.queued_ms).submit(t, req)
+            return
+        self._place(t, req)
+
+    def on_image_encoded(self, t: float, req: SimRequest) -> None:
+        req.encode_pending -= 1
+        if req.encode_pending == 0:
+            self._place(t, req)
+
+    def _place(self, t: float, req: SimRequest) -> None:
         if self.config.placement == "colocated":
             self._local(t, req, "placement_colocated")
             return
@@ -256,6 +281,8 @@ class Simulator:
         """Idle capacity per pool: prefill workers by time not prefilling; step workers by decode
         slots left empty (a step worker with one sequence is busy, but has 31 slots to give)."""
         out = {}
+        if self.encode and end_ms > 0:
+            out["encode"] = 1.0 - sum(w.busy_ms for w in self.encode) / (len(self.encode) * end_ms)
         if self.prefill and end_ms > 0:
             out["prefill"] = 1.0 - sum(w.busy_ms for w in self.prefill) / (len(self.prefill) * end_ms)
         if self.decode and end_ms > 0:

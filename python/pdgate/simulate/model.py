@@ -5,6 +5,8 @@ calibration measured it; the gateway's decision models a + b·tokens only); a de
 a KV transfer costs setup + bytes / bandwidth, sent in chunks of `send_chunk_tokens` as the
 prefill produces them (each chunk pays the setup), over one link per prefill worker; a colocated
 worker prefills in chunks of `prefill_chunk_tokens`, each chunk fused with one decode step.
+EPD: the vision tower takes `encode_image_ms` per image, on an encode worker (one image at a
+time) or, without encode workers, on the worker that prefills, before its prefill.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class ServiceModel:
     send_chunk_tokens: int = 2000          # chunked KV sends (0: one send after the prefill)
     prefill_chunk_tokens: int = 2048       # chunked prefill on a colocated worker
     max_batch: int = 32
+    encode_image_ms: float = 0.0           # the vision tower, per image (EPD)
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -54,6 +54,14 @@ def simulation_result(sim: Simulator, goodput: dict[str, float], percentiles: Se
     result["failures"] = {**sim.failures, "reservations_held_at_end": sim.reserved_at_end()}
     result["decisions"] = dict(sorted(sim.decisions.items()))
     result["config"] = {**sim.config.__dict__, "model": sim.model.to_dict()}
+    if any(r.images for r in reqs):
+        # EPD: image requests and text requests apart (an image request's TTFT includes its tower)
+        epd: dict[str, Any] = {"image_requests": sum(1 for r in reqs if r.images),
+                               "images": sum(r.images for r in reqs)}
+        for name, want in (("image_ttft", True), ("text_ttft", False)):
+            epd.update(latency_stats(name, [(r.first_token - r.arrival) / 1000.0 for r in ok  # type: ignore[operator]
+                                            if bool(r.images) == want], percentiles))
+        result["epd"] = epd
     return result
 
 

@@ -12,7 +12,8 @@ class SimRequest:
     """One simulated request; times in ms."""
 
     __slots__ = ("rid", "arrival", "prompt", "output", "placement", "reason", "first_token", "finish",
-                 "queued_at", "prefill_wait", "attempts", "failed", "left", "remaining", "decode")
+                 "queued_at", "prefill_wait", "attempts", "failed", "left", "remaining", "decode", "images",
+                 "tower_ms", "encode_pending")
 
     def __init__(self, rid: int, arrival: float, prompt: int, output: int):
         self.rid, self.arrival, self.prompt, self.output = rid, arrival, prompt, output
@@ -27,6 +28,9 @@ class SimRequest:
         self.left = prompt       # local prefill tokens still to run
         self.remaining = output  # decode steps still to run
         self.decode: Any = None  # the decode worker it holds a reservation on
+        self.images = 0          # EPD: images in the prompt
+        self.tower_ms = 0.0      # their tower time where the prefill runs it (no encode workers)
+        self.encode_pending = 0  # images still on encode workers
 
 
 @dataclass

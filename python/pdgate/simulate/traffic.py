@@ -8,7 +8,16 @@ from pdgate.bench.arrivals import arrival_offsets
 from pdgate.bench.dataset import draw_lengths
 from pdgate.bench.trace import read_trace
 
-__all__ = ["random_traffic", "trace_traffic"]
+__all__ = ["draw_images", "random_traffic", "trace_traffic"]
+
+
+def draw_images(n: int, fraction: float, per_request: int, seed: int) -> list[int]:
+    """EPD: how many images each request carries: `per_request` for a `fraction` of them, drawn
+    from a generator of their own, so the lengths and arrivals do not change with the mix."""
+    if not 0.0 <= fraction <= 1.0 or per_request < 0:
+        raise ValueError("--image-fraction must be in [0, 1] and --images-per-request >= 0")
+    rng = np.random.default_rng([seed, 31])
+    return [per_request if x < fraction else 0 for x in rng.random(n)]
 
 
 def random_traffic(n: int, rate: float, *, burstiness: float, arrivals: str, input_len: int, output_len: int,

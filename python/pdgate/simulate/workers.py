@@ -23,7 +23,46 @@ from .stats import SimRequest
 if TYPE_CHECKING:
     from .engine import Simulator
 
-__all__ = ["PrefillWorker", "StepWorker"]
+__all__ = ["EncodeWorker", "PrefillWorker", "StepWorker"]
+
+
+class EncodeWorker:
+    """EPD: runs the vision tower one image at a time (as the reference engine's encode worker
+    does); a request goes on to placement when its last image is encoded. The embeddings' move
+    to the prefill is not modelled (16 x 64 floats per image on the reference engine)."""
+
+    def __init__(self, sim: "Simulator", index: int):
+        self.sim, self.index = sim, index
+        self.queue: deque[SimRequest] = deque()   # one entry per image
+        self.busy = False
+        self.queued_ms = 0.0
+        self.busy_ms = 0.0
+
+    def submit(self, t: float, req: SimRequest) -> None:
+        self.queued_ms += self.sim.model.encode_image_ms
+        self.queue.append(req)
+        self.sim.stage["encode_queue"].add(t, 1)
+        if not self.busy:
+            self.busy = True
+            self.sim.set_busy(1)
+            self._start()
+
+    def _start(self) -> None:
+        sim = self.sim
+        req = self.queue[0]
+        self.busy_ms += sim.model.encode_image_ms
+        sim.schedule_work(sim.vnow + sim.model.encode_image_ms, self.done, req)
+
+    def done(self, t: float, req: SimRequest) -> None:
+        self.queue.popleft()
+        self.queued_ms -= self.sim.model.encode_image_ms
+        self.sim.stage["encode_queue"].add(t, -1)
+        if self.queue:
+            self._start()
+        else:
+            self.busy = False
+            self.sim.set_busy(-1)
+        self.sim.on_image_encoded(t, req)
 
 
 class PrefillWorker:
@@ -37,7 +76,7 @@ class PrefillWorker:
 
     def submit(self, t: float, req: SimRequest) -> None:
         req.queued_at = t
-        self.queued_ms += self.sim.model.prefill_ms(req.prompt)
+        self.queued_ms += self.sim.model.prefill_ms(req.prompt) + req.tower_ms
         self.queue.append(req)
         self.sim.stage["prefill_queue"].add(t, 1)
         if not self.busy:
@@ -53,18 +92,19 @@ class PrefillWorker:
             self.busy = True
             sim.set_busy(1)
         m = sim.model
-        service = m.prefill_ms(req.prompt)
+        service = m.prefill_ms(req.prompt) + req.tower_ms
         self.busy_ms += service
         sim.schedule_work(sim.vnow + service, sim.on_prefill_done, (self, req))
         if not sim.shared:  # the sends' timing is known now: chunks leave as the prefill makes them
-            done = t + m.chunked_sends_done_ms(req.prompt, link_free_ms=max(0.0, self.link_free - t))
+            # the tower (images without encode workers) runs first; the sends follow the prefill
+            done = t + req.tower_ms + m.chunked_sends_done_ms(req.prompt, link_free_ms=max(0.0, self.link_free - t - req.tower_ms))
             self.link_free = done
             sim.schedule(done, sim.on_transfer_done, req)
 
     def prefill_done(self, t: float, req: SimRequest) -> None:
         sim = self.sim
         m = sim.model
-        self.queued_ms -= m.prefill_ms(req.prompt)
+        self.queued_ms -= m.prefill_ms(req.prompt) + req.tower_ms
         sim.stage["prefill_running"].add(t, -1)
         if sim.shared:
             # The prefill's end is known only now; the link still exposes what chunked sends
@@ -117,7 +157,7 @@ class StepWorker:
     def add_prefill(self, t: float, req: SimRequest) -> None:
         req.queued_at = t
         req.left = req.prompt
-        self.local_ms += self.sim.model.prefill_ms(req.prompt)
+        self.local_ms += self.sim.model.prefill_ms(req.prompt) + req.tower_ms
         self.prefills.append(req)
         self.sim.stage["prefill_queue"].add(t, 1)
         self._wake(t)
@@ -163,7 +203,7 @@ class StepWorker:
         if req.left > 0:
             return
         self.prefills.popleft()
-        self.local_ms -= self.sim.model.prefill_ms(req.prompt)
+        self.local_ms -= self.sim.model.prefill_ms(req.prompt) + req.tower_ms
         self.sim.stage["prefill_running"].add(t, -1)
         req.first_token = self.sim.vnow  # the prefill's last chunk yields the first token (virtual time)
         req.remaining = req.output - 1
@@ -196,6 +236,8 @@ class StepWorker:
                 self.sim.stage["prefill_running"].add(t, 1)
             size = min(head.left, m.prefill_chunk_tokens or head.left)
             dt = m.decode_step(batch) + m.prefill_chunk_ms(head.prompt - head.left, size)
+            if head.left == head.prompt:
+                dt += head.tower_ms  # the images' tower rides with the first chunk
             self.chunk = (head, size)
             k = 1
         elif batch:

@@ -11,6 +11,15 @@
 //! fails the prefill leg and the attempt: the decode is aborted as for any failed leg, the
 //! prefill too (its call is dropped unfinished), and the retry loop may try again on another
 //! encode worker, before any byte reached the client, within the request's deadline.
+//!
+//! Faults (docs/architecture.md, "EPD"): an encode worker that does not answer within
+//! `--encode-timeout-secs` fails its leg (`encode_timeout`, retried); one that answers
+//! anything but `"accepted": true` JSON too (`encode_bad_response`); a prefill that refuses
+//! an embedding names the image (`param: "encode_bootstrap_info.items[K]"`), and the failure
+//! is that image's encode worker's ([`blame`]). Each encode call holds an abort guard until
+//! the prefill has answered (by then it took the embeddings): an attempt abandoned earlier
+//! (a failed leg, a client gone) tells the encode worker `POST /abort_request {"rid":
+//! req_id}`, so no embedding waits there for a prefill that will never come.
 
 use std::sync::{Arc, OnceLock};
 
@@ -19,7 +28,8 @@ use bytes::Bytes;
 use futures_util::future::try_join_all;
 use pdgate_core::breaker::Outcome;
 use pdgate_core::epd::{self, EncodeLeg, Image};
-use pdgate_core::plan::PdPlan;
+use pdgate_core::plan::{AbortStyle, PdPlan};
+use pdgate_core::ErrorKind;
 use pdgate_core::{GatewayError, Leg};
 use pdgate_protocol::media;
 use pdgate_protocol::Endpoint;
@@ -27,7 +37,7 @@ use serde_json::Value;
 use tracing::Instrument;
 
 use super::{spans, Ctx};
-use crate::clients::client::{LegFuture, LegRequest, WorkerClient};
+use crate::clients::client::{AbortGuard, LegFuture, LegRequest, WorkerClient};
 use crate::fleet::gauges::InflightGuard;
 use crate::fleet::registry::{Routing, Runtime};
 
@@ -78,14 +88,35 @@ pub fn decide(ctx: &Ctx, routing: &Routing, plan: &mut PdPlan, exclude: &[usize]
     Ok(Encodes { legs, runtimes })
 }
 
-/// Send: every encode leg at once, as one future that ends when each worker accepted its
-/// image, or with the first failure (the other calls are dropped). The worker that failed is
-/// put in `failed` for the attempt's blame; a success is heard by its breaker here.
-pub fn send(ctx: &Ctx, client: &Arc<dyn WorkerClient>, encodes: Encodes, failed: Arc<OnceLock<String>>) -> Result<LegFuture<()>, GatewayError> {
+/// The encode calls of one attempt, once sent.
+pub struct Sent {
+    /// Ends when each worker accepted its image, or with the first failure (the other calls
+    /// are dropped).
+    pub calls: LegFuture<()>,
+    /// One per call, armed until the prefill answered: dropped armed, each aborts its call's
+    /// rooms on its encode worker.
+    pub aborts: Vec<AbortGuard>,
+    /// Each image's encode worker, by item index (for [`blame`]).
+    pub urls: Vec<String>,
+    /// The attempt's blame for a failed encode leg: the worker whose call failed.
+    pub failed: Arc<OnceLock<String>>,
+}
+
+/// Send: every encode leg at once, each bounded by `--encode-timeout-secs` within the
+/// request's deadline. The worker that failed is put in `failed` for the attempt's blame; a
+/// success is heard by its breaker here.
+pub fn send(ctx: &Ctx, client: &Arc<dyn WorkerClient>, encodes: Encodes, failed: Arc<OnceLock<String>>) -> Result<Sent, GatewayError> {
     let limit = ctx.state.fleet.upstream.limits.max_response_bytes;
+    let own = std::time::Duration::from_secs(ctx.state.config.encode_timeout_secs);
+    let by = ctx.deadline.min(tokio::time::Instant::now() + own);
     let mut calls = Vec::with_capacity(encodes.legs.len());
+    let mut aborts = Vec::with_capacity(encodes.legs.len());
+    let mut urls = Vec::with_capacity(encodes.legs.len());
     for (leg, rt) in encodes.legs.into_iter().zip(encodes.runtimes) {
         let body = serde_json::to_vec(&leg.body).map(Bytes::from).map_err(|e| GatewayError::internal(format!("cannot encode the /encode body: {e}")))?;
+        let rid = leg.body.get("req_id").and_then(Value::as_str).unwrap_or_default().to_string();
+        aborts.push(AbortGuard::new(client, &leg.url, &AbortStyle::AbortRequest { rid }));
+        urls.push(leg.url.clone());
         let req = LegRequest {
             url: leg.url.clone(),
             path: "/encode",
@@ -101,10 +132,15 @@ pub fn send(ctx: &Ctx, client: &Arc<dyn WorkerClient>, encodes: Encodes, failed:
         let (state, failed, url) = (ctx.state.clone(), failed.clone(), leg.url);
         let inflight = InflightGuard::new(&state.metrics, &rt, &url, "encode");
         let span = spans::leg(Leg::Encode, &url);
+        let secs = own.as_secs();
         calls.push(
             async move {
                 let t = std::time::Instant::now();
-                let out = call.await.and_then(|answer| accepted(&answer));
+                let answer = tokio::time::timeout_at(by, call).await.unwrap_or_else(|_| {
+                    Err(GatewayError::timeout(format!("the encode worker did not accept the image within {secs}s (--encode-timeout-secs) or the request's deadline"))
+                        .on(Leg::Encode))
+                });
+                let out = answer.and_then(|answer| accepted(&answer));
                 drop(inflight);
                 state.metrics.leg_duration.with_label_values(&["encode", "bootstrap"]).observe(t.elapsed().as_secs_f64());
                 match &out {
@@ -119,7 +155,34 @@ pub fn send(ctx: &Ctx, client: &Arc<dyn WorkerClient>, encodes: Encodes, failed:
             .instrument(span),
         );
     }
-    Ok(Box::pin(async move { try_join_all(calls).await.map(|_| ()) }))
+    let calls: LegFuture<()> = Box::pin(async move { try_join_all(calls).await.map(|_| ()) });
+    Ok(Sent { calls, aborts, urls, failed })
+}
+
+/// A prefill that failed because an embedding did not reach it (the reference engine's 5xx
+/// with `param: "encode_bootstrap_info.items[K]"`: the encode worker offered a wrong one, or
+/// none): the failure is image K's encode worker's, not the prefill's. Returns the error to
+/// fail the attempt with, on the encode leg, with that worker in `failed`; any other error
+/// is returned as it is.
+pub fn blame(err: GatewayError, urls: &[String], failed: &OnceLock<String>) -> GatewayError {
+    let item = match (&err.leg, &err.kind) {
+        (Some(Leg::Prefill), ErrorKind::WorkerStatus { status, body: Some(body) }) if *status >= 500 => refused_item(body),
+        _ => None,
+    };
+    let Some(url) = item.and_then(|k| urls.get(k)) else { return err };
+    let _ = failed.set(url.clone());
+    let why = match &err.kind {
+        ErrorKind::WorkerStatus { body: Some(body), .. } => body.chars().take(300).collect::<String>(),
+        _ => String::new(),
+    };
+    GatewayError::protocol(Leg::Encode, format!("the prefill could not take the embedding of encode worker {url}: {why}"))
+}
+
+/// K of an engine error body whose `error.param` is `encode_bootstrap_info.items[K]`.
+fn refused_item(body: &str) -> Option<usize> {
+    let v: Value = serde_json::from_str(body).ok()?;
+    let param = v.get("error")?.get("param")?.as_str()?;
+    param.strip_prefix("encode_bootstrap_info.items[")?.strip_suffix(']')?.parse().ok()
 }
 
 /// An encode worker's answer: `{"accepted": true, ...}` once the embeddings wait for the
@@ -130,5 +193,30 @@ fn accepted(answer: &[u8]) -> Result<(), GatewayError> {
         Ok(())
     } else {
         Err(GatewayError::protocol(Leg::Encode, "the encode worker did not accept the image (no \"accepted\": true)"))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refused_embedding_is_its_encode_workers_failure() {
+        let urls = vec!["http://e0".to_string(), "http://e1".to_string()];
+        let body = r#"{"error":{"message":"mismatched","type":"server_error","code":"embedding_transfer_failed","param":"encode_bootstrap_info.items[1]"}}"#;
+        let failed = OnceLock::new();
+        let e = blame(GatewayError::worker_status(Leg::Prefill, 500, Some(body.into())), &urls, &failed);
+        assert_eq!((e.leg, e.code().as_str(), e.retryable()), (Some(Leg::Encode), "encode_bad_response", true));
+        assert_eq!(failed.get().map(String::as_str), Some("http://e1"));
+        // any other prefill failure stays the prefill's
+        let failed = OnceLock::new();
+        for other in [r#"{"error":{"param":null}}"#, r#"{"error":{"param":"encode_bootstrap_info.items[7]"}}"#, "not json"] {
+            let e = blame(GatewayError::worker_status(Leg::Prefill, 500, Some(other.into())), &urls, &failed);
+            assert_eq!(e.leg, Some(Leg::Prefill), "{other}");
+        }
+        let e = blame(GatewayError::worker_status(Leg::Prefill, 400, Some(body.into())), &urls, &failed);
+        assert_eq!(e.leg, Some(Leg::Prefill));
+        assert!(failed.get().is_none());
     }
 }

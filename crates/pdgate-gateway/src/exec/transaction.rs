@@ -324,7 +324,7 @@ struct PrefillExtras {
     /// Its prompt tokens, queued on its worker for routing until the leg ends.
     queued: Option<TokenGuard>,
     /// EPD: the encode legs, awaited with the prefill's own call (`encode::send`).
-    encode: Option<LegFuture<()>>,
+    encode: Option<encode::Sent>,
 }
 
 /// Send: starts the prefill leg (see [`PrefillExtras`]); a prefill dropped unfinished is
@@ -344,10 +344,12 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
     };
     let call = client.call(req, ctx.state.fleet.upstream.limits.max_response_bytes);
     let with_encode = encode.is_some();
-    let call: LegFuture<Bytes> = match encode {
-        None => call,
+    let (call, mut encode_aborts, encode_blame): (LegFuture<Bytes>, Vec<AbortGuard>, _) = match encode {
+        None => (call, Vec::new(), None),
         // A failed encode call ends the leg at once, dropping the prefill's call unfinished.
-        Some(encode) => Box::pin(async move { futures_util::future::try_join(encode, call).await.map(|((), answer)| answer) }),
+        Some(encode::Sent { calls, aborts, urls, failed }) => {
+            (Box::pin(async move { futures_util::future::try_join(calls, call).await.map(|((), answer)| answer) }), aborts, Some((urls, failed)))
+        }
     };
     let mut abort = AbortGuard::new(client, &leg.url, &leg.abort);
     let (state, url, tokens) = (ctx.state.clone(), leg.url.clone(), ctx.req.prompt_tokens);
@@ -356,7 +358,7 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
     let answer = Box::pin(
         async move {
             let t = std::time::Instant::now();
-            let out = call.await;
+            let mut out = call.await;
             if let Err(e) = &out {
                 spans::failed(&tracing::Span::current(), e);
             }
@@ -366,6 +368,16 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
             // the armed guard aborts it at its engine.
             if !matches!(&out, Err(e) if e.leg == Some(Leg::Encode)) {
                 abort.disarm();
+            }
+            // EPD: a prefill that answered took its embeddings: nothing waits on the encode
+            // workers. Otherwise the guards, dropped armed, abort the encode calls' rooms; and
+            // a prefill that refused an embedding fails on that image's encode worker.
+            if out.is_ok() {
+                encode_aborts.iter_mut().for_each(AbortGuard::disarm);
+            }
+            drop(encode_aborts);
+            if let (Err(e), Some((urls, failed))) = (out.as_ref(), &encode_blame) {
+                out = Err(encode::blame(e.clone(), urls, failed));
             }
             // Only a leg that had its worker to itself (and waited for no encode worker)
             // measures the prefill's service time.

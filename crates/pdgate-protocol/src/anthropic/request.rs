@@ -161,7 +161,31 @@ fn unknown_block(param: &str, t: Option<&str>) -> InvalidRequest {
 }
 
 fn unsupported_media(param: &str) -> InvalidRequest {
-    invalid(param, format!("{param}: image and document blocks are not supported: pdgate's Messages API runs on text-only chat workers"))
+    invalid(param, format!("{param}: document blocks, and image blocks outside a user message's own content, are not supported"))
+}
+
+/// The media types Anthropic takes in an image block's base64 source.
+const IMAGE_TYPES: [&str; 4] = ["image/jpeg", "image/png", "image/gif", "image/webp"];
+
+/// A user message's image block as a chat `image_url` part with a data URL (what
+/// `--epd-disaggregation` and the multimodal workers read). Only `base64` sources: the gateway
+/// fetches nothing, so a `url` source is refused (as a chat `image_url` with a remote URL is).
+fn image_part(b: &Value, param: &str) -> Result<Value, InvalidRequest> {
+    let source = b.get("source").and_then(Value::as_object).ok_or_else(|| invalid(param, format!("{param}.source: Field required (an object)")))?;
+    match source.get("type").and_then(Value::as_str) {
+        Some("base64") => {}
+        Some("url") => {
+            return Err(invalid(param, format!("{param}.source: url image sources are not supported: pdgate does not fetch remote images; send the image as a base64 source")))
+        }
+        Some(t) => return Err(invalid(param, format!("{param}.source.type: '{t}' is not supported (only 'base64')"))),
+        None => return Err(invalid(param, format!("{param}.source.type: Field required"))),
+    }
+    let media_type = source.get("media_type").and_then(Value::as_str).ok_or_else(|| invalid(param, format!("{param}.source.media_type: Field required")))?;
+    if !IMAGE_TYPES.contains(&media_type) {
+        return Err(invalid(param, format!("{param}.source.media_type: '{media_type}' is not one of {}", IMAGE_TYPES.join(", "))));
+    }
+    let data = source.get("data").and_then(Value::as_str).ok_or_else(|| invalid(param, format!("{param}.source.data: Field required (base64 text)")))?;
+    Ok(json!({"type": "image_url", "image_url": {"url": format!("data:{media_type};base64,{data}")}}))
 }
 
 /// `messages` → chat messages, appended to `out` (after the system message).
@@ -205,10 +229,17 @@ fn user_turn(content: &Value, param: &str, open_tool_uses: &[String], out: &mut 
         _ => return Err(invalid(param, format!("{param}.content must be a string or a list of content blocks"))),
     };
     let mut texts = Vec::new();
+    // The turn's text and image blocks in order, as chat parts (used when it has an image).
+    let mut parts = Vec::new();
     for (j, b) in blocks.iter().enumerate() {
         let bp = format!("{param}.content[{j}]");
         match block_type(b) {
-            Some("text") => texts.push(block_text(b, &bp)?),
+            Some("text") => {
+                let text = block_text(b, &bp)?;
+                parts.push(json!({"type": "text", "text": text}));
+                texts.push(text);
+            }
+            Some("image") => parts.push(image_part(b, &bp)?),
             Some("tool_result") => {
                 let id = b.get("tool_use_id").and_then(Value::as_str).ok_or_else(|| invalid(&bp, format!("{bp}.tool_use_id: Field required")))?;
                 if !open_tool_uses.iter().any(|u| u == id) {
@@ -222,12 +253,14 @@ fn user_turn(content: &Value, param: &str, open_tool_uses: &[String], out: &mut 
                 let text = if b.get("is_error").and_then(Value::as_bool) == Some(true) { format!("Error: {text}") } else { text };
                 out.push(json!({"role": "tool", "tool_call_id": id, "content": text}));
             }
-            Some("image") | Some("document") => return Err(unsupported_media(&bp)),
+            Some("document") => return Err(unsupported_media(&bp)),
             Some("tool_use") => return Err(invalid(&bp, format!("{bp}: tool_use blocks belong to assistant messages"))),
             other => return Err(unknown_block(&bp, other)),
         }
     }
-    if !texts.is_empty() || blocks.is_empty() {
+    if parts.len() > texts.len() {
+        out.push(json!({"role": "user", "content": parts}));
+    } else if !texts.is_empty() || blocks.is_empty() {
         out.push(json!({"role": "user", "content": joined(texts)}));
     }
     Ok(())

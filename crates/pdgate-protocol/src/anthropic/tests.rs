@@ -95,7 +95,12 @@ fn bad_requests_are_refused_with_the_field() {
     assert!(refused(json!({"model": "m", "max_tokens": 1, "messages": [{"role": "system", "content": "x"}]})).contains("role"));
     assert!(refused(json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "video"}]}]})).contains("unknown content block type 'video'"));
     let img = json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}});
-    assert!(refused(json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [img]}]})).contains("image"));
+    let remote = json!({"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}});
+    assert!(refused(json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [remote]}]})).contains("does not fetch remote images"));
+    let pdf = json!({"type": "image", "source": {"type": "base64", "media_type": "application/pdf", "data": "AA=="}});
+    assert!(refused(json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [pdf]}]})).contains("media_type"));
+    let turns = json!([{"role": "user", "content": "x"}, {"role": "assistant", "content": [img]}]);
+    assert!(refused(json!({"model": "m", "max_tokens": 1, "messages": turns})).contains("image blocks outside"));
     let orphan = json!({"model": "m", "max_tokens": 1, "messages": [
         {"role": "user", "content": "x"}, {"role": "assistant", "content": "no tools here"},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": "r"}]}]});
@@ -285,4 +290,21 @@ fn stream_text_with_escapes_is_the_same_on_the_fast_path() {
     let evs = events(&s.feed(wire.as_bytes()));
     let got: Vec<Value> = evs.iter().filter(|(n, _)| n == "content_block_delta").map(|(_, d)| d["delta"]["text"].clone()).collect();
     assert_eq!(got, texts.iter().map(|t| json!(t)).collect::<Vec<_>>());
+}
+
+#[test]
+fn image_blocks_become_data_url_parts_in_order() {
+    let t = chat_of(json!({"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "look: "},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw=="}},
+        {"type": "text", "text": " what is it?"},
+    ]}]}));
+    assert_eq!(
+        t.chat["messages"],
+        json!([{"role": "user", "content": [
+            {"type": "text", "text": "look: "},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw=="}},
+            {"type": "text", "text": " what is it?"},
+        ]}])
+    );
 }

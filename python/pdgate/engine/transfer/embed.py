@@ -13,6 +13,9 @@ there, connects, and registers for the room. Either may come first:
 
 The prefill checks room, hash, shape and size before it uses a byte. An embedding nobody
 registers for within the bootstrap timeout is dropped, as is a registration no encode answers.
+An `/abort_request` whose rid is a prefix of the encode call's `req_id` drops that call's rooms
+at once (an offered embedding, a waiting registration: it gets an error), and a later
+`/encode` with that `req_id` is refused, so an abandoned request pins nothing here.
 """
 
 from __future__ import annotations
@@ -37,6 +40,40 @@ class EmbedSource:
         self.slots: dict[int, asyncio.Future] = {}
         self.claimed: set[int] = set()
         self._expiry: dict[int, asyncio.TimerHandle] = {}
+        self.req_of: dict[int, str] = {}            # room -> the /encode req_id that owns it
+        self.aborted: dict[str, asyncio.TimerHandle] = {}  # req_ids aborted, kept for a late /encode
+
+    def track(self, req_id: str | None, rooms: list[int | None]) -> None:
+        """An `/encode` call's rooms, by its req_id (for `/abort_request`); refused if that
+        req_id was aborted already (the abort overtook the call)."""
+        if req_id is None:
+            return
+        if req_id in self.aborted:
+            raise EngineError(f"encode request {req_id} was aborted", 499, "aborted")
+        for room in rooms:
+            if room is not None:
+                self.req_of[room] = req_id
+
+    def abort(self, hit) -> int:
+        """`/abort_request`: drop the rooms of every `/encode` whose req_id `hit` matches. A
+        registration waiting for one of them is answered with an error; an offered embedding
+        nobody claimed is freed. Returns how many rooms were dropped."""
+        loop = asyncio.get_running_loop()
+        rooms = [r for r, req in self.req_of.items() if hit(req)]
+        for req in {self.req_of[r] for r in rooms}:
+            if req not in self.aborted:
+                self.aborted[req] = loop.call_later(self.ctx.timeouts.bootstrap, self.aborted.pop, req, None)
+        for room in rooms:
+            del self.req_of[room]
+            fut = self.slots.get(room)
+            if fut is None:
+                continue
+            if not fut.done():
+                fut.set_exception(EngineError(f"room {room}: the encode request was aborted", 499, "aborted"))
+                fut.exception()  # retrieved: a slot nobody waits on must not log an unretrieved error
+            if room not in self.claimed:
+                self._drop(room, fut)
+        return len(rooms)
 
     def _slot(self, room: int) -> asyncio.Future:
         return self.slots.setdefault(room, asyncio.get_running_loop().create_future())
@@ -59,9 +96,11 @@ class EmbedSource:
         if self.slots.get(room) is fut and room not in self.claimed:
             log.info("embedding for room %d expired: no prefill registered", room)
             del self.slots[room]
+            self.req_of.pop(room, None)
 
     def _drop(self, room: int, fut: asyncio.Future) -> None:
         self.claimed.discard(room)
+        self.req_of.pop(room, None)
         t = self._expiry.pop(room, None)
         if t is not None:
             t.cancel()
@@ -86,6 +125,9 @@ class EmbedSource:
             except asyncio.TimeoutError:
                 await wire.send(writer, {"op": "error", "message": f"no embedding for room {room} within "
                                          f"{self.ctx.timeouts.bootstrap:g}s"})
+                return
+            except EngineError as e:  # aborted
+                await wire.send(writer, {"op": "error", "message": str(e)})
                 return
             want = hdr.get("content_hash")
             if want is not None and want != content_hash:
