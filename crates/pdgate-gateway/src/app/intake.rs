@@ -128,9 +128,13 @@ where
         }
     }
     let scope = Arc::new(RequestScope { request_id: request_id.clone(), via, span, client_trace });
+    // Boxed: the transaction's future is ~14 KB; held inline, it made every route handler's
+    // future that size, and axum's route boxing (tower's MapFuture::call) copies that future
+    // twice per request: a fifth of a non-streamed request's instructions (docs/performance.md,
+    // issue 28 item 6).
     let mut resp = scope::run(
         scope.clone(),
-        execute(Ctx {
+        Box::pin(execute(Ctx {
             state: state.exec.clone(),
             req,
             raw,
@@ -148,7 +152,7 @@ where
             ids_to_ledger: false,
             prompt_memo: Default::default(),
             images: Arc::from([]),
-        }),
+        })),
     )
     .await;
     // For the body wrapper in edge/conn.rs: the relay's stream warnings name the request.
