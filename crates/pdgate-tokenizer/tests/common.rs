@@ -5,8 +5,11 @@ use std::path::PathBuf;
 
 use pdgate_tokenizer::ModelTokenizer;
 
+/// Read when the test runs (cargo sets it for every test binary), not compiled in: a build cache
+/// shared by two checkouts can hand this checkout a binary built in the other, whose compiled-in
+/// path may be gone.
 pub fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+    std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from).join("tests/fixtures")
 }
 
 pub fn bpe() -> ModelTokenizer {
