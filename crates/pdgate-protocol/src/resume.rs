@@ -360,7 +360,9 @@ impl Progress {
             self.generated.extend_from_slice(&e.generated);
             self.finished |= e.finished;
         });
-        // The ledger's writer holds no text it has not sent the ids of: all of it is released.
+        // A ledger's stream is one the gateway detokenized itself (gRPC workers): its own
+        // detokenizer, primed with a continuation's prompt, sends the character a continuation
+        // completes, so such a stream goes on from every id.
         self.released = self.generated.len();
         self.sent_ids = self.sent_ids.max(self.released);
         self.text_after.clear();
