@@ -6,7 +6,34 @@
 //! reasoning, an error, several choices, a repeated key, an escaped finish reason) is `None`:
 //! the caller parses.
 
-use crate::json_scan::Scan;
+use crate::json_scan::{event_object, Scan};
+use crate::sse::{find_boundary, parse_event, SseDecoder};
+
+/// Every event payload that `bytes` completes, to `f`, in order: whole events are read where
+/// they lie (the relay hands over whole events, mostly); only a part event waits in `decoder`,
+/// and what follows it goes through there too. The stream translators' shared reading.
+pub(crate) fn each_payload(decoder: &mut SseDecoder, bytes: &[u8], mut f: impl FnMut(&[u8])) {
+    let mut start = 0;
+    if decoder.pending() == 0 {
+        while let Some((end, sep)) = find_boundary(&bytes[start..], 0) {
+            let raw = &bytes[start..start + end];
+            match event_object(raw) {
+                Some(payload) => f(payload),
+                None => {
+                    if let Some(ev) = parse_event(raw) {
+                        f(ev.data.as_bytes());
+                    }
+                }
+            }
+            start += end + sep;
+        }
+    }
+    if start < bytes.len() {
+        for ev in decoder.feed(&bytes[start..]) {
+            f(ev.data.as_bytes());
+        }
+    }
+}
 
 /// What the translator needs of a usual chunk.
 #[derive(Debug, Default, PartialEq, Eq)]

@@ -13,9 +13,8 @@ use serde_json::{json, Value};
 use super::answer::usage;
 use super::error::{body_of, from_stream_error};
 use super::{message_id, stop_reason};
-use crate::chat_chunk::{Chunk, ChunkReader};
-use crate::json_scan::event_object;
-use crate::sse::{find_boundary, parse_event, SseDecoder};
+use crate::chat_chunk::{each_payload, Chunk, ChunkReader};
+use crate::sse::SseDecoder;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Block {
@@ -74,28 +73,10 @@ impl MessagesStream {
     /// Takes the chat stream's next bytes; returns the Anthropic events they complete.
     pub fn feed(&mut self, chunk: &[u8]) -> Vec<u8> {
         let mut out = Vec::new();
-        let mut start = 0;
-        // Whole events are read where they lie (the relay hands over whole events, mostly);
-        // only a part event waits in the decoder, and what follows it goes through there too.
-        if self.sse.pending() == 0 {
-            while let Some((end, sep)) = find_boundary(&chunk[start..], 0) {
-                let raw = &chunk[start..start + end];
-                match event_object(raw) {
-                    Some(payload) => self.event(payload, &mut out),
-                    None => {
-                        if let Some(ev) = parse_event(raw) {
-                            self.event(ev.data.as_bytes(), &mut out);
-                        }
-                    }
-                }
-                start += end + sep;
-            }
-        }
-        if start < chunk.len() {
-            for ev in self.sse.feed(&chunk[start..]) {
-                self.event(ev.data.as_bytes(), &mut out);
-            }
-        }
+        // The decoder is lent out while `self.event` runs on each payload.
+        let mut decoder = std::mem::take(&mut self.sse);
+        each_payload(&mut decoder, chunk, |payload| self.event(payload, &mut out));
+        self.sse = decoder;
         out
     }
 

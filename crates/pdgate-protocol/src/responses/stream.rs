@@ -12,9 +12,8 @@
 use serde_json::{json, Value};
 
 use super::answer::{self, ResponseMeta};
-use crate::chat_chunk::{Chunk, ChunkReader};
-use crate::json_scan::event_object;
-use crate::sse::{find_boundary, parse_event, SseDecoder};
+use crate::chat_chunk::{each_payload, Chunk, ChunkReader};
+use crate::sse::SseDecoder;
 
 struct Call {
     output_index: usize,
@@ -88,28 +87,10 @@ impl StreamTranslator {
     /// The events a piece of the chat stream completes.
     pub fn feed(&mut self, bytes: &[u8]) -> Vec<u8> {
         let mut out = Vec::new();
-        let mut start = 0;
-        // Whole events are read where they lie (the relay hands over whole events, mostly);
-        // only a part event waits in the decoder, and what follows it goes through there too.
-        if self.decoder.pending() == 0 {
-            while let Some((end, sep)) = find_boundary(&bytes[start..], 0) {
-                let raw = &bytes[start..start + end];
-                match event_object(raw) {
-                    Some(payload) => self.event(payload, &mut out),
-                    None => {
-                        if let Some(ev) = parse_event(raw) {
-                            self.event(ev.data.as_bytes(), &mut out);
-                        }
-                    }
-                }
-                start += end + sep;
-            }
-        }
-        if start < bytes.len() {
-            for ev in self.decoder.feed(&bytes[start..]) {
-                self.event(ev.data.as_bytes(), &mut out);
-            }
-        }
+        // The decoder is lent out while `self.event` runs on each payload.
+        let mut decoder = std::mem::take(&mut self.decoder);
+        each_payload(&mut decoder, bytes, |payload| self.event(payload, &mut out));
+        self.decoder = decoder;
         out
     }
 
