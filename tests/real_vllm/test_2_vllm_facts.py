@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.real_vllm.conftest import MODEL, metric, wait_until
+from tests.real_vllm.conftest import DEADLINE_S, MODEL, metric, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -23,7 +23,7 @@ PREFIX_CACHE = ["vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total
 
 def test_the_series_pdgate_reads_exist_on_real_vllm(fleet):
     # One PD request first: the NIXL histograms appear once a transfer happened.
-    httpx.post(fleet.url + "/v1/completions", timeout=120,
+    httpx.post(fleet.url + "/v1/completions", timeout=DEADLINE_S,
                json={"model": MODEL, "prompt": "series", "max_tokens": 2, "temperature": 0}).raise_for_status()
     decode_names = {k.partition("{")[0] for d in fleet.decodes for k in d.metrics()}
     missing = [n for n in READ_BY_PDGATE + PREFIX_CACHE if n not in decode_names]
@@ -53,7 +53,7 @@ def test_a_client_that_disconnects_mid_stream_leaves_vllm_idle(fleet):
     generated_before = {w.url: metric(w, "vllm:generation_tokens_total") for w in fleet.decodes}
     body = {"model": MODEL, "prompt": "a long answer nobody reads to the end", "max_tokens": 1500,
             "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=120) as client, client.stream("POST", fleet.url + "/v1/completions", json=body) as r:
+    with httpx.Client(timeout=DEADLINE_S) as client, client.stream("POST", fleet.url + "/v1/completions", json=body) as r:
         assert r.status_code == 200
         decode = fleet.by_url(r.headers["x-pdgate-route"].split("decode=")[1].split(";")[0])
         for n, _ in enumerate(r.iter_lines()):
@@ -80,7 +80,7 @@ def test_vllm_sends_the_prompt_again_after_prompt_ids_that_end_inside_a_characte
 
     def text(prompt: list[int]) -> str:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-        return httpx.post(fleet.colocated.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        return httpx.post(fleet.colocated.url + "/v1/completions", json=body, timeout=DEADLINE_S).json()["choices"][0]["text"]
 
     assert text(held).startswith("A prompt that ends inside "), "vLLM no longer repeats such a prompt: resume.rs can continue from every id"
     assert not text(clean).startswith("A prompt"), "a prompt that ends whole is not repeated"

@@ -15,7 +15,7 @@ import pytest
 from openai import OpenAI
 
 from tests.gateway.prefix_routing import conversations
-from tests.real_vllm.conftest import MODEL, gateway_metric, wait_until
+from tests.real_vllm.conftest import DEADLINE_S, MODEL, gateway_metric, wait_until
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -33,7 +33,7 @@ def _gateway(fleet, policy: str, **extra):
 
 
 def _hit_rate(gw, prompts: list[str]) -> float:
-    client = OpenAI(base_url=gw.url + "/v1", api_key="none", timeout=120, max_retries=0)
+    client = OpenAI(base_url=gw.url + "/v1", api_key="none", timeout=DEADLINE_S, max_retries=0)
     prompt_tokens = cached = 0
     for prompt in prompts:
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
