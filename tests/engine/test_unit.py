@@ -339,3 +339,57 @@ def test_a_held_scheduler_decodes_no_sequence_past_the_fault_point(hold_at, want
     seq = asyncio.run(run())
     assert len(seq.output_ids) == want, seq.output_ids
     assert seq.finished == (hold_at == 0)
+
+
+def test_a_cancel_that_meets_the_work_ending_is_never_lost():
+    """`with_timeout` under a cancel that arrives in the same loop step as the work's result
+    (before Python 3.12 `asyncio.wait_for` then returns the result and the cancel is lost: an
+    aborted decode whose bootstrap lookup answered just then registered with its prefill and
+    waited there for KV, its request no longer live). The cancel propagates; a connection the
+    work opened in that step is closed."""
+    from pdgate.engine.transfer.context import with_timeout
+
+    async def run(result_of):
+        loop = asyncio.get_running_loop()
+        work: asyncio.Future = loop.create_future()
+        outer = asyncio.create_task(with_timeout(work, 60, "the test's work"))
+        await asyncio.sleep(0)  # outer now waits on the work
+        work.set_result(await result_of())
+        outer.cancel()  # same step: both are ready when outer next runs
+        try:
+            await outer
+        except asyncio.CancelledError:
+            return "cancelled", work.result()
+        return "returned", work.result()
+
+    async def nothing():
+        return 7
+
+    assert asyncio.run(run(nothing)) == ("cancelled", 7)
+
+    async def connection():
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        try:
+            return await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        finally:
+            server.close()
+
+    async def opened_then_cancelled():
+        outcome, (_reader, writer) = await run(connection)
+        await asyncio.sleep(0)  # the close is a done-callback of the work
+        return outcome, writer.is_closing()
+
+    assert asyncio.run(opened_then_cancelled()) == ("cancelled", True)
+
+
+def test_with_timeout_times_out_and_returns():
+    from pdgate.engine.transfer.context import with_timeout
+
+    async def run():
+        slow = asyncio.ensure_future(asyncio.sleep(60))
+        with pytest.raises(EngineError, match="timed out after 0.05s doing it") as e:
+            await with_timeout(slow, 0.05, "doing it")
+        assert e.value.code == "kv_transfer_timeout" and slow.cancelled()
+        return await with_timeout(asyncio.sleep(0, "ok"), 60, "doing it")
+
+    assert asyncio.run(run()) == "ok"

@@ -285,15 +285,22 @@ class Engine:
         seq.images, seq.encode_items = item.images, item.encode_items
         task = asyncio.create_task(self._drive(item, seq))
         self.live[seq.rid] = (seq, task)
+        # Live until both have ended: the answer, and the task that drives its transfers (an
+        # aborted request still unwinding holds its registration or pages until then).
         seq.done.add_done_callback(lambda _f: self._done(seq))
+        task.add_done_callback(lambda _t: self._forget(seq))
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += seq.prompt_len
         return seq
 
     def _done(self, seq: Seq) -> None:
-        if self.live.get(seq.rid, (None,))[0] is seq:
-            del self.live[seq.rid]
         self.counters["generation_tokens"] += len(seq.output_ids)
+        self._forget(seq)
+
+    def _forget(self, seq: Seq) -> None:
+        entry = self.live.get(seq.rid)
+        if entry is not None and entry[0] is seq and seq.done.done() and entry[1].done():
+            del self.live[seq.rid]
 
     async def _drive(self, item: GenItem, seq: Seq) -> None:
         try:
@@ -311,7 +318,7 @@ class Engine:
             return
         self.counters["aborted"] += 1
         entry = self.live.get(seq.rid)
-        if entry is not None and not entry[1].done():
+        if entry is not None and entry[0] is seq and not entry[1].done():
             entry[1].cancel()
         self.scheduler.abort(seq, EngineError(why, 499, "aborted"))
 

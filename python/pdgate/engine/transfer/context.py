@@ -77,7 +77,37 @@ def fail(ctx: TransferContext, key: tuple, msg: str) -> EngineError:
 
 
 async def with_timeout(aw, seconds: float, what: str):
+    """`aw` within `seconds`, else `kv_transfer_timeout`; a cancellation always propagates.
+
+    Not `asyncio.wait_for`: before Python 3.12 it returns the inner result, swallowing the
+    cancellation, when the inner work ends in the same loop step as the cancel arrives (an
+    aborted decode whose bootstrap lookup answered just then went on to register with the
+    prefill and wait there for KV that never came, its request no longer live, so nothing
+    could abort it again). Here the work is cancelled and awaited, and what it returned in
+    that step is closed (a stream connection) and dropped."""
+    task = asyncio.ensure_future(aw)
     try:
-        return await asyncio.wait_for(aw, seconds)
-    except asyncio.TimeoutError:
-        raise EngineError(f"timed out after {seconds:g}s {what}", 500, "kv_transfer_timeout") from None
+        done, _ = await asyncio.wait({task}, timeout=seconds)
+    except asyncio.CancelledError:
+        await _cancel_and_drop(task)
+        raise
+    if not done:
+        await _cancel_and_drop(task)
+        raise EngineError(f"timed out after {seconds:g}s {what}", 500, "kv_transfer_timeout")
+    return task.result()
+
+
+async def _cancel_and_drop(task: asyncio.Future) -> None:
+    """Cancel `task` and wait until it has ended (shielded: a second cancel of the caller
+    propagates, and the task still ends on its own); a stream connection it opened in its last
+    step is closed, whenever that step was."""
+    task.add_done_callback(_close_opened)
+    task.cancel()
+    await asyncio.shield(asyncio.gather(task, return_exceptions=True))
+
+
+def _close_opened(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is None:
+        result = task.result()
+        if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], asyncio.StreamWriter):
+            result[1].close()
