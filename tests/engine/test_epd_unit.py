@@ -210,3 +210,28 @@ def test_abort_drops_an_encode_calls_rooms_at_once():
     assert dropped == 2 and "aborted" in aborted
     assert pending == 1 and rooms == [3]
     assert late == "aborted"
+
+
+def test_a_registration_whose_prefill_hangs_up_is_dropped_at_once():
+    """A prefill registered for a room and was then aborted (it closed its connection) before
+    any embedding came, and no `/abort_request` reached the encode worker for that room (it
+    came before the registration, or the encode call was never tracked): the registration is
+    dropped when the connection closes, not at the bootstrap timeout (60 s here)."""
+    async def body(src, addr, counts):
+        rx = _ctx(60)
+        waiter = asyncio.create_task(embed_receive(rx, addr, 5, "h5", (16, 64)))
+        for _ in range(200):
+            if 5 in src.claimed:
+                break
+            await asyncio.sleep(0.01)
+        assert src.pending == 1 and 5 in src.claimed
+        waiter.cancel()  # the prefill's request was aborted: its side closes the connection
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        for _ in range(500):
+            if src.pending == 0:
+                break
+            await asyncio.sleep(0.01)
+        return src.pending, sorted(src.claimed)
+
+    assert asyncio.run(_with_source(60, body)) == (0, [])

@@ -12,7 +12,8 @@ there, connects, and registers for the room. Either may come first:
     prefill -> encode   {"op": "ack", "room"}
 
 The prefill checks room, hash, shape and size before it uses a byte. An embedding nobody
-registers for within the bootstrap timeout is dropped, as is a registration no encode answers.
+registers for within the bootstrap timeout is dropped, as is a registration no encode answers;
+a registration whose prefill closes its connection (it was aborted) is dropped at once.
 An `/abort_request` whose rid is a prefix of the encode call's `req_id` drops that call's rooms
 at once (an offered embedding, a waiting registration: it gets an error), and a later
 `/encode` with that `req_id` is refused, so an abandoned request pins nothing here.
@@ -120,12 +121,14 @@ class EmbedSource:
         fut = self._slot(room)
         self.claimed.add(room)
         try:
-            try:
-                content_hash, emb = await asyncio.wait_for(asyncio.shield(fut), self.ctx.timeouts.bootstrap)
-            except asyncio.TimeoutError:
+            if not await self._until_offered(room, fut, reader):
+                return  # the prefill went away: nobody waits for this room any more
+            if not fut.done():
                 await wire.send(writer, {"op": "error", "message": f"no embedding for room {room} within "
                                          f"{self.ctx.timeouts.bootstrap:g}s"})
                 return
+            try:
+                content_hash, emb = fut.result()
             except EngineError as e:  # aborted
                 await wire.send(writer, {"op": "error", "message": str(e)})
                 return
@@ -142,6 +145,22 @@ class EmbedSource:
                 self.nbytes["sent"] += emb.nbytes
         finally:
             self._drop(room, fut)
+
+    async def _until_offered(self, room: int, fut: asyncio.Future, reader: asyncio.StreamReader) -> bool:
+        """Wait for the room's embedding (or its abort), at most the bootstrap timeout, while
+        watching the registered prefill's connection: False when the prefill closed it first
+        (it was aborted or gave up), so its registration is dropped at once, not at the
+        timeout. The prefill sends nothing before the embedding, so any byte is a hang-up too."""
+        gone = asyncio.ensure_future(reader.read(1))
+        try:
+            await asyncio.wait({fut, gone}, timeout=self.ctx.timeouts.bootstrap,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not fut.done() and gone.done():
+            log.info("room %d: the prefill left before the embedding was offered", room)
+            return False
+        return True
 
 
 async def embed_receive(ctx: TransferContext, addr: tuple[str, int], room: int, content_hash: str,
