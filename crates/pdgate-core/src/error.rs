@@ -227,6 +227,24 @@ impl GatewayError {
         }
     }
 
+    /// Whether a decode's failure says that its KV source failed: a 5xx whose error code is
+    /// the reference engine's `kv_transfer_failed` or `kv_transfer_timeout` (docs/engine.md),
+    /// or whose message says the transfer failed (SGLang's decode: "Decode transfer failed for
+    /// request ..."). In concurrent PD that source is the prefill leg, so the failure may be
+    /// the prefill's (or, EPD, an encode worker's): the transaction asks the prefill leg's own
+    /// outcome before it blames the decode.
+    pub fn kv_source_failed(&self) -> bool {
+        let ErrorKind::WorkerStatus { status, body: Some(body) } = &self.kind else { return false };
+        if self.leg != Some(Leg::Decode) || *status < 500 {
+            return false;
+        }
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(body) else { return false };
+        let err = v.get("error").unwrap_or(&v);
+        let code = err.get("code").and_then(serde_json::Value::as_str);
+        let message = err.get("message").and_then(serde_json::Value::as_str).unwrap_or_default();
+        matches!(code, Some("kv_transfer_failed" | "kv_transfer_timeout")) || message.to_ascii_lowercase().contains("transfer failed")
+    }
+
     /// HTTP status for the client.
     pub fn status(&self) -> u16 {
         match &self.kind {
@@ -392,6 +410,22 @@ mod tests {
         assert_eq!((t.status(), t.code().as_str()), (502, "decode_stream_truncated"));
         assert!(t.message.starts_with("decode worker"), "{}", t.message);
         assert_eq!(GatewayError::stream_truncated(Leg::Regular).code(), "worker_stream_truncated");
+    }
+
+    #[test]
+    fn a_decode_that_lost_its_kv_source_is_told_apart() {
+        let decode = |status, body: &str| GatewayError::worker_status(Leg::Decode, status, Some(body.to_string()));
+        let reference = r#"{"error": {"message": "KV source failed: encode worker: room 7 holds image 00", "type": "server_error", "code": "kv_transfer_failed", "param": null}}"#;
+        assert!(decode(500, reference).kv_source_failed());
+        assert!(decode(500, r#"{"error": {"message": "timed out after 300s waiting for the source's KV", "code": "kv_transfer_timeout"}}"#).kv_source_failed());
+        assert!(decode(500, r#"{"error": {"message": "Decode transfer failed for request rank=0 rid=x", "code": 500}}"#).kv_source_failed());
+        // the decode's own failures, a 4xx, another leg, no body: not about the KV source
+        assert!(!decode(500, r#"{"error": {"message": "internal error: boom", "code": "internal"}}"#).kv_source_failed());
+        assert!(!decode(503, r#"{"error": {"message": "no KV memory for 3 pages within 300s", "code": "kv_cache_full"}}"#).kv_source_failed());
+        assert!(!decode(400, reference).kv_source_failed());
+        assert!(!decode(500, "KV source failed (not JSON)").kv_source_failed());
+        assert!(!GatewayError::worker_status(Leg::Prefill, 500, Some(reference.to_string())).kv_source_failed());
+        assert!(!GatewayError::worker_status(Leg::Decode, 500, None).kv_source_failed());
     }
 
     #[test]

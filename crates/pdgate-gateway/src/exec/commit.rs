@@ -8,6 +8,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{header, HeaderValue, StatusCode};
@@ -69,20 +70,59 @@ impl Watched {
     }
 }
 
+/// How long a decode that says its KV source failed waits for the prefill leg, still running,
+/// to end on its own (`settle_kv_source`). The prefill tells the decode first and answers its
+/// own failure right after, so this is slack for a loaded machine, not a transfer's time.
+pub const KV_SOURCE_GRACE: Duration = Duration::from_secs(5);
+
 /// Runs `fut` while watching the prefill leg: a prefill failure ends `fut` (which drops the
 /// decode connection) and becomes the result; a prefill success is kept. When both end at once
 /// (the deadline, with neither leg answering: in SGLang bootstrap each waits for the other) the
-/// relayed leg's result wins, so the blame is not a coin toss.
-async fn race<T>(w: &mut Watched, fut: impl Future<Output = Result<T, GatewayError>>) -> Result<T, GatewayError> {
+/// relayed leg's result wins, so the blame is not a coin toss. Except when the relayed leg's
+/// failure says its KV source failed while the prefill still runs: then the prefill's outcome
+/// decides (`settle_kv_source`), and `abort` (the relayed leg's) is disarmed if the prefill is
+/// blamed, since that leg ended at its worker.
+async fn race<T>(w: &mut Watched, deadline: Instant, abort: &mut Option<AbortGuard>, fut: impl Future<Output = Result<T, GatewayError>>) -> Result<T, GatewayError> {
     tokio::pin!(fut);
     loop {
         let prefill = tokio::select! {
             biased;
-            r = &mut fut => return r,
+            r = &mut fut => return match r {
+                Err(e) if e.kv_source_failed() && w.leg.is_some() => Err(settle_kv_source(w, e, deadline, abort).await),
+                r => r,
+            },
             pr = wait_prefill(&mut w.leg) => pr,
         };
         w.leg = None;
         w.answer = Some(prefill?);
+    }
+}
+
+/// The decode failed because its KV source failed, and the prefill leg (that source) has not
+/// ended yet: in SGLang bootstrap the prefill tells the decode before it answers its own
+/// failure, so the decode's 500 is often heard first. The prefill's outcome, within
+/// [`KV_SOURCE_GRACE`] and the deadline, says whose failure it was: a failed prefill leg (an
+/// encode worker whose embedding it could not take, a prefill that died) is the attempt's
+/// error, so that side is blamed and the retry avoids it; a prefill that answered, or is still
+/// silent at the end of the grace, leaves the failure with the decode, as before.
+async fn settle_kv_source(w: &mut Watched, decode: GatewayError, deadline: Instant, abort: &mut Option<AbortGuard>) -> GatewayError {
+    let Some(leg) = w.leg.as_mut() else { return decode };
+    let by = deadline.min(Instant::now() + KV_SOURCE_GRACE);
+    match timeout_at(by, &mut leg.answer).await {
+        Ok(Err(prefill)) => {
+            tracing::debug!(decode = %decode, prefill = %prefill, "the decode's KV source failed: the prefill leg failed too, and is blamed");
+            w.leg = None;
+            if let Some(guard) = abort.as_mut() {
+                guard.disarm();
+            }
+            prefill
+        }
+        Ok(Ok(answer)) => {
+            w.leg = None;
+            w.answer = Some(answer);
+            decode
+        }
+        Err(_) => decode,
     }
 }
 
@@ -207,7 +247,7 @@ async fn commit_and_relay(
         ids_to_ledger: ctx.ids_to_ledger,
         prompts: ctx.prompt_memo.clone(),
     };
-    let answer = race(&mut watched, client.send(req)).await.inspect_err(|e| {
+    let answer = race(&mut watched, deadline, abort, client.send(req)).await.inspect_err(|e| {
         if e.kind == ErrorKind::BadWorkerResponse {
             count_bad(ctx, leg, "content_encoding");
         }
@@ -215,7 +255,7 @@ async fn commit_and_relay(
     let (head, mut events, ledger) = (answer.head, answer.events, answer.ledger);
     finish.status = head.status.as_u16();
     if ctx.req.stream {
-        let first = race(&mut watched, first_data(&mut events, leg, deadline)).await.map_err(|e| {
+        let first = race(&mut watched, deadline, abort, first_data(&mut events, leg, deadline)).await.map_err(|e| {
             // The decode answered its head and then waited: for its KV, if the prefill is
             // still silent too (SGLang bootstrap, Mooncake). Name the leg that hung.
             let prefill_hung = e.kind == ErrorKind::Timeout && e.leg == Some(leg) && watched.blame_silent_prefill && watched.leg.is_some();
@@ -243,7 +283,7 @@ async fn commit_and_relay(
         let content_type = head.content_type.unwrap_or_else(|| HeaderValue::from_static("text/event-stream"));
         return Ok(Committed::Stream { status: head.status, content_type, relay: Box::new(relay) });
     }
-    let bytes = race(&mut watched, collect(events, limits.max_response_bytes, leg, deadline)).await.inspect_err(|e| {
+    let bytes = race(&mut watched, deadline, abort, collect(events, limits.max_response_bytes, leg, deadline)).await.inspect_err(|e| {
         if e.kind == ErrorKind::BadWorkerResponse {
             count_bad(ctx, leg, "too_large");
         }
@@ -293,3 +333,7 @@ fn build(status: StatusCode, content_type: HeaderValue, body: Body) -> Response 
     resp.headers_mut().insert(header::CONTENT_TYPE, content_type);
     resp
 }
+
+#[cfg(test)]
+#[path = "commit_tests.rs"]
+mod tests;
