@@ -10,12 +10,17 @@ keeps an embedding or a registration waiting (`embeddings_waiting_for_prefill` =
 
 The engines keep their default bootstrap timeout (300 s), so anything released within
 `IDLE_WITHIN_S` was released by an abort, never by an expiry.
+
+Two bugs kept this module out of the suite until 2026-12-07: the gateway blamed a decode whose
+KV source failed before the prefill leg named the image (now it waits for the prefill leg's
+outcome: `exec/commit.rs`, `settle_kv_source`), and an abort that met a bootstrap lookup's
+answer in the same loop step was lost on Python 3.11 (`asyncio.wait_for`), leaving the decode
+registered on the prefill for 300 s (now `transfer/context.py`'s `with_timeout`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import threading
 import time
@@ -30,19 +35,20 @@ from tests.gateway.harness import wait_status
 from tests.gateway.test_aborts_free_memory import wait_idle
 from tests.gateway.test_epd_gateway import MODEL, NOISE, RED, chat, encode_field, loads, mm, start
 
-# Out of the suite until fixed: run alone, 4 of these pass (the other 2 are the blame race below);
-# inside the whole suite on 2026-12-07 five failed, four of them with the prefill not idle
-# within 10 s after the faults (its pages free, so a registration, live request or transfer was
-# still held: not yet diagnosed, and it may be a leak). Run by hand: PDGATE_EPD_FAULTS=1.
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.skipif(os.environ.get("PDGATE_EPD_FAULTS") != "1",
-                                 reason="EPD fault tests fail inside the whole suite (prefill not idle after faults): see the module comment")]
+pytestmark = pytest.mark.timeout(300)
 IDLE_WITHIN_S = 10
 ENCODE_TIMEOUT_S = 2
 
 
 def waiting(w: ReferenceWorker) -> int:
     return int(loads(w)["multimodal"]["embeddings_waiting_for_prefill"])
+
+
+def held_by(w: ReferenceWorker) -> dict[str, Any]:
+    ld = loads(w)
+    dis = ld["disaggregation"]
+    return {"live": ld["num_live_reqs"], "registrations": dis["pending_registrations"],
+            "transfers": dis["transfers_in_flight"], "held_for_pull": dis["held_for_pull"]}
 
 
 def wait_for(what: str, check: Callable[[], bool], within: float = IDLE_WITHIN_S) -> None:
@@ -91,7 +97,11 @@ class Fleet:
 
     def clean(self) -> None:
         """No request left on the prefill or the decode, nothing waiting on any encode worker."""
-        wait_idle([self.prefill, self.decode], IDLE_WITHIN_S)
+        try:
+            wait_idle([self.prefill, self.decode], IDLE_WITHIN_S)
+        except AssertionError as e:  # say what is held, not only the pages
+            held = {w.url: held_by(w) for w in (self.prefill, self.decode)}
+            raise AssertionError(f"{e}; held: {held}") from None
         for e in self.encoders:
             wait_for(f"{e.url} holds no embedding", lambda: waiting(e) == 0)
 
@@ -113,16 +123,11 @@ def colocated(fleet: Fleet, body: dict[str, Any]) -> dict[str, Any]:
     return r.json()
 
 
-# A known bug, not flakiness of the test: when the prefill cannot get an embedding, the bootstrap
-# decode fails too ("KV source failed"), and on main (2026-12-07) the gateway hears the decode's
-# 500 first, blames the decode (decode_error, 502) and does not retry on another encode worker.
-# The fix is to wait for the prefill leg's outcome before blaming a decode whose KV source
-# failed. Skipped until then, so that what is proven stays in CI.
-BLAME_RACE = pytest.mark.skip(reason="known bug: a decode's KV-source failure is blamed before the prefill names the image (see above)")
-
-
+# bad-embedding and the killed encode worker: when the prefill cannot get an embedding, the
+# bootstrap decode fails too ("KV source failed"), often heard first; the gateway waits for the
+# prefill leg's outcome before it blames the decode, so the encode worker is blamed and avoided.
 @pytest.mark.parametrize("fault,code", [("hang", "encode_timeout"), ("garbage", "encode_bad_response"),
-                                        pytest.param("bad-embedding", "encode_bad_response", marks=BLAME_RACE)])
+                                        ("bad-embedding", "encode_bad_response")])
 def test_a_faulty_encode_worker_is_retried_on_a_sound_one_and_its_breaker_opens(fleet: Fleet, fault: str, code: str) -> None:
     """Round robin over [faulty, good]: the first image request that meets the faulty worker
     fails that attempt on the encode leg and is retried on the good one; the faulty worker's
@@ -190,6 +195,38 @@ def test_a_hanging_only_encode_worker_fails_the_request_with_encode_timeout(flee
     fleet.clean()
 
 
+@pytest.mark.parametrize("fault", ["garbage", "bad-embedding"])
+def test_many_attempts_failed_by_an_encode_worker_leave_nothing_held(fleet: Fleet, fault: str) -> None:
+    """The faulty worker's breaker never opens here, so round robin keeps sending it images and
+    every such attempt is given up and retried on the sound worker: a dozen aborts of the
+    prefill and the decode while their bootstrap is under way. Every request still answers
+    what the colocated worker answers, and afterwards nothing is held anywhere. (Before the
+    engines' `with_timeout` fix, an abort that met the decode's bootstrap lookup in the same
+    loop step was lost: the decode went on to register on the prefill and both held that
+    registration for the 300 s bootstrap timeout; this test then failed 3 runs of 3. With
+    bad-embedding, each of those attempts was also a 502 `decode_error` before the gateway
+    waited for the prefill leg's outcome.)"""
+    bad = fleet.faulty[fault]
+    bodies = [chat("many: ", f"img:{RED}", max_tokens=4), chat(f"img:{NOISE}", " many", max_tokens=4)]
+    want = [colocated(fleet, b)["choices"][0]["token_ids"] for b in bodies]
+    retried = 0
+    with fleet.gateway([bad, fleet.good], breaker_failure_threshold=1000) as gw:
+        assert wait_status(gw.url + "/readiness", 200) == 200
+        for i in range(24):
+            if i % 3 == 1:  # shifts round robin's step, so images meet both workers
+                t = httpx.post(gw.url + "/v1/chat/completions", json=chat("text", max_tokens=2), timeout=60)
+                assert t.status_code == 200, t.text
+            r = httpx.post(gw.url + "/v1/chat/completions", json=bodies[i % 2], timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == want[i % 2]
+            route = r.headers["x-pdgate-route"]
+            assert encode_field(route) == [fleet.good.url], route
+            retried += "attempts=2" in route
+        assert retried >= 2, retried
+        assert breakers(gw)[fleet.prefill.url] == "closed" and breakers(gw)[fleet.decode.url] == "closed"
+    fleet.clean()
+
+
 class BlackHole:
     """A decode that takes connections and requests and never answers: the prefill then waits
     for its registration, and the encode worker's embedding waits for the prefill."""
@@ -244,7 +281,6 @@ def test_a_client_that_hangs_up_leaves_no_embedding_pinned(fleet: Fleet) -> None
     fleet.clean()
 
 
-@BLAME_RACE
 def test_an_encode_worker_killed_mid_request_is_retried_on_a_sound_one(fleet: Fleet) -> None:
     """The only encode worker takes the image and hangs (the prefill already waits on its
     bootstrap server for the embedding); a sound one joins through `POST /workers`; then the
