@@ -235,3 +235,20 @@ def test_a_registration_whose_prefill_hangs_up_is_dropped_at_once():
         return src.pending, sorted(src.claimed)
 
     assert asyncio.run(_with_source(60, body)) == (0, [])
+
+
+def test_an_abort_that_overtakes_its_encode_call_refuses_it_later():
+    """The gateway gave an attempt up while its `/encode` was still on the way: the abort came
+    first and found no room of that req_id. The call is refused when it comes (for the
+    bootstrap timeout), so it offers no embedding that nobody will collect; abort_all
+    (no rid) refuses nothing later."""
+    async def body(src, addr, counts):
+        assert src.abort(lambda req: req.startswith("encode-r9-0"), "encode-r9-0") == 0
+        with pytest.raises(EngineError) as late:
+            src.track("encode-r9-0", [11])
+        src.track("encode-r8-0", [12])  # another request's call is taken
+        src.abort(lambda req: False, None)
+        src.track("encode-r7-0", [13])
+        return late.value.code, sorted(src.req_of.values())
+
+    assert asyncio.run(_with_source(60, body)) == ("aborted", ["encode-r7-0", "encode-r8-0"])

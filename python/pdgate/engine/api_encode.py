@@ -82,6 +82,6 @@ async def _hang(e, req_id: str | None) -> None:
     dropped) or after the bootstrap timeout, whichever comes first."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + e.ctx.timeouts.bootstrap
-    while loop.time() < deadline and (req_id is None or req_id not in e.embeds.aborted):
+    while loop.time() < deadline and (req_id is None or not e.embeds.is_aborted(req_id)):
         await asyncio.sleep(0.05)
     raise EngineError(f"--fault-encode hang: encode request {req_id} gave up", 499, "aborted")

@@ -347,7 +347,9 @@ class Engine:
         seqs = [seq for key, (seq, _t) in list(self.live.items()) if hit(key)]
         for seq in seqs:
             self.abort(seq)
-        rooms = self.embeds.abort(hit) if self.embeds is not None else 0
+        # An encode worker also keeps the rid, so an /encode that this abort overtook is refused.
+        late = rid if self.encoder_only and not abort_all else None
+        rooms = self.embeds.abort(hit, late) if self.embeds is not None else 0
         return len(seqs) + rooms + self.pull.release(hit, "aborted by /abort_request")
 
     def is_fake_host(self, item: GenItem) -> bool:

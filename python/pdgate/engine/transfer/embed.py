@@ -42,26 +42,32 @@ class EmbedSource:
         self.claimed: set[int] = set()
         self._expiry: dict[int, asyncio.TimerHandle] = {}
         self.req_of: dict[int, str] = {}            # room -> the /encode req_id that owns it
-        self.aborted: dict[str, asyncio.TimerHandle] = {}  # req_ids aborted, kept for a late /encode
+        # aborted req_ids and abort rids (prefixes), kept for a late /encode
+        self.aborted: dict[str, asyncio.TimerHandle] = {}
 
     def track(self, req_id: str | None, rooms: list[int | None]) -> None:
         """An `/encode` call's rooms, by its req_id (for `/abort_request`); refused if that
         req_id was aborted already (the abort overtook the call)."""
         if req_id is None:
             return
-        if req_id in self.aborted:
+        if self.is_aborted(req_id):
             raise EngineError(f"encode request {req_id} was aborted", 499, "aborted")
         for room in rooms:
             if room is not None:
                 self.req_of[room] = req_id
 
-    def abort(self, hit) -> int:
+    def is_aborted(self, req_id: str) -> bool:
+        return any(req_id.startswith(k) for k in self.aborted)
+
+    def abort(self, hit, rid: str | None = None) -> int:
         """`/abort_request`: drop the rooms of every `/encode` whose req_id `hit` matches. A
         registration waiting for one of them is answered with an error; an offered embedding
-        nobody claimed is freed. Returns how many rooms were dropped."""
+        nobody claimed is freed. `rid` (the abort's prefix; none for abort_all) is kept too, so
+        an `/encode` that the abort overtook is refused when it comes. Returns how many rooms
+        were dropped."""
         loop = asyncio.get_running_loop()
         rooms = [r for r, req in self.req_of.items() if hit(req)]
-        for req in {self.req_of[r] for r in rooms}:
+        for req in {self.req_of[r] for r in rooms} | ({rid} if rid else set()):
             if req not in self.aborted:
                 self.aborted[req] = loop.call_later(self.ctx.timeouts.bootstrap, self.aborted.pop, req, None)
         for room in rooms:
