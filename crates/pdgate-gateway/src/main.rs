@@ -6,6 +6,7 @@ use pdgate_gateway::{init_logging, start, worker_api_key_from_env, GatewayConfig
 
 // glibc malloc took ~10% of the gateway's CPU per request (cross-thread frees, consolidation);
 // mimalloc's thread-local free lists cut that to a few percent (docs/performance.md).
+#[cfg(feature = "mimalloc")]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

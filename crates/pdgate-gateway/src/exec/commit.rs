@@ -94,7 +94,9 @@ async fn race<T>(w: &mut Watched, deadline: Instant, abort: &mut Option<AbortGua
             pr = wait_prefill(&mut w.leg) => pr,
         };
         w.leg = None;
-        w.answer = Some(prefill?);
+        // A copy: a one-frame answer is a slice of its connection's 8 KiB read buffer, and this
+        // one is kept for the decode's whole stream (docs/performance.md, memory per stream).
+        w.answer = Some(Bytes::copy_from_slice(&prefill?));
     }
 }
 

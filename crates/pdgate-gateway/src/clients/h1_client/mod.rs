@@ -119,7 +119,7 @@ impl H1Client {
         if let Err(e) = written.await {
             return Err(Exchange::Stale.or(e));
         }
-        let mut buf = BytesMut::with_capacity(READ_BUF);
+        let mut buf = BytesMut::new();
         let head = loop {
             match head::parse(&mut buf) {
                 Ok(Some(head)) => break head,
@@ -171,7 +171,21 @@ impl Exchange {
 }
 
 async fn read_more(conn: &mut TcpStream, buf: &mut BytesMut) -> std::io::Result<usize> {
-    std::future::poll_fn(|cx| poll_read_buf(conn, buf, cx)).await
+    std::future::poll_fn(|cx| poll_read_lean(conn, buf, cx)).await
+}
+
+/// [`poll_read_buf`], but a buffer that holds nothing is given back before waiting. A leg spends
+/// most of its life waiting: between a worker's chunks, or until the whole answer when not
+/// streamed; it held `READ_BUF` all that time, a quarter of a slow stream's memory
+/// (docs/performance.md). A buffer is taken again when the socket is readable, from the
+/// allocator's thread-local free list. (Reading into a per-thread scratch buffer and copying
+/// out allocations the size of each read measured no better, docs/performance.md.)
+fn poll_read_lean(conn: &mut TcpStream, buf: &mut BytesMut, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
+    if buf.is_empty() && conn.poll_read_ready(cx)?.is_pending() {
+        *buf = BytesMut::new();
+        return Poll::Pending;
+    }
+    poll_read_buf(conn, buf, cx)
 }
 
 /// Reads what the socket has into `buf`, registering for readiness when it has nothing. Through
@@ -278,7 +292,7 @@ impl Body for H1Body {
                 }
             }
             let Some(conn) = this.conn.as_mut() else { return Poll::Ready(None) };
-            match ready!(poll_read_buf(conn, &mut this.buf, cx)) {
+            match ready!(poll_read_lean(conn, &mut this.buf, cx)) {
                 Ok(0) if this.framing == Framing::UntilClose => {
                     this.conn = None;
                     return Poll::Ready(None);

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
+use hyper::body::Body as _;
 use hyper::header::HeaderValue;
 use proptest::prelude::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -270,6 +271,32 @@ async fn a_chunk_not_yet_read_is_not_waited_for() {
     assert_eq!(body.frame().await.unwrap().unwrap().into_data().unwrap(), "a");
     got_first.send(()).unwrap();
     assert_eq!(body.frame().await.unwrap().unwrap().into_data().unwrap(), "b");
+    assert!(body.frame().await.is_none());
+}
+
+/// A stream waits for its worker most of its life: waiting, its body holds no read buffer
+/// (docs/performance.md, memory per stream), and what comes next is still read whole.
+#[tokio::test]
+async fn a_body_waiting_for_its_worker_holds_no_read_buffer() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (go_on, next) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let (mut conn, _) = listener.accept().await.unwrap();
+        read_request(&mut conn).await.unwrap();
+        conn.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n").await.unwrap();
+        next.await.unwrap();
+        conn.write_all(b"2\r\nbc\r\n0\r\n\r\n").await.unwrap();
+    });
+    let c = client();
+    let id = HeaderValue::from_static("r1");
+    let mut body = c.post(&format!("{url}/x"), &[("x-request-id", &id)], Bytes::new()).await.unwrap().into_body();
+    assert_eq!(body.frame().await.unwrap().unwrap().into_data().unwrap(), "a");
+    let waiting = std::future::poll_fn(|cx| std::task::Poll::Ready(std::pin::Pin::new(&mut body).poll_frame(cx).is_pending())).await;
+    assert!(waiting, "nothing more was sent, so the body waits");
+    assert_eq!(body.buf.capacity(), 0, "a waiting body keeps no buffer");
+    go_on.send(()).unwrap();
+    assert_eq!(body.frame().await.unwrap().unwrap().into_data().unwrap(), "bc");
     assert!(body.frame().await.is_none());
 }
 
