@@ -190,11 +190,13 @@ class GatewayOptions(TypedDict, total=False):
     service_discovery: bool
     """--service-discovery: Find workers among Kubernetes pods by label (see docs/kubernetes.md)."""
     selector: list[str] | tuple[str, ...]
-    """--selector: Regular mode: labels a worker pod has, as `k=v` (all must match). In PD mode, labels every prefill and decode pod must have in addition to its role's selector."""
+    """--selector: Regular mode: labels a worker pod has, as `k=v` (all must match). In PD mode, labels every prefill, decode and encode pod must have in addition to its role's selector."""
     prefill_selector: list[str] | tuple[str, ...]
     """--prefill-selector: PD mode: labels of prefill pods, as `k=v` (all must match)."""
     decode_selector: list[str] | tuple[str, ...]
     """--decode-selector: PD mode: labels of decode pods, as `k=v` (all must match)."""
+    encode_selector: list[str] | tuple[str, ...]
+    """--encode-selector: EPD mode: labels of encode pods, as `k=v` (all must match). Optional: without it, encode workers come only from --encode and the worker API."""
     service_discovery_namespace: str | None
     """--service-discovery-namespace: Namespace to watch for worker pods (default: all namespaces)."""
     service_discovery_port: int

@@ -27,6 +27,8 @@ CONTEXT = {
     "selector": ["--service-discovery"],
     "prefill_selector": ["--service-discovery", "--pd-disaggregation", "--decode-selector", "role=decode"],
     "decode_selector": ["--service-discovery", "--pd-disaggregation", "--prefill-selector", "role=prefill"],
+    "encode_selector": ["--service-discovery", "--epd-disaggregation", "--prefill-selector", "role=prefill", "--decode-selector",
+                        "role=decode"],
 }
 SAMPLE_VALUES = {
     "worker_urls": "http://127.0.0.1:9",
@@ -36,6 +38,7 @@ SAMPLE_VALUES = {
     "selector": "app=llm",
     "prefill_selector": "role=prefill",
     "decode_selector": "role=decode",
+    "encode_selector": "role=encode",
     "log_level": "debug",
     "cache_threshold": "0.5",
     "retry_jitter_factor": "0.5",

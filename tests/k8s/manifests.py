@@ -65,10 +65,12 @@ def gateway_container() -> dict[str, Any]:
     return one("Deployment", "pdgate-gateway")["spec"]["template"]["spec"]["containers"][0]
 
 
-def gateway_argv() -> list[str]:
-    """The `pdgate launch` command line the gateway container runs, from the ConfigMap."""
+def gateway_argv(options: str | None = None) -> list[str]:
+    """The `pdgate launch` command line the gateway container runs, from the ConfigMap (or with
+    these options instead, as an overlay patches them in)."""
     c = gateway_container()
-    options = one("ConfigMap", "pdgate-gateway-options")["data"]["options"]
+    if options is None:
+        options = one("ConfigMap", "pdgate-gateway-options")["data"]["options"]
     script = c["args"][0].replace('"$POD_NAMESPACE"', "pdgate").replace("$PDGATE_OPTIONS", options)
     argv = shlex.split(script)
     assert argv[:3] == ["exec", "pdgate", "launch"], script
@@ -84,3 +86,13 @@ def dashboard_configmap() -> dict[str, Any]:
         key, _, path = f.rpartition("=")
         data[key or pathlib.Path(path).name] = (DEPLOY / "dashboards" / path).read_text()
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"], "labels": gen["options"]["labels"]}, "data": data}
+
+
+EPD = DEPLOY / "overlays" / "epd"
+
+
+def epd_gateway_argv() -> list[str]:
+    """The gateway's command line in deploy/overlays/epd: the options its ConfigMap patch sets."""
+    (patch,) = [yaml.safe_load(p["patch"]) for p in kustomization(EPD)["patches"] if p["target"]["kind"] == "ConfigMap"]
+    assert patch["metadata"]["name"] == "pdgate-gateway-options"
+    return gateway_argv(patch["data"]["options"])

@@ -203,6 +203,68 @@ def test_pod_in_both_pools_is_refused_and_hand_added_workers_are_left_alone(
     assert discovered(gw) == {p1.url: "prefill"}
 
 
+def red_square_chat() -> dict[str, Any]:
+    """A chat request with one small image (a data: URL), for the `tiny-mm` workers."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (220, 20, 30)).save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is this?"}]
+    return {"model": "tiny-mm", "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
+
+
+def test_epd_encode_pods_are_found_by_the_encode_selector(processes: Any, apiserver: FakeApiServer, core: Any,
+                                                          tmp_path: pathlib.Path) -> None:
+    """EPD: encode pods join and leave like prefill and decode pods, with their bootstrap port read
+    from the same annotation; an image request goes through the discovered encode worker."""
+    from pdgate.workers import ReferenceWorker
+
+    engines = {name: ReferenceWorker(mode=mode, model="tiny-mm") for name, mode in (("ep", "prefill"), ("ed", "decode"), ("ee", "encode"))}
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda w: w.start(timeout=90), engines.values()))
+        kubeconfig = apiserver.write_kubeconfig(str(tmp_path / "kubeconfig"), namespace=NS)
+        gw = launch(processes, ["--epd-disaggregation", "--service-discovery", "--selector", "team=ml", "--prefill-selector", "app=p",
+                                "--decode-selector", "app=d", "--encode-selector", "encoder=yes", "--service-discovery-namespace", NS,
+                                "--health-check-interval-secs", "1", "--admin-api-key", ADMIN, "--kubeconfig", kubeconfig])
+        url = {name: w.url for name, w in engines.items()}
+        for name, labels in (("ep", {"app": "p"}), ("ed", {"app": "d"}), ("ee", {"encoder": "yes"})):
+            create_pod(core, NS, name, {"team": "ml", **labels}, annotations_for(engines[name]))
+            set_ready(core, NS, name)
+        converge(gw, {url["ep"]: "prefill", url["ed"]: "decode", url["ee"]: "encode"}, "the encode pod joined")
+        entry = next(w for w in workers(gw) if w["url"] == url["ee"])
+        assert entry["bootstrap_port"] == engines["ee"].bootstrap_port, "read from sglang.ai/bootstrap-port, as a prefill's"
+        assert entry["labels"]["k8s.pod"] == "ee"
+        gw.wait_ready(10)
+        deadline = time.monotonic() + CONVERGE_S
+        while not next(w for w in workers(gw) if w["url"] == url["ee"])["healthy"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        r = httpx.post(gw.url + "/v1/chat/completions", json=red_square_chat(), timeout=60)
+        assert r.status_code == 200, r.text
+        assert f"encode={url['ee']}" in r.headers["x-pdgate-route"], r.headers["x-pdgate-route"]
+
+        # A pod that matches the encode and the prefill selectors is refused, naming both flags.
+        create_pod(core, NS, "both", {"team": "ml", "app": "p", "encoder": "yes"}, {"pdgate.ai/port": "20999"})
+        set_ready(core, NS, "both")
+        deadline = time.monotonic() + CONVERGE_S
+        while "matches both --encode-selector and --prefill-selector" not in "".join(gw.output) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "matches both --encode-selector and --prefill-selector" in "".join(gw.output), "".join(gw.output[-30:])
+        assert "http://127.0.0.1:20999" not in discovered(gw)
+        delete_pod(core, NS, "both")
+
+        terminate(core, NS, "ee")
+        converge(gw, {url["ep"]: "prefill", url["ed"]: "decode"}, "the encode pod is terminating")
+        delete_pod(core, NS, "ee")
+    finally:
+        for w in engines.values():
+            w.stop()
+
+
 def test_a_pod_at_the_gateways_own_address_is_skipped(processes: Any, apiserver: FakeApiServer, core: Any,
                                                        tmp_path: pathlib.Path) -> None:
     """Selectors that match the gateway's own pod would make it a worker of itself (a loop)."""

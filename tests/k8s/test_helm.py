@@ -27,7 +27,8 @@ EVERYTHING = {"monitoring": {"serviceMonitor": {"enabled": True, "labels": {"rel
               "workerTls": {"caConfigMap": "workers-ca"}}
 REGULAR = {"gateway": {"pdDisaggregation": False}}
 BARE = {"discovery": {"enabled": False}, "referenceWorkers": {"enabled": False}, "gateway": {"podDisruptionBudget": {"enabled": False}}}
-VARIANTS = {"default": {}, "everything": EVERYTHING, "regular": REGULAR, "bare": BARE}
+EPD = {"gateway": {"epdDisaggregation": True}}
+VARIANTS = {"default": {}, "everything": EVERYTHING, "regular": REGULAR, "bare": BARE, "epd": EPD}
 
 
 def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -149,6 +150,36 @@ def test_gateway_command_line_parses_and_finds_the_reference_workers() -> None:
     assert labels_of(config["selector"])["app.kubernetes.io/instance"] == RELEASE, "releases do not share workers"
     for sel in roles.values():
         assert not sel.items() <= pod_labels(gateway(docs)).items(), "the gateway's own pods are never workers"
+
+
+def test_epd_mode_runs_encode_workers_the_encode_selector_finds() -> None:
+    docs = render(EPD)
+    config = parsed(docs)
+    assert config["epd_disaggregation"] and config["pd_disaggregation"] and config["kv_connector"] == "bootstrap"
+    common = labels_of(config["selector"])
+    roles = {role: {**common, **labels_of(config[f"{role}_selector"])} for role in ("prefill", "decode", "encode")}
+    found = {}
+    for d in workers(docs):
+        matched = [role for role, sel in roles.items() if sel.items() <= pod_labels(d).items()]
+        assert len(matched) == 1, f"{d['metadata']['name']}: matches {matched}"
+        found[matched[0]] = d
+        args = container(d)["args"]
+        assert args[args.index("--model") + 1] == "tiny-mm", "every EPD worker serves the multimodal preset"
+    assert set(found) == {"prefill", "decode", "encode"}
+    encode = found["encode"]
+    args, ports = container(encode)["args"], {p["containerPort"] for p in container(encode)["ports"]}
+    assert "--encoder-only" in args and "--disaggregation-mode" not in args
+    annotations = encode["spec"]["template"]["metadata"]["annotations"]
+    bootstrap = annotations["sglang.ai/bootstrap-port"]
+    assert bootstrap == "8990" and bootstrap in args and int(bootstrap) in ports, "the encode worker serves the port announced"
+    assert int(annotations["pdgate.ai/port"]) in ports
+    assert encode["spec"]["replicas"] == 1
+    # PD mode (the default) has no encode workers and no encode selector.
+    default = render()
+    assert not parsed(default)["encode_selector"] and len(workers(default)) == 2
+    assert parsed(default)["epd_disaggregation"] is False
+    with pytest.raises(helm.HelmError, match="epdDisaggregation needs gateway.pdDisaggregation"):
+        render({"gateway": {"epdDisaggregation": True, "pdDisaggregation": False}})
 
 
 def test_policy_and_extra_args_values_reach_the_gateway() -> None:

@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 import yaml
 
-from manifests import (CRD_KINDS, DEPLOY, MONITORING, REPO, by_kind, dashboard_configmap, gateway_argv,
-                       gateway_container, kustomization, kustomization_dirs, manifest_files, objects, one, validate)
+from manifests import (CRD_KINDS, DEPLOY, EPD, MONITORING, REPO, by_kind, dashboard_configmap, epd_gateway_argv,
+                       gateway_argv, gateway_container, kustomization, kustomization_dirs, manifest_files, objects, one,
+                       validate)
 
 
 @pytest.mark.parametrize("path", manifest_files(), ids=lambda p: str(p.relative_to(DEPLOY)))
@@ -145,8 +146,11 @@ def selectors(argv: list[str]) -> dict[str, dict[str, str]]:
     config = json.loads(_core.parse_cli(argv))
     pairs = lambda items: dict(i.split("=", 1) for i in items)  # noqa: E731
     common = pairs(config["selector"])
-    return {"prefill": {**common, **pairs(config["prefill_selector"])},
-            "decode": {**common, **pairs(config["decode_selector"])}, "port": config["service_discovery_port"]}
+    roles = {"prefill": {**common, **pairs(config["prefill_selector"])},
+             "decode": {**common, **pairs(config["decode_selector"])}}
+    if config["encode_selector"]:
+        roles["encode"] = {**common, **pairs(config["encode_selector"])}
+    return {**roles, "port": config["service_discovery_port"]}
 
 
 def test_configmap_options_are_valid_gateway_options() -> None:
@@ -268,21 +272,52 @@ def worker_deployments() -> list[tuple[pathlib.Path, dict[str, Any]]]:
 @pytest.mark.parametrize("path", sorted({p for p, _ in worker_deployments()}), ids=lambda p: str(p.relative_to(DEPLOY)))
 def test_worker_pods_are_found_by_the_gateway(path: pathlib.Path) -> None:
     pytest.importorskip("pdgate._core", reason="needs the compiled gateway (pip install .)")
-    sel = selectors(gateway_argv())
+    # An encode worker serves the EPD overlay's gateway; the others the default one.
+    sel = selectors(epd_gateway_argv() if path.stem == "encode" else gateway_argv())
+    roles = [r for r in ("prefill", "decode", "encode") if r in sel]
     for _, d in [(p, o) for p, o in worker_deployments() if p == path]:
         template = d["spec"]["template"]
         labels, annotations = template["metadata"]["labels"], template["metadata"].get("annotations", {})
-        role = "prefill" if sel["prefill"].items() <= labels.items() else "decode"
-        assert sel[role].items() <= labels.items(), f"{path.name}: labels {labels} match no selector"
-        other = "decode" if role == "prefill" else "prefill"
-        assert not sel[other].items() <= labels.items(), "a pod in both pools would be refused"
+        matched = [r for r in roles if sel[r].items() <= labels.items()]
+        assert len(matched) == 1, f"{path.name}: labels {labels} match {matched or 'no selector'}: a pod in two pools is refused"
+        (role,) = matched
         assert path.stem == role
         assert set(annotations) <= {"pdgate.ai/port", "sglang.ai/bootstrap-port", "smg.ai/kv-connector", "smg.ai/kv-engine-id"}
         container = template["spec"]["containers"][0]
         ports = {p["containerPort"] for p in container["ports"]}
         assert int(annotations.get("pdgate.ai/port", sel["port"])) in ports, "the gateway reaches the engine port"
-        if role == "prefill" and "sglang.ai/bootstrap-port" in annotations:
+        if role in ("prefill", "encode") and "sglang.ai/bootstrap-port" in annotations:
             assert int(annotations["sglang.ai/bootstrap-port"]) in ports
             assert annotations["sglang.ai/bootstrap-port"] in container["args"], "the engine serves the port announced"
+        if role == "encode":
+            assert not {"smg.ai/kv-connector", "smg.ai/kv-engine-id"} & set(annotations), "an encode worker holds no KV"
+            assert "--encoder-only" in container["args"]
         assert annotations.get("smg.ai/kv-connector", "bootstrap") in ("bootstrap", "nixl", "mooncake")
         assert container["readinessProbe"]["httpGet"]["path"] == "/health", "Ready means serving"
+
+
+def test_the_epd_overlay_is_the_default_topology_plus_an_encode_worker() -> None:
+    pytest.importorskip("pdgate._core", reason="needs the compiled gateway (pip install .)")
+    from pdgate import _core
+
+    overlay = kustomization(EPD)
+    assert [(EPD / r).resolve() for r in overlay["resources"]] == \
+        [(DEPLOY / r).resolve() for r in kustomization(DEPLOY)["resources"]] + [(DEPLOY / "workers" / "reference" / "encode").resolve()]
+    assert "workers/reference/encode" not in kustomization(DEPLOY)["resources"], "a PD gateway has no use for it"
+    config = json.loads(_core.parse_cli(epd_gateway_argv()))
+    assert config["epd_disaggregation"] and config["pd_disaggregation"] and config["encode_selector"]
+    # The overlay's options are the default ones, in EPD mode with an encode selector.
+    default = gateway_argv()
+    epd = [a for a in epd_gateway_argv() if a not in ("--encode-selector", *config["encode_selector"])]
+    assert epd == ["--epd-disaggregation" if a == "--pd-disaggregation" else a for a in default]
+
+
+def test_the_epd_overlay_renders_workers_of_one_multimodal_model() -> None:
+    docs = render(EPD)
+    workers = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]["args"]
+               for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].startswith("pdgate-reference-")}
+    assert set(workers) == {"pdgate-reference-prefill", "pdgate-reference-decode", "pdgate-reference-encode"}
+    for name, args in workers.items():
+        assert args[args.index("--model") + 1] == "tiny-mm", name
+    (options,) = [d["data"]["options"] for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "pdgate-gateway-options"]
+    assert " ".join(options.split()) in " ".join(epd_gateway_argv()), "the rendered ConfigMap is the patch read offline"

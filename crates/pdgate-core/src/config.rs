@@ -441,7 +441,7 @@ pub struct GatewayConfig {
     pub service_discovery: bool,
 
     /// Regular mode: labels a worker pod has, as `k=v` (all must match). In PD mode, labels every
-    /// prefill and decode pod must have in addition to its role's selector.
+    /// prefill, decode and encode pod must have in addition to its role's selector.
     #[arg(long, num_args = 1.., value_name = "KEY=VALUE")]
     pub selector: Vec<String>,
 
@@ -452,6 +452,11 @@ pub struct GatewayConfig {
     /// PD mode: labels of decode pods, as `k=v` (all must match).
     #[arg(long, num_args = 1.., value_name = "KEY=VALUE")]
     pub decode_selector: Vec<String>,
+
+    /// EPD mode: labels of encode pods, as `k=v` (all must match). Optional: without it,
+    /// encode workers come only from --encode and the worker API.
+    #[arg(long, num_args = 1.., value_name = "KEY=VALUE")]
+    pub encode_selector: Vec<String>,
 
     /// Namespace to watch for worker pods (default: all namespaces).
     #[arg(long, value_name = "NAMESPACE")]
@@ -931,7 +936,12 @@ impl GatewayConfig {
     /// where it means something.
     fn validate_discovery(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
-        let sets = [("--selector", &self.selector), ("--prefill-selector", &self.prefill_selector), ("--decode-selector", &self.decode_selector)];
+        let sets = [
+            ("--selector", &self.selector),
+            ("--prefill-selector", &self.prefill_selector),
+            ("--decode-selector", &self.decode_selector),
+            ("--encode-selector", &self.encode_selector),
+        ];
         for (flag, labels) in sets {
             if !labels.is_empty() && !self.service_discovery {
                 return bad(format!("{flag} needs --service-discovery"));
@@ -944,6 +954,9 @@ impl GatewayConfig {
         }
         if !self.pd_disaggregation && (!self.prefill_selector.is_empty() || !self.decode_selector.is_empty()) {
             return bad("--prefill-selector/--decode-selector need --pd-disaggregation; use --selector in regular mode".into());
+        }
+        if !self.epd_disaggregation && !self.encode_selector.is_empty() {
+            return bad("--encode-selector needs --epd-disaggregation (encode workers serve EPD mode only)".into());
         }
         if !self.service_discovery {
             return Ok(());

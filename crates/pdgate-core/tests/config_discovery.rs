@@ -56,5 +56,33 @@ fn discovery_options_are_checked() {
     }
     assert!(cli(&["--pd-disaggregation", "--service-discovery", "--selector", "team=ml", "--prefill-selector", "app=p", "--decode-selector", "app=d"]).is_ok());
     assert!(GatewayConfig::from_json(r#"{"service_discovery": true, "selector": ["app=w"], "kubeconfig": "/k"}"#).is_ok());
+}
+
+#[test]
+fn the_encode_selector_is_for_epd_mode_only() {
+    let epd = ["--epd-disaggregation", "--service-discovery", "--prefill-selector", "app=p", "--decode-selector", "app=d"];
+    let c = cli(&[&epd[..], &["--encode-selector", "app=sglang", "role=encode"]].concat()).unwrap();
+    assert_eq!(c.encode_selector, ["app=sglang", "role=encode"]);
+    assert_eq!(GatewayConfig::from_json(&c.to_json()).unwrap(), c, "JSON and CLI views agree");
+    assert!(cli(&epd).is_ok(), "optional: encode workers may come from --encode or the API");
+    for (args, why) in [
+        (
+            &["--pd-disaggregation", "--service-discovery", "--prefill-selector", "app=p", "--decode-selector", "app=d", "--encode-selector", "app=e"][..],
+            "PD mode has no encode workers",
+        ),
+        (&["--service-discovery", "--selector", "app=w", "--encode-selector", "app=e"][..], "regular mode has no encode workers"),
+        (&["--epd-disaggregation", "--encode-selector", "app=e"][..], "selectors need --service-discovery"),
+        (&[&epd[..], &["--encode-selector", "app"]].concat()[..], "KEY=VALUE"),
+    ] {
+        assert!(cli(args).is_err(), "{args:?} should be refused: {why}");
+    }
+    let err = cli(&["--pd-disaggregation", "--service-discovery", "--prefill-selector", "app=p", "--decode-selector", "app=d", "--encode-selector", "app=e"]).unwrap_err();
+    assert!(err.contains("--encode-selector needs --epd-disaggregation"), "{err}");
+    let json = r#"{"epd_disaggregation": true, "service_discovery": true, "prefill_selector": ["app=p"], "decode_selector": ["app=d"], "encode_selector": ["app=e"]}"#;
+    assert_eq!(GatewayConfig::from_json(json).unwrap().encode_selector, ["app=e"]);
+    assert!(GatewayConfig::from_json(
+        r#"{"pd_disaggregation": true, "service_discovery": true, "prefill_selector": ["app=p"], "decode_selector": ["app=d"], "encode_selector": ["app=e"]}"#
+    )
+    .is_err());
     assert!(GatewayConfig::from_json(r#"{"selector": ["app=w"]}"#).is_err());
 }

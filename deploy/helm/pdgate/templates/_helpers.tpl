@@ -59,7 +59,14 @@ app.kubernetes.io/component: gateway
 - {{ $g.port | quote }}
 - --shutdown-grace-period-secs
 - {{ $g.drainSeconds | quote }}
-{{- if $g.pdDisaggregation }}
+{{- if and $g.epdDisaggregation (not $g.pdDisaggregation) }}
+{{- fail "gateway.epdDisaggregation needs gateway.pdDisaggregation: EPD is PD mode plus encode workers" }}
+{{- end }}
+{{- if $g.epdDisaggregation }}
+- --epd-disaggregation
+- --kv-connector
+- {{ $g.kvConnector | quote }}
+{{- else if $g.pdDisaggregation }}
 - --pd-disaggregation
 - --kv-connector
 - {{ $g.kvConnector | quote }}
@@ -95,6 +102,10 @@ app.kubernetes.io/component: gateway
 {{- include "pdgate.labelArgs" .Values.discovery.prefillSelector }}
 - --decode-selector
 {{- include "pdgate.labelArgs" .Values.discovery.decodeSelector }}
+{{- end }}
+{{- if and $g.epdDisaggregation .Values.discovery.encodeSelector }}
+- --encode-selector
+{{- include "pdgate.labelArgs" .Values.discovery.encodeSelector }}
 {{- end }}
 {{- end }}
 {{- if .Values.workerTls.caConfigMap }}

@@ -12,7 +12,7 @@ pub const PORT_ANNOTATION: &str = "pdgate.ai/port";
 /// certificate must name the pod IP (discovery addresses pods by IP), signed by a CA the gateway
 /// trusts (`--worker-ca-cert`).
 pub const SCHEME_ANNOTATION: &str = "pdgate.ai/scheme";
-/// Prefill bootstrap port (SGLang), as SMG reads it.
+/// Bootstrap port of a prefill (SGLang) or an encode worker (EPD), as SMG reads it.
 pub const BOOTSTRAP_PORT_ANNOTATION: &str = "sglang.ai/bootstrap-port";
 /// KV connector of this worker (`bootstrap`, `nixl`, `mooncake`), as SMG reads it.
 pub const KV_CONNECTOR_ANNOTATION: &str = "smg.ai/kv-connector";
@@ -56,12 +56,15 @@ impl Selector {
     }
 }
 
-/// One role to discover: its selector, and the other role's selector (a pod must not match both).
+/// One role to discover: its selector, and the other roles' selectors with their flags (a pod
+/// must match only one role).
 #[derive(Clone, Debug)]
 pub struct RoleSelector {
     pub role: WorkerRole,
     pub selector: Selector,
-    pub conflicting: Option<Selector>,
+    /// The flag that gave `selector` (named when a pod matches two roles).
+    pub flag: &'static str,
+    pub conflicting: Vec<(&'static str, Selector)>,
 }
 
 /// What the gateway should register for a pod.
@@ -119,8 +122,8 @@ pub fn verdict(pod: &Pod, role: &RoleSelector, default_port: u16) -> Verdict {
         // The server filters by selector; a pod can still arrive here through a relabel race.
         return Verdict::NotServing("labels do not match the selector");
     }
-    if role.conflicting.as_ref().is_some_and(|other| other.matches(labels)) {
-        return Verdict::Refused("matches both --prefill-selector and --decode-selector".into());
+    if let Some((other, _)) = role.conflicting.iter().find(|(_, s)| s.matches(labels)) {
+        return Verdict::Refused(format!("matches both {} and {other}", role.flag));
     }
     if pod.metadata.deletion_timestamp.is_some() {
         return Verdict::NotServing("terminating");
@@ -152,10 +155,13 @@ fn candidate(pod: &Pod, role: WorkerRole, ip: &str, default_port: u16) -> Result
     };
     // The annotations are one more spelling of a worker registration (pdgate-core).
     let mut reg = WorkerRegistration::new(format!("{scheme}://{host}:{port}"), role);
-    if role == WorkerRole::Prefill {
+    if role.has_bootstrap_server() {
         reg.bootstrap_port = port_annotation(pod, BOOTSTRAP_PORT_ANNOTATION)?;
+    }
+    if role == WorkerRole::Prefill {
         reg.kv_engine_id = annotation(pod, KV_ENGINE_ID_ANNOTATION).map(str::to_string);
     }
+    // An encode worker holds no KV: its KV annotations are refused below, as at registration.
     reg.kv_connector = annotation(pod, KV_CONNECTOR_ANNOTATION).map(str::to_string);
     reg.kv_events = annotation(pod, KV_EVENTS_ANNOTATION).map(|v| on_pod(v, &host));
     reg.kv_events_replay = annotation(pod, KV_EVENTS_REPLAY_ANNOTATION).map(|v| on_pod(v, &host));
@@ -195,7 +201,7 @@ mod tests {
 
     fn prefill() -> RoleSelector {
         let sel = |k: &str, v: &str| Selector([(k.to_string(), v.to_string())].into());
-        RoleSelector { role: WorkerRole::Prefill, selector: sel("app", "p"), conflicting: Some(sel("tier", "d")) }
+        RoleSelector { role: WorkerRole::Prefill, selector: sel("app", "p"), flag: "--prefill-selector", conflicting: vec![("--decode-selector", sel("tier", "d"))] }
     }
 
     #[test]
@@ -273,6 +279,43 @@ mod tests {
             let p = pod(json!({"app": "p"}), json!({k: v}), ready("10.0.0.1"));
             assert!(matches!(verdict(&p, &prefill(), 8000), Verdict::Refused(_)), "{k}={v}");
         }
+    }
+
+    fn encode() -> RoleSelector {
+        let sel = |k: &str, v: &str| Selector([(k.to_string(), v.to_string())].into());
+        RoleSelector {
+            role: WorkerRole::Encode,
+            selector: sel("app", "e"),
+            flag: "--encode-selector",
+            conflicting: vec![("--prefill-selector", sel("app", "p")), ("--decode-selector", sel("tier", "d"))],
+        }
+    }
+
+    #[test]
+    fn an_encode_pod_is_an_encode_worker_with_its_bootstrap_port() {
+        let p = pod(json!({"app": "e"}), json!({"pdgate.ai/port": "30002", "sglang.ai/bootstrap-port": "9002"}), ready("10.0.0.9"));
+        let Verdict::Worker(c) = verdict(&p, &encode(), 8000) else { panic!("not a worker") };
+        assert_eq!(c.spec.role, WorkerRole::Encode);
+        assert_eq!(c.spec.url, "http://10.0.0.9:30002");
+        assert_eq!(c.spec.bootstrap_port, Some(9002));
+        assert_eq!(c.spec.labels.get(POD_LABEL).map(String::as_str), Some("p-0"));
+        let default_port = pod(json!({"app": "e"}), json!({}), ready("10.0.0.9"));
+        let Verdict::Worker(c) = verdict(&default_port, &encode(), 8000) else { panic!("not a worker") };
+        assert_eq!((c.spec.url.as_str(), c.spec.bootstrap_port), ("http://10.0.0.9:8000", None), "absent: the engine default");
+    }
+
+    #[test]
+    fn an_encode_pod_is_refused_for_kv_annotations_grpc_or_a_second_role() {
+        for (k, v) in [("smg.ai/kv-connector", "bootstrap"), ("pdgate.ai/kv-events-endpoint", "5557"), ("pdgate.ai/scheme", "grpc"), ("sglang.ai/bootstrap-port", "x")] {
+            let p = pod(json!({"app": "e"}), json!({k: v}), ready("10.0.0.9"));
+            let Verdict::Refused(reason) = verdict(&p, &encode(), 8000) else { panic!("{k}={v} should refuse an encode pod") };
+            assert!(!reason.is_empty());
+        }
+        // The kv-engine-id annotation is a prefill's: ignored on an encode pod, as on a decode.
+        let p = pod(json!({"app": "e"}), json!({"smg.ai/kv-engine-id": "e1"}), ready("10.0.0.9"));
+        assert!(matches!(verdict(&p, &encode(), 8000), Verdict::Worker(_)));
+        let both = pod(json!({"app": "e", "tier": "d"}), json!({}), ready("10.0.0.9"));
+        assert_eq!(verdict(&both, &encode(), 8000), Verdict::Refused("matches both --encode-selector and --decode-selector".into()));
     }
 
     #[test]

@@ -50,18 +50,28 @@ impl Backoff for WatchBackoff {
 }
 
 /// The roles to watch and their selectors: `--selector` in regular mode; in PD mode
-/// `--selector` plus the role's own, each refusing pods that match the other role's too.
+/// `--selector` plus the role's own (prefill, decode and, in EPD mode with
+/// `--encode-selector`, encode), each refusing pods that match another role's too.
 pub fn role_selectors(config: &GatewayConfig) -> Vec<RoleSelector> {
     let common = Selector::parse(&config.selector);
     if !config.pd_disaggregation {
-        return vec![RoleSelector { role: WorkerRole::Regular, selector: common, conflicting: None }];
+        return vec![RoleSelector { role: WorkerRole::Regular, selector: common, flag: "--selector", conflicting: Vec::new() }];
     }
-    let prefill = common.and(&Selector::parse(&config.prefill_selector));
-    let decode = common.and(&Selector::parse(&config.decode_selector));
-    vec![
-        RoleSelector { role: WorkerRole::Prefill, selector: prefill.clone(), conflicting: Some(decode.clone()) },
-        RoleSelector { role: WorkerRole::Decode, selector: decode, conflicting: Some(prefill) },
-    ]
+    let mut roles = vec![(WorkerRole::Prefill, "--prefill-selector", &config.prefill_selector), (WorkerRole::Decode, "--decode-selector", &config.decode_selector)];
+    if config.epd_disaggregation && !config.encode_selector.is_empty() {
+        roles.push((WorkerRole::Encode, "--encode-selector", &config.encode_selector));
+    }
+    let selectors: Vec<(&'static str, Selector)> = roles.iter().map(|(_, flag, items)| (*flag, common.and(&Selector::parse(items.iter())))).collect();
+    roles
+        .iter()
+        .zip(&selectors)
+        .map(|((role, flag, _), (_, selector))| RoleSelector {
+            role: *role,
+            selector: selector.clone(),
+            flag,
+            conflicting: selectors.iter().filter(|(other, _)| other != flag).cloned().collect(),
+        })
+        .collect()
 }
 
 /// The kube client from `--kubeconfig` or the in-cluster service account. Built at start: a
@@ -166,4 +176,30 @@ fn handle(state: &Fleet, role: &RoleSelector, set: &mut PodSet, ev: Result<Event
         }
     };
     set.apply(change);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(args: &[&str]) -> GatewayConfig {
+        let mut argv = vec!["pdgate-gateway", "--service-discovery", "--selector", "team=ml"];
+        argv.extend_from_slice(args);
+        GatewayConfig::parse_cli(argv).unwrap()
+    }
+
+    #[test]
+    fn pd_watches_prefill_and_decode_and_epd_adds_encode_when_selected() {
+        let pd = role_selectors(&config(&["--pd-disaggregation", "--prefill-selector", "app=p", "--decode-selector", "app=d"]));
+        assert_eq!(pd.iter().map(|r| r.role).collect::<Vec<_>>(), [WorkerRole::Prefill, WorkerRole::Decode]);
+        let epd_static = role_selectors(&config(&["--epd-disaggregation", "--prefill-selector", "app=p", "--decode-selector", "app=d"]));
+        assert_eq!(epd_static.len(), 2, "no --encode-selector: encode workers come from --encode and the API");
+        let epd = role_selectors(&config(&["--epd-disaggregation", "--prefill-selector", "app=p", "--decode-selector", "app=d", "--encode-selector", "app=e"]));
+        assert_eq!(epd.iter().map(|r| r.role).collect::<Vec<_>>(), [WorkerRole::Prefill, WorkerRole::Decode, WorkerRole::Encode]);
+        let encode = &epd[2];
+        assert_eq!((encode.flag, encode.selector.to_query()), ("--encode-selector", "app=e,team=ml".to_string()));
+        let others: Vec<_> = encode.conflicting.iter().map(|(flag, s)| (*flag, s.to_query())).collect();
+        assert_eq!(others, [("--prefill-selector", "app=p,team=ml".to_string()), ("--decode-selector", "app=d,team=ml".to_string())]);
+        assert!(epd[0].conflicting.iter().any(|(flag, _)| *flag == "--encode-selector"), "a prefill pod must not match the encode selector either");
+    }
 }
