@@ -252,19 +252,25 @@ async fn bad_framing_after_chunks_read_together_comes_after_their_data() {
     assert_eq!(w.accepts.load(Ordering::SeqCst), 2, "a badly framed answer's connection is not reused");
 }
 
-#[tokio::test]
-async fn a_chunk_not_yet_read_is_not_waited_for() {
+/// A worker that answers with `first`, then sends `rest` only when the returned sender fires.
+async fn answering_in_two_parts(first: &'static [u8], rest: &'static [u8]) -> (String, tokio::sync::oneshot::Sender<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let (got_first, first_seen) = tokio::sync::oneshot::channel::<()>();
+    let (go_on, next) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
         let (mut conn, _) = listener.accept().await.unwrap();
         read_request(&mut conn).await.unwrap();
-        conn.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n").await.unwrap();
-        // The second chunk only once the client relayed the first: gathering must not wait.
-        first_seen.await.unwrap();
-        conn.write_all(b"1\r\nb\r\n0\r\n\r\n").await.unwrap();
+        conn.write_all(first).await.unwrap();
+        next.await.unwrap();
+        conn.write_all(rest).await.unwrap();
     });
+    (url, go_on)
+}
+
+#[tokio::test]
+async fn a_chunk_not_yet_read_is_not_waited_for() {
+    // The second chunk only once the client relayed the first: gathering must not wait.
+    let (url, got_first) = answering_in_two_parts(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n", b"1\r\nb\r\n0\r\n\r\n").await;
     let c = client();
     let id = HeaderValue::from_static("r1");
     let mut body = c.post(&format!("{url}/x"), &[("x-request-id", &id)], Bytes::new()).await.unwrap().into_body();
@@ -278,16 +284,7 @@ async fn a_chunk_not_yet_read_is_not_waited_for() {
 /// (docs/performance.md, memory per stream), and what comes next is still read whole.
 #[tokio::test]
 async fn a_body_waiting_for_its_worker_holds_no_read_buffer() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let (go_on, next) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(async move {
-        let (mut conn, _) = listener.accept().await.unwrap();
-        read_request(&mut conn).await.unwrap();
-        conn.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n").await.unwrap();
-        next.await.unwrap();
-        conn.write_all(b"2\r\nbc\r\n0\r\n\r\n").await.unwrap();
-    });
+    let (url, go_on) = answering_in_two_parts(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n", b"2\r\nbc\r\n0\r\n\r\n").await;
     let c = client();
     let id = HeaderValue::from_static("r1");
     let mut body = c.post(&format!("{url}/x"), &[("x-request-id", &id)], Bytes::new()).await.unwrap().into_body();
