@@ -52,7 +52,12 @@ fn ended_at_worker(e: &GatewayError, leg: Leg) -> bool {
 /// The prefill leg (when one runs concurrently) and its finished answer, if it finished.
 pub struct Watched {
     pub leg: Option<PrefillLeg>,
+    /// The prefill's answer, kept only when `keep_answer`.
     pub answer: Option<Bytes>,
+    /// The prefill's input logprobs are merged into the answer, so its body is read at the
+    /// commit. Otherwise it is dropped as it comes: held until the decode's first data, a
+    /// one-frame answer kept its connection's 8 KiB read buffer alive (docs/performance.md).
+    pub keep_answer: bool,
     /// Concurrent legs: a prefill still silent when the decode, having answered its head, is
     /// silent at the deadline is the leg to blame (the decode waits for its KV).
     pub blame_silent_prefill: bool,
@@ -62,6 +67,13 @@ pub struct Watched {
 }
 
 impl Watched {
+    fn answered(&mut self, answer: Bytes) {
+        self.leg = None;
+        if self.keep_answer {
+            self.answer = Some(answer);
+        }
+    }
+
     /// The relayed leg committed: the decode has what the prefill held for it.
     fn committed(&mut self) {
         if let Some(g) = self.release.as_mut() {
@@ -93,10 +105,13 @@ async fn race<T>(w: &mut Watched, deadline: Instant, abort: &mut Option<AbortGua
             },
             pr = wait_prefill(&mut w.leg) => pr,
         };
-        w.leg = None;
-        // A copy: a one-frame answer is a slice of its connection's 8 KiB read buffer, and this
-        // one is kept for the decode's whole stream (docs/performance.md, memory per stream).
-        w.answer = Some(Bytes::copy_from_slice(&prefill?));
+        match prefill {
+            Ok(answer) => w.answered(answer),
+            Err(e) => {
+                w.leg = None;
+                return Err(e);
+            }
+        }
     }
 }
 
@@ -120,8 +135,7 @@ async fn settle_kv_source(w: &mut Watched, decode: GatewayError, deadline: Insta
             prefill
         }
         Ok(Ok(answer)) => {
-            w.leg = None;
-            w.answer = Some(answer);
+            w.answered(answer);
             decode
         }
         Err(_) => decode,

@@ -58,6 +58,11 @@ fn decode_guard(aborts: &Arc<Aborts>) -> Option<AbortGuard> {
 
 /// A concurrent prefill leg that ends with `out` after `after` (never, for `None`).
 fn watched(after: Option<Duration>, out: Result<Bytes, GatewayError>) -> Watched {
+    watched_keeping(after, out, true)
+}
+
+/// [`watched`], keeping the prefill's answer or not.
+fn watched_keeping(after: Option<Duration>, out: Result<Bytes, GatewayError>, keep_answer: bool) -> Watched {
     let answer: LegFuture<Bytes> = Box::pin(async move {
         match after {
             Some(d) => tokio::time::sleep(d).await,
@@ -66,7 +71,7 @@ fn watched(after: Option<Duration>, out: Result<Bytes, GatewayError>) -> Watched
         out
     });
     let leg = PrefillLeg { url: "http://prefill".into(), sent: std::time::Instant::now(), answer };
-    Watched { leg: Some(leg), answer: None, blame_silent_prefill: true, release: None }
+    Watched { leg: Some(leg), answer: None, keep_answer, blame_silent_prefill: true, release: None }
 }
 
 fn far() -> Instant {
@@ -136,7 +141,7 @@ async fn other_decode_failures_are_the_decodes_at_once() {
         assert!(w.leg.is_some());
     }
     // and without a prefill leg (a regular or sequential attempt) nothing is waited for
-    let mut w = Watched { leg: None, answer: None, blame_silent_prefill: false, release: None };
+    let mut w = Watched { leg: None, answer: None, keep_answer: false, blame_silent_prefill: false, release: None };
     let err = race(&mut w, far(), &mut None, decode_fails(kv_source_failed())).await.err();
     assert!(matches!(err.map(|e| e.kind), Some(ErrorKind::WorkerStatus { status: 500, .. })));
 }
@@ -150,4 +155,20 @@ async fn a_prefill_that_fails_first_is_the_result_as_before() {
     };
     let err = race(&mut w, far(), &mut None, decode).await.err();
     assert_eq!(err.map(|e| e.leg), Some(Some(Leg::Encode)));
+}
+
+/// The prefill's answer is held past its arrival only when its logprobs will be merged: held
+/// until the decode's first data, it would keep its connection's read buffer alive.
+#[tokio::test(start_paused = true)]
+async fn a_prefill_answer_is_kept_only_when_its_logprobs_are_merged() {
+    for keep in [false, true] {
+        let mut w = watched_keeping(Some(Duration::ZERO), Ok(Bytes::from_static(b"{}")), keep);
+        let decode = async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            Ok::<(), GatewayError>(())
+        };
+        assert!(race(&mut w, far(), &mut None, decode).await.is_ok());
+        assert!(w.leg.is_none(), "the prefill leg ended");
+        assert_eq!(w.answer.is_some(), keep, "keep_answer {keep}");
+    }
 }

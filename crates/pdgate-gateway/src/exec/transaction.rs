@@ -406,7 +406,7 @@ async fn run(ctx: &Ctx, chosen: Chosen, attempts: u32, resumes: u32, encode_fail
     let relayed_body = prepare_relayed(ctx, &client, &plan).await?;
     let learn_ids = (ctx.usage == UsageAsk::UnlessIds).then(|| relayed_runtime.clone());
     let (mut finish, prefill_queued) = accounting(ctx, &plan, prefill_runtime, relayed_runtime, attempts, resumes);
-    let mut watched = Watched { leg: None, answer: None, blame_silent_prefill: plan.order == Order::Concurrent, release: None };
+    let mut watched = Watched { leg: None, answer: None, keep_answer: plan.merge_input_logprobs, blame_silent_prefill: plan.order == Order::Concurrent, release: None };
     let body = match (plan.order, &plan.prefill, relayed_body) {
         (Order::PrefillFirst, Some(p), _) => {
             let extras = PrefillExtras { judge_success: false, queued: prefill_queued, encode: None };
