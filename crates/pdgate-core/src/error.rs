@@ -229,8 +229,10 @@ impl GatewayError {
 
     /// Whether a decode's failure says that its KV source failed: a 5xx whose error code is
     /// the reference engine's `kv_transfer_failed` or `kv_transfer_timeout` (docs/engine.md),
-    /// or whose message says the transfer failed (SGLang's decode: "Decode transfer failed for
-    /// request ..."). In concurrent PD that source is the prefill leg, so the failure may be
+    /// or whose message says the transfer failed (SGLang's decode aborts with status 500 and
+    /// "Decode transfer failed for request rank=..." when its KV receiver fails:
+    /// `DecodeTransferQueue.pop_transferred`, `python/sglang/srt/disaggregation/decode.py`). In
+    /// concurrent PD that source is the prefill leg, so the failure may be
     /// the prefill's (or, EPD, an encode worker's): the transaction asks the prefill leg's own
     /// outcome before it blames the decode.
     pub fn kv_source_failed(&self) -> bool {
