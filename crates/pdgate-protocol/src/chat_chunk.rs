@@ -19,6 +19,8 @@ pub(crate) fn each_payload(decoder: &mut SseDecoder, bytes: &[u8], mut f: impl F
             let raw = &bytes[start..start + end];
             match event_object(raw) {
                 Some(payload) => f(payload),
+                // The stream's end, as every engine writes it: not worth a parse.
+                None if raw == b"data: [DONE]" => f(b"[DONE]"),
                 None => {
                     if let Some(ev) = parse_event(raw) {
                         f(ev.data.as_bytes());

@@ -97,10 +97,11 @@ fn count(s: &mut Scan<'_>) -> Option<Option<u64>> {
     if raw == b"null" {
         return Some(None);
     }
-    if raw.is_empty() || !raw.iter().all(u8::is_ascii_digit) || (raw.len() > 1 && raw[0] == b'0') {
+    if raw.is_empty() || (raw.len() > 1 && raw[0] == b'0') {
         return None;
     }
-    std::str::from_utf8(raw).ok()?.parse().ok().map(Some)
+    // Digits only, within u64 (a bigger number is a float to the parse: absent).
+    raw.iter().try_fold(0u64, |n, &d| if d.is_ascii_digit() { n.checked_mul(10)?.checked_add(u64::from(d - b'0')) } else { None }).map(Some)
 }
 
 fn once(seen: &mut u8, bit: u8) -> Option<()> {

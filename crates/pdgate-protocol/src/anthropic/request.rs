@@ -240,6 +240,17 @@ fn translate_messages(v: Option<&Value>, out: &mut Vec<Value>) -> Result<(), Inv
     // The tool_use ids of the previous assistant turn: what this user turn's tool_results answer.
     let mut open_tool_uses: Vec<String> = Vec::new();
     for (i, m) in messages.iter().enumerate() {
+        // The usual message, a role and a string: valid as it is (but an assistant first), and
+        // no `param` to write for an error.
+        if let Some(m) = m.as_object() {
+            if let (Some(role @ ("user" | "assistant")), Some(Value::String(text))) = (m.get("role").and_then(Value::as_str), m.get("content")) {
+                if i > 0 || role == "user" {
+                    out.push(json!({"role": role, "content": text}));
+                    open_tool_uses.clear();
+                    continue;
+                }
+            }
+        }
         let param = format!("messages[{i}]");
         let Some(m) = m.as_object() else { return Err(invalid(&param, format!("{param} must be an object"))) };
         let role = m.get("role").and_then(Value::as_str);
