@@ -10,6 +10,7 @@ pub mod answer;
 pub mod anthropic;
 pub mod bootstrap;
 mod chat_chunk;
+mod chat_usage;
 pub mod content;
 pub mod engine_load;
 mod json_scan;

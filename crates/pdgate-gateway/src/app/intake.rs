@@ -39,7 +39,9 @@ pub(crate) enum Prepared {
 impl Prepared {
     /// A built body, written out once.
     pub(crate) fn built(body: Map<String, Value>) -> Result<Self, GatewayError> {
-        let raw = serde_json::to_vec(&body).map_err(|e| GatewayError::invalid(None, format!("could not encode the request: {e}")))?;
+        // Sized for a usual body at once (`to_vec` starts small and regrows).
+        let mut raw = Vec::with_capacity(512);
+        serde_json::to_writer(&mut raw, &body).map_err(|e| GatewayError::invalid(None, format!("could not encode the request: {e}")))?;
         Ok(Prepared::Built { raw: Bytes::from(raw), body })
     }
 }

@@ -3,6 +3,25 @@
 use serde_json::{json, Map, Value};
 
 use super::{message_id, stop_reason};
+use crate::chat_usage::UsageCounts;
+use crate::responses::stream::push_u64;
+
+/// [`usage`]'s JSON, written directly from the counts (the stream's way); `None` is no usage.
+pub(crate) fn write_usage(out: &mut Vec<u8>, c: Option<&UsageCounts>) {
+    let c = c.copied().unwrap_or_default();
+    let prompt = c.prompt.unwrap_or(0);
+    out.push(b'{');
+    if let Some(cached) = c.cached {
+        out.extend_from_slice(b"\"cache_read_input_tokens\":");
+        push_u64(out, cached.min(prompt));
+        out.push(b',');
+    }
+    out.extend_from_slice(b"\"input_tokens\":");
+    push_u64(out, prompt.saturating_sub(c.cached.unwrap_or(0)));
+    out.extend_from_slice(b",\"output_tokens\":");
+    push_u64(out, c.completion.unwrap_or(0));
+    out.push(b'}');
+}
 
 /// Anthropic's `usage` from an OpenAI `usage`: `input_tokens` counts the prompt tokens not read
 /// from a cache (Anthropic's total input is `input_tokens + cache_read_input_tokens`), and

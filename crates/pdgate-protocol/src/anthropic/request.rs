@@ -25,24 +25,67 @@ pub enum Kind {
     CountTokens,
 }
 
+/// The body's fields the translation reads, found in one pass over it (a lookup each cost more).
+#[derive(Default)]
+struct Fields<'a> {
+    model: Option<&'a Value>,
+    system: Option<&'a Value>,
+    messages: Option<&'a Value>,
+    max_tokens: Option<&'a Value>,
+    stop_sequences: Option<&'a Value>,
+    temperature: Option<&'a Value>,
+    top_p: Option<&'a Value>,
+    top_k: Option<&'a Value>,
+    metadata: Option<&'a Value>,
+    tools: Option<&'a Value>,
+    tool_choice: Option<&'a Value>,
+    stream: Option<&'a Value>,
+}
+
+impl<'a> Fields<'a> {
+    fn of(body: &'a Map<String, Value>) -> Self {
+        let mut f = Fields::default();
+        for (k, v) in body {
+            let slot = match k.as_str() {
+                "model" => &mut f.model,
+                "system" => &mut f.system,
+                "messages" => &mut f.messages,
+                "max_tokens" => &mut f.max_tokens,
+                "stop_sequences" => &mut f.stop_sequences,
+                "temperature" => &mut f.temperature,
+                "top_p" => &mut f.top_p,
+                "top_k" => &mut f.top_k,
+                "metadata" => &mut f.metadata,
+                "tools" => &mut f.tools,
+                "tool_choice" => &mut f.tool_choice,
+                "stream" => &mut f.stream,
+                _ => continue,
+            };
+            *slot = Some(v);
+        }
+        f
+    }
+}
+
 /// Parses and translates a Messages body.
 pub fn to_chat(raw: &[u8], kind: Kind) -> Result<Translated, InvalidRequest> {
     let body: Value = serde_json::from_slice(raw).map_err(|e| InvalidRequest { param: None, message: format!("the request body is not valid JSON: {e}") })?;
     let Value::Object(body) = body else { return Err(InvalidRequest { param: None, message: "the request body must be a JSON object".into() }) };
-    let model = match body.get("model") {
+    let f = Fields::of(&body);
+    let model = match f.model {
         Some(Value::String(m)) if !m.is_empty() => m.clone(),
         _ => return Err(invalid("model", "model: Field required (a non-empty string)")),
     };
     let mut chat = Map::new();
     chat.insert("model".into(), Value::String(model.clone()));
     let mut messages = Vec::new();
-    if let Some(system) = body.get("system") {
+    if let Some(system) = f.system {
         let text = text_of(system, "system")?;
         if !text.is_empty() {
             messages.push(json!({"role": "system", "content": text}));
         }
     }
-    translate_messages(body.get("messages"), &mut messages)?;
+    translate_messages(f.messages, &mut messages)?;
     let last_is_assistant = messages.last().and_then(|m| m.get("role")).and_then(Value::as_str) == Some("assistant");
     chat.insert("messages".into(), Value::Array(messages));
     if last_is_assistant {
@@ -50,7 +93,7 @@ pub fn to_chat(raw: &[u8], kind: Kind) -> Result<Translated, InvalidRequest> {
         chat.insert("add_generation_prompt".into(), Value::Bool(false));
         chat.insert("continue_final_message".into(), Value::Bool(true));
     }
-    match (body.get("max_tokens"), kind) {
+    match (f.max_tokens, kind) {
         (Some(v), _) => match v.as_u64() {
             Some(n) if n >= 1 => {
                 chat.insert("max_tokens".into(), json!(n));
@@ -60,12 +103,12 @@ pub fn to_chat(raw: &[u8], kind: Kind) -> Result<Translated, InvalidRequest> {
         (None, Kind::Create) => return Err(invalid("max_tokens", "max_tokens: Field required")),
         (None, Kind::CountTokens) => {}
     }
-    let stop_sequences = stop_sequences(body.get("stop_sequences"))?;
+    let stop_sequences = stop_sequences(f.stop_sequences)?;
     if !stop_sequences.is_empty() {
         chat.insert("stop".into(), json!(stop_sequences));
     }
-    for (key, lo, hi) in [("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)] {
-        if let Some(v) = body.get(key).filter(|v| !v.is_null()) {
+    for (key, v, lo, hi) in [("temperature", f.temperature, 0.0, 2.0), ("top_p", f.top_p, 0.0, 1.0)] {
+        if let Some(v) = v.filter(|v| !v.is_null()) {
             match v.as_f64() {
                 Some(x) if (lo..=hi).contains(&x) => {
                     chat.insert(key.into(), v.clone());
@@ -74,7 +117,7 @@ pub fn to_chat(raw: &[u8], kind: Kind) -> Result<Translated, InvalidRequest> {
             }
         }
     }
-    if let Some(v) = body.get("top_k").filter(|v| !v.is_null()) {
+    if let Some(v) = f.top_k.filter(|v| !v.is_null()) {
         match v.as_i64() {
             Some(k) if k >= 0 => {
                 chat.insert("top_k".into(), v.clone());
@@ -82,7 +125,7 @@ pub fn to_chat(raw: &[u8], kind: Kind) -> Result<Translated, InvalidRequest> {
             _ => return Err(invalid("top_k", "top_k must be an integer >= 0")),
         }
     }
-    if let Some(meta) = body.get("metadata").filter(|v| !v.is_null()) {
+    if let Some(meta) = f.metadata.filter(|v| !v.is_null()) {
         let Some(meta) = meta.as_object() else { return Err(invalid("metadata", "metadata must be an object")) };
         match meta.get("user_id") {
             Some(Value::String(u)) => {
@@ -92,17 +135,17 @@ pub fn to_chat(raw: &[u8], kind: Kind) -> Result<Translated, InvalidRequest> {
             Some(_) => return Err(invalid("metadata.user_id", "metadata.user_id must be a string")),
         }
     }
-    if let Some(tools) = body.get("tools").filter(|v| !v.is_null()) {
+    if let Some(tools) = f.tools.filter(|v| !v.is_null()) {
         chat.insert("tools".into(), Value::Array(translate_tools(tools)?));
     }
-    if let Some(choice) = body.get("tool_choice").filter(|v| !v.is_null()) {
+    if let Some(choice) = f.tool_choice.filter(|v| !v.is_null()) {
         let (choice, parallel) = translate_tool_choice(choice)?;
         chat.insert("tool_choice".into(), choice);
         if parallel == Some(false) {
             chat.insert("parallel_tool_calls".into(), Value::Bool(false));
         }
     }
-    let stream = match body.get("stream") {
+    let stream = match f.stream {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(invalid("stream", "stream must be a boolean")),
@@ -197,6 +240,17 @@ fn translate_messages(v: Option<&Value>, out: &mut Vec<Value>) -> Result<(), Inv
     // The tool_use ids of the previous assistant turn: what this user turn's tool_results answer.
     let mut open_tool_uses: Vec<String> = Vec::new();
     for (i, m) in messages.iter().enumerate() {
+        // The usual message, a role and a string: valid as it is (but an assistant first), and
+        // no `param` to write for an error.
+        if let Some(m) = m.as_object() {
+            if let (Some(role @ ("user" | "assistant")), Some(Value::String(text))) = (m.get("role").and_then(Value::as_str), m.get("content")) {
+                if i > 0 || role == "user" {
+                    out.push(json!({"role": role, "content": text}));
+                    open_tool_uses.clear();
+                    continue;
+                }
+            }
+        }
         let param = format!("messages[{i}]");
         let Some(m) = m.as_object() else { return Err(invalid(&param, format!("{param} must be an object"))) };
         let role = m.get("role").and_then(Value::as_str);

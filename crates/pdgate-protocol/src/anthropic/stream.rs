@@ -10,10 +10,11 @@
 
 use serde_json::{json, Value};
 
-use super::answer::usage;
+use super::answer::write_usage;
 use super::error::{body_of, from_stream_error};
 use super::{message_id, stop_reason};
 use crate::chat_chunk::{each_payload, Chunk, ChunkReader};
+use crate::chat_usage::UsageCounts;
 use crate::sse::SseDecoder;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,7 +50,8 @@ pub struct MessagesStream {
     finish_reason: Option<String>,
     matched: Option<Value>,
     saw_tool_call: bool,
-    usage: Option<Value>,
+    /// The usage chunk's counts (`None` until it comes, or when it is not an object).
+    usage: Option<UsageCounts>,
 }
 
 impl MessagesStream {
@@ -72,7 +74,8 @@ impl MessagesStream {
 
     /// Takes the chat stream's next bytes; returns the Anthropic events they complete.
     pub fn feed(&mut self, chunk: &[u8]) -> Vec<u8> {
-        let mut out = Vec::new();
+        // Room for what the chunk's events usually come to: no regrowth per event.
+        let mut out = Vec::with_capacity(2 * chunk.len() + 128);
         // The decoder is lent out while `self.event` runs on each payload.
         let mut decoder = std::mem::take(&mut self.sse);
         each_payload(&mut decoder, chunk, |payload| self.event(payload, &mut out));
@@ -123,7 +126,7 @@ impl MessagesStream {
             self.start(&json_string(&id), out);
         }
         if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
-            self.usage = Some(u.clone());
+            self.usage = UsageCounts::of_value(u);
         }
         let Some(choice) = v.get("choices").and_then(|c| c.get(0)) else { return };
         if let Some(delta) = choice.get("delta") {
@@ -154,7 +157,7 @@ impl MessagesStream {
             self.start(&quoted, out);
         }
         if let Some(u) = c.usage {
-            self.usage = serde_json::from_slice(u).ok();
+            self.usage = UsageCounts::read(u);
         }
         if let Some(raw) = c.text.filter(|t| !t.is_empty()) {
             self.open(Block::Text, None, out);
@@ -245,7 +248,7 @@ impl MessagesStream {
             None => out.extend_from_slice(b"null"),
         }
         out.extend_from_slice(b"},\"usage\":");
-        out.extend_from_slice(&serde_json::to_vec(&usage(self.usage.as_ref())).unwrap_or_default());
+        write_usage(out, self.usage.as_ref());
         out.extend_from_slice(b"}\n\nevent: message_stop\ndata: {\"type\":\"message_stop\"}\n\n");
         self.phase = Phase::Ended;
     }

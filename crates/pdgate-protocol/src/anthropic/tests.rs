@@ -308,3 +308,20 @@ fn image_blocks_become_data_url_parts_in_order() {
         ]}])
     );
 }
+
+/// The stream's usage, written directly from the counts, is the whole answer's usage JSON.
+#[test]
+fn the_written_usage_is_the_generic_builders_json() {
+    for u in [
+        Some(json!({"prompt_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}})),
+        Some(json!({"prompt_tokens": 2, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 9}})),
+        Some(json!({"prompt_tokens": 2, "completion_tokens": null, "prompt_tokens_details": null})),
+        Some(json!(5)),
+        None,
+    ] {
+        let counts = u.as_ref().and_then(crate::chat_usage::UsageCounts::of_value);
+        let mut got = Vec::new();
+        super::answer::write_usage(&mut got, counts.as_ref());
+        assert_eq!(String::from_utf8_lossy(&got), Value::Object(super::answer::usage(u.as_ref())).to_string(), "{u:?}");
+    }
+}

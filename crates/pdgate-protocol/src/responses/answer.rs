@@ -2,6 +2,9 @@
 
 use serde_json::{json, Map, Value};
 
+use super::stream::push_u64;
+use crate::chat_usage::UsageCounts;
+
 /// What a Response object says besides the worker's answer: its ids, time, and the request's
 /// echoed fields.
 #[derive(Clone, Debug, PartialEq)]
@@ -63,6 +66,96 @@ impl ResponseMeta {
         })
     }
 
+    /// [`Self::response`]'s JSON written directly, without building the value: the same bytes
+    /// as `serde_json::to_vec` of it (its keys in its order; tests check it). A stream writes
+    /// two or three Response objects: built as values, they were a tenth of its instructions.
+    /// Returns where the output items lie in `out` (the array's contents), for the store.
+    pub fn write_response(&self, out: &mut Vec<u8>, o: &Outcome<'_>) -> std::ops::Range<usize> {
+        // The echo is a sorted map and the fields are written in its order: one walk over it
+        // finds each (a lookup each cost more). `echo` must be called in key order.
+        let mut entries = self.echo.iter().peekable();
+        let mut echo = |out: &mut Vec<u8>, key: &str, default: &[u8]| {
+            while entries.next_if(|(k, _)| k.as_str() < key).is_some() {}
+            match entries.next_if(|(k, _)| k.as_str() == key) {
+                // Writing a value into a Vec cannot fail.
+                Some((_, v)) => drop(serde_json::to_writer(&mut *out, v)),
+                None => out.extend_from_slice(default),
+            }
+        };
+        out.extend_from_slice(b"{\"background\":false,\"created_at\":");
+        push_u64(out, self.created_at);
+        out.extend_from_slice(b",\"error\":");
+        match o.error {
+            Some((code, message)) => {
+                out.extend_from_slice(b"{\"code\":");
+                json_str(out, code);
+                out.extend_from_slice(b",\"message\":");
+                json_str(out, message);
+                out.push(b'}');
+            }
+            None => out.extend_from_slice(b"null"),
+        }
+        out.extend_from_slice(b",\"id\":");
+        json_str(out, &self.id);
+        out.extend_from_slice(if o.status == "incomplete" { b",\"incomplete_details\":{\"reason\":\"max_output_tokens\"}" } else { b",\"incomplete_details\":null" });
+        out.extend_from_slice(b",\"instructions\":");
+        echo(out, "instructions", b"null");
+        out.extend_from_slice(b",\"max_output_tokens\":");
+        echo(out, "max_output_tokens", b"null");
+        out.extend_from_slice(b",\"metadata\":");
+        echo(out, "metadata", b"{}");
+        out.extend_from_slice(b",\"model\":");
+        match o.model {
+            Some(m) => json_str(out, m),
+            None => echo(out, "model", b"\"\""),
+        }
+        out.extend_from_slice(b",\"object\":\"response\",\"output\":[");
+        let start = out.len();
+        out.extend_from_slice(o.output);
+        let output = start..out.len();
+        out.extend_from_slice(b"],\"parallel_tool_calls\":");
+        echo(out, "parallel_tool_calls", b"true");
+        out.extend_from_slice(b",\"previous_response_id\":");
+        echo(out, "previous_response_id", b"null");
+        out.extend_from_slice(b",\"reasoning\":");
+        echo(out, "reasoning", b"null");
+        out.extend_from_slice(b",\"status\":");
+        json_str(out, o.status);
+        out.extend_from_slice(b",\"store\":");
+        echo(out, "store", b"true");
+        out.extend_from_slice(b",\"temperature\":");
+        echo(out, "temperature", b"1.0");
+        out.extend_from_slice(b",\"text\":");
+        echo(out, "text", br#"{"format":{"type":"text"}}"#);
+        out.extend_from_slice(b",\"tool_choice\":");
+        echo(out, "tool_choice", b"\"auto\"");
+        out.extend_from_slice(b",\"tools\":");
+        echo(out, "tools", b"[]");
+        out.extend_from_slice(b",\"top_p\":");
+        echo(out, "top_p", b"1.0");
+        out.extend_from_slice(b",\"truncation\":");
+        echo(out, "truncation", b"\"disabled\"");
+        out.extend_from_slice(b",\"usage\":");
+        out.extend_from_slice(o.usage.unwrap_or(b"null"));
+        out.extend_from_slice(b",\"user\":");
+        echo(out, "user", b"null");
+        out.push(b'}');
+        output
+    }
+
+    /// [`Self::write_response`] with the output items as values (the whole answer's way).
+    pub fn write_response_of(&self, out: &mut Vec<u8>, status: &str, output: &[Value], usage: Option<&Value>, model: Option<&str>) -> std::ops::Range<usize> {
+        let mut items = Vec::new();
+        for (i, item) in output.iter().enumerate() {
+            if i > 0 {
+                items.push(b',');
+            }
+            let _ = serde_json::to_writer(&mut items, item);
+        }
+        let usage = usage.map(|u| serde_json::to_vec(u).unwrap_or_default());
+        self.write_response(out, &Outcome { status, output: &items, usage: usage.as_deref(), model, error: None })
+    }
+
     /// Makes `r` (from [`Self::response_base`]) the Response in `status` with this output,
     /// usage and (the worker's) model; the request's model when `model` is `None`.
     pub fn set_outcome(r: &mut Value, status: &str, output: Vec<Value>, usage: Option<Value>, model: Option<&str>) {
@@ -76,6 +169,25 @@ impl ResponseMeta {
             r["incomplete_details"] = json!({"reason": "max_output_tokens"});
         }
     }
+}
+
+/// What [`ResponseMeta::write_response`] writes besides the request's echo.
+#[derive(Clone, Copy, Debug)]
+pub struct Outcome<'a> {
+    pub status: &'a str,
+    /// The output items as JSON, comma-separated (the array's contents).
+    pub output: &'a [u8],
+    /// The Responses `usage` object as JSON; `null` when `None`.
+    pub usage: Option<&'a [u8]>,
+    /// The worker's model; the request's when `None`.
+    pub model: Option<&'a str>,
+    /// A failed response's `(code, message)`.
+    pub error: Option<(&'a str, &'a str)>,
+}
+
+/// A string as JSON (writing into a Vec cannot fail).
+pub(crate) fn json_str(out: &mut Vec<u8>, s: &str) {
+    let _ = serde_json::to_writer(&mut *out, s);
 }
 
 /// The Response status of a chat `finish_reason`.
@@ -98,20 +210,31 @@ pub fn item_status(status: &str) -> &'static str {
 
 /// A chat `usage` object as the Responses one.
 pub fn usage_of(usage: &Value) -> Option<Value> {
-    let n = |v: Option<&Value>| v.and_then(Value::as_u64).unwrap_or(0);
-    let obj = usage.as_object()?;
-    let input = n(obj.get("prompt_tokens"));
-    let output = n(obj.get("completion_tokens"));
-    let cached = n(usage.pointer("/prompt_tokens_details/cached_tokens"));
-    let reasoning = n(usage.pointer("/completion_tokens_details/reasoning_tokens"));
-    let total = obj.get("total_tokens").and_then(Value::as_u64).unwrap_or(input + output);
+    let c = UsageCounts::of_value(usage)?;
+    let (input, output) = (c.prompt.unwrap_or(0), c.completion.unwrap_or(0));
     Some(json!({
         "input_tokens": input,
-        "input_tokens_details": {"cached_tokens": cached},
+        "input_tokens_details": {"cached_tokens": c.cached.unwrap_or(0)},
         "output_tokens": output,
-        "output_tokens_details": {"reasoning_tokens": reasoning},
-        "total_tokens": total,
+        "output_tokens_details": {"reasoning_tokens": c.reasoning.unwrap_or(0)},
+        "total_tokens": c.total.unwrap_or(input + output),
     }))
+}
+
+/// [`usage_of`]'s JSON, written directly from the counts (a stream's way).
+pub(crate) fn write_usage(out: &mut Vec<u8>, c: &UsageCounts) {
+    let (input, output) = (c.prompt.unwrap_or(0), c.completion.unwrap_or(0));
+    out.extend_from_slice(b"{\"input_tokens\":");
+    push_u64(out, input);
+    out.extend_from_slice(b",\"input_tokens_details\":{\"cached_tokens\":");
+    push_u64(out, c.cached.unwrap_or(0));
+    out.extend_from_slice(b"},\"output_tokens\":");
+    push_u64(out, output);
+    out.extend_from_slice(b",\"output_tokens_details\":{\"reasoning_tokens\":");
+    push_u64(out, c.reasoning.unwrap_or(0));
+    out.extend_from_slice(b"},\"total_tokens\":");
+    push_u64(out, c.total.unwrap_or(input + output));
+    out.push(b'}');
 }
 
 pub fn message_item(id: &str, text: &str, status: &str) -> Value {
@@ -129,6 +252,20 @@ pub fn call_item(id: &str, call_id: &str, name: &str, arguments: &str, status: &
 
 /// The Response object of a whole chat completion (its first choice).
 pub fn response_from_chat(chat: &Value, meta: &ResponseMeta) -> Value {
+    let (status, output, usage) = outcome_of_chat(chat, meta);
+    meta.response(status, output, usage, chat.get("model").and_then(Value::as_str))
+}
+
+/// [`response_from_chat`]'s JSON, and where its output items lie in it (for the store).
+pub fn response_json_from_chat(chat: &Value, meta: &ResponseMeta) -> (Vec<u8>, std::ops::Range<usize>, &'static str) {
+    let (status, output, usage) = outcome_of_chat(chat, meta);
+    let mut out = Vec::with_capacity(1024);
+    let range = meta.write_response_of(&mut out, status, &output, usage.as_ref(), chat.get("model").and_then(Value::as_str));
+    (out, range, status)
+}
+
+/// A whole chat completion's status, output items and usage, in the Responses shape.
+fn outcome_of_chat(chat: &Value, meta: &ResponseMeta) -> (&'static str, Vec<Value>, Option<Value>) {
     let choice = chat.pointer("/choices/0");
     let message = choice.and_then(|c| c.get("message"));
     let text = message.and_then(|m| m.get("content")).and_then(Value::as_str).unwrap_or("");
@@ -146,6 +283,5 @@ pub fn response_from_chat(chat: &Value, meta: &ResponseMeta) -> Value {
         };
         output.push(call_item(&meta.call_item_id(i), &call_id, s("/function/name"), s("/function/arguments"), "completed"));
     }
-    let usage = chat.get("usage").and_then(usage_of);
-    meta.response(status, output, usage, chat.get("model").and_then(Value::as_str))
+    (status, output, chat.get("usage").and_then(usage_of))
 }

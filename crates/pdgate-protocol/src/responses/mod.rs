@@ -14,6 +14,6 @@ pub mod stream;
 #[cfg(test)]
 mod tests;
 
-pub use answer::{response_from_chat, ResponseMeta};
+pub use answer::{response_from_chat, response_json_from_chat, Outcome, ResponseMeta};
 pub use request::{items_to_messages, parse_responses, ResponsesRequest};
-pub use stream::StreamTranslator;
+pub use stream::{StreamTranslator, Terminal};

@@ -78,46 +78,110 @@ const RESPONSES_FIELDS: [&str; 28] = [
     "truncation",
 ];
 
+/// The body's members read here, found in one pass over it (a lookup each cost more).
+#[derive(Default)]
+struct Fields<'a> {
+    background: Option<&'a Value>,
+    conversation: Option<&'a Value>,
+    prompt: Option<&'a Value>,
+    stream: Option<&'a Value>,
+    store: Option<&'a Value>,
+    previous_response_id: Option<&'a Value>,
+    instructions: Option<&'a Value>,
+    input: Option<&'a Value>,
+    model: Option<&'a Value>,
+    max_output_tokens: Option<&'a Value>,
+    temperature: Option<&'a Value>,
+    top_p: Option<&'a Value>,
+    user: Option<&'a Value>,
+    parallel_tool_calls: Option<&'a Value>,
+    metadata: Option<&'a Value>,
+    tools: Option<&'a Value>,
+    tool_choice: Option<&'a Value>,
+    text: Option<&'a Value>,
+    reasoning: Option<&'a Value>,
+    truncation: Option<&'a Value>,
+    service_tier: Option<&'a Value>,
+}
+
+impl<'a> Fields<'a> {
+    fn of(body: &'a Map<String, Value>) -> Self {
+        let mut f = Fields::default();
+        for (k, v) in body {
+            let slot = match k.as_str() {
+                "background" => &mut f.background,
+                "conversation" => &mut f.conversation,
+                "prompt" => &mut f.prompt,
+                "stream" => &mut f.stream,
+                "store" => &mut f.store,
+                "previous_response_id" => &mut f.previous_response_id,
+                "instructions" => &mut f.instructions,
+                "input" => &mut f.input,
+                "model" => &mut f.model,
+                "max_output_tokens" => &mut f.max_output_tokens,
+                "temperature" => &mut f.temperature,
+                "top_p" => &mut f.top_p,
+                "user" => &mut f.user,
+                "parallel_tool_calls" => &mut f.parallel_tool_calls,
+                "metadata" => &mut f.metadata,
+                "tools" => &mut f.tools,
+                "tool_choice" => &mut f.tool_choice,
+                "text" => &mut f.text,
+                "reasoning" => &mut f.reasoning,
+                "truncation" => &mut f.truncation,
+                "service_tier" => &mut f.service_tier,
+                _ => continue,
+            };
+            *slot = Some(v);
+        }
+        f
+    }
+}
+
 /// Parses and validates a `/v1/responses` body.
 pub fn parse_responses(bytes: &[u8]) -> Result<ResponsesRequest, InvalidRequest> {
     let value: Value = serde_json::from_slice(bytes).map_err(|e| InvalidRequest { param: None, message: format!("request body is not valid JSON: {e}") })?;
     let Value::Object(body) = value else {
         return Err(InvalidRequest { param: None, message: "request body must be a JSON object".into() });
     };
-    for (field, why) in UNSUPPORTED {
-        if body.get(field).is_some_and(|v| !v.is_null() && *v != Value::Bool(false)) {
+    let f = Fields::of(&body);
+    for ((field, why), v) in UNSUPPORTED.into_iter().zip([f.background, f.conversation, f.prompt]) {
+        if v.is_some_and(|v| !v.is_null() && *v != Value::Bool(false)) {
             return Err(invalid(field, why));
         }
     }
-    let stream = opt_bool(&body, "stream")?.unwrap_or(false);
-    let store = opt_bool(&body, "store")?.unwrap_or(true);
-    let previous_response_id = opt_str(&body, "previous_response_id")?.map(str::to_string);
-    let instructions = opt_str(&body, "instructions")?.map(str::to_string);
-    let input = match body.get("input") {
+    let stream = opt_bool(f.stream, "stream")?.unwrap_or(false);
+    let store = opt_bool(f.store, "store")?.unwrap_or(true);
+    let previous_response_id = opt_str(f.previous_response_id, "previous_response_id")?.map(str::to_string);
+    let instructions = opt_str(f.instructions, "instructions")?.map(str::to_string);
+    let input = match f.input {
         None | Some(Value::Null) => return Err(invalid("input", "input is required")),
+        // One user message: valid as it is made.
         Some(Value::String(s)) => vec![json!({"type": "message", "role": "user", "content": s})],
-        Some(Value::Array(items)) => items.clone(),
+        Some(Value::Array(items)) => {
+            // Validate the items on their own (the conversation is checked again with its history).
+            for (i, item) in items.iter().enumerate() {
+                item_message(item, i)?;
+            }
+            items.clone()
+        }
         Some(_) => return Err(invalid("input", "input must be a string or a list of items")),
     };
-    // Validate the items on their own (the conversation is checked again with its history).
-    for (i, item) in input.iter().enumerate() {
-        item_message(item, i)?;
-    }
     let mut chat = Map::new();
     let mut echo = Map::new();
-    if let Some(model) = opt_str(&body, "model")? {
+    if let Some(model) = opt_str(f.model, "model")? {
         chat.insert("model".into(), model.into());
         echo.insert("model".into(), model.into());
     }
-    if let Some(n) = body.get("max_output_tokens").filter(|v| !v.is_null()) {
+    if let Some(n) = f.max_output_tokens.filter(|v| !v.is_null()) {
         if n.as_u64().is_none_or(|n| n < 1) {
             return Err(invalid("max_output_tokens", "max_output_tokens must be a positive integer"));
         }
         chat.insert("max_tokens".into(), n.clone());
         echo.insert("max_output_tokens".into(), n.clone());
     }
-    for field in ["temperature", "top_p"] {
-        if let Some(v) = body.get(field).filter(|v| !v.is_null()) {
+    for (field, v) in [("temperature", f.temperature), ("top_p", f.top_p)] {
+        if let Some(v) = v.filter(|v| !v.is_null()) {
             if !v.is_number() {
                 return Err(invalid(field, format!("{field} must be a number")));
             }
@@ -125,36 +189,36 @@ pub fn parse_responses(bytes: &[u8]) -> Result<ResponsesRequest, InvalidRequest>
             echo.insert(field.into(), v.clone());
         }
     }
-    if let Some(user) = opt_str(&body, "user")? {
+    if let Some(user) = opt_str(f.user, "user")? {
         chat.insert("user".into(), user.into());
         echo.insert("user".into(), user.into());
     }
-    if let Some(p) = opt_bool(&body, "parallel_tool_calls")? {
+    if let Some(p) = opt_bool(f.parallel_tool_calls, "parallel_tool_calls")? {
         chat.insert("parallel_tool_calls".into(), p.into());
         echo.insert("parallel_tool_calls".into(), p.into());
     }
-    if let Some(m) = body.get("metadata").filter(|v| !v.is_null()) {
+    if let Some(m) = f.metadata.filter(|v| !v.is_null()) {
         if !m.as_object().is_some_and(|m| m.values().all(Value::is_string)) {
             return Err(invalid("metadata", "metadata must be an object of strings"));
         }
         echo.insert("metadata".into(), m.clone());
     }
-    if let Some(tools) = body.get("tools").filter(|v| !v.is_null()) {
+    if let Some(tools) = f.tools.filter(|v| !v.is_null()) {
         chat.insert("tools".into(), map_tools(tools)?);
         echo.insert("tools".into(), tools.clone());
     }
-    if let Some(choice) = body.get("tool_choice").filter(|v| !v.is_null()) {
+    if let Some(choice) = f.tool_choice.filter(|v| !v.is_null()) {
         chat.insert("tool_choice".into(), map_tool_choice(choice)?);
         echo.insert("tool_choice".into(), choice.clone());
     }
-    if let Some(text) = body.get("text").filter(|v| !v.is_null()) {
+    if let Some(text) = f.text.filter(|v| !v.is_null()) {
         if let Some(format) = map_text_format(text)? {
             chat.insert("response_format".into(), format);
         }
         echo.insert("text".into(), text.clone());
     }
-    for field in ["reasoning", "truncation", "service_tier"] {
-        if let Some(v) = body.get(field).filter(|v| !v.is_null()) {
+    for (field, v) in [("reasoning", f.reasoning), ("truncation", f.truncation), ("service_tier", f.service_tier)] {
+        if let Some(v) = v.filter(|v| !v.is_null()) {
             echo.insert(field.into(), v.clone());
         }
     }
@@ -182,15 +246,16 @@ pub fn parse_responses(bytes: &[u8]) -> Result<ResponsesRequest, InvalidRequest>
 impl ResponsesRequest {
     /// The chat body of this turn after `history` (the previous response's conversation items),
     /// or the error that names the offending item (e.g. a `function_call_output` whose
-    /// `function_call` is in neither the history nor this input).
-    pub fn chat_body(&self, history: &[Value]) -> Result<Map<String, Value>, InvalidRequest> {
+    /// `function_call` is in neither the history nor this input). Takes the request's chat
+    /// fields (moved, not copied): call it once.
+    pub fn chat_body(&mut self, history: &[Value]) -> Result<Map<String, Value>, InvalidRequest> {
         let mut messages = Vec::new();
         if let Some(i) = &self.instructions {
             messages.push(json!({"role": "system", "content": i}));
         }
         let items: Vec<&Value> = history.iter().chain(&self.input).collect();
         messages.extend(items_to_messages(items.iter().copied(), history.len())?);
-        let mut chat = self.chat.clone();
+        let mut chat = std::mem::take(&mut self.chat);
         chat.insert("messages".into(), Value::Array(messages));
         Ok(chat)
     }
@@ -351,16 +416,16 @@ fn map_text_format(text: &Value) -> Result<Option<Value>, InvalidRequest> {
     }
 }
 
-fn opt_bool(body: &Map<String, Value>, field: &str) -> Result<Option<bool>, InvalidRequest> {
-    match body.get(field) {
+fn opt_bool(v: Option<&Value>, field: &str) -> Result<Option<bool>, InvalidRequest> {
+    match v {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Bool(b)) => Ok(Some(*b)),
         Some(_) => Err(invalid(field, format!("{field} must be a boolean"))),
     }
 }
 
-fn opt_str<'a>(body: &'a Map<String, Value>, field: &str) -> Result<Option<&'a str>, InvalidRequest> {
-    match body.get(field) {
+fn opt_str<'a>(v: Option<&'a Value>, field: &str) -> Result<Option<&'a str>, InvalidRequest> {
+    match v {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
         Some(_) => Err(invalid(field, format!("{field} must be a string"))),

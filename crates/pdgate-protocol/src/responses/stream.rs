@@ -9,10 +9,13 @@
 //! `response.completed` or `response.incomplete` at the chat stream's `[DONE]`, or
 //! `response.failed` at the gateway's error event or at an end without `[DONE]`.
 
+use std::ops::Range;
+
 use serde_json::{json, Value};
 
-use super::answer::{self, ResponseMeta};
+use super::answer::{self, Outcome, ResponseMeta};
 use crate::chat_chunk::{each_payload, Chunk, ChunkReader};
+use crate::chat_usage::UsageCounts;
 use crate::sse::SseDecoder;
 
 struct Call {
@@ -25,11 +28,29 @@ struct Call {
     chat_index: u64,
 }
 
+/// The terminal Response object (completed, incomplete or failed), as written in its event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Terminal {
+    /// Its JSON.
+    pub json: Vec<u8>,
+    /// Where its output items lie in `json` (the `output` array's contents).
+    pub output: Range<usize>,
+    pub status: &'static str,
+}
+
+impl Terminal {
+    /// The object as a value (tests, and whoever needs to look inside).
+    pub fn value(&self) -> Value {
+        serde_json::from_slice(&self.json).unwrap_or(Value::Null)
+    }
+}
+
 /// See the module doc. Feed the chat stream's bytes, write what each call returns.
 ///
 /// The usual chunks (a piece of text, the finish reason, the usage) are read from their bytes
 /// (`chat_chunk.rs`) and their text pasted into the delta event as the escaped JSON string it
-/// was; anything else (tool calls, errors) is parsed.
+/// was; anything else (tool calls, errors) is parsed. The Response objects and output items are
+/// written directly, never built as values.
 pub struct StreamTranslator {
     meta: ResponseMeta,
     /// `meta.message_id()`, made once (ids are `[A-Za-z0-9_]`: no JSON escaping).
@@ -38,17 +59,18 @@ pub struct StreamTranslator {
     chunks: ChunkReader,
     seq: u64,
     model: Option<String>,
-    /// Output items finished, by output index.
-    done_items: Vec<Value>,
+    /// Output items finished, as JSON (comma-separated, by output index): the terminal
+    /// Response's `output`.
+    output: Vec<u8>,
+    /// How many items `output` holds.
+    done_items: usize,
     /// The open message: its output index and text so far, as the contents of a JSON string
     /// (escaped as the worker wrote it; decoded once, when the message is done).
     message: Option<(usize, Vec<u8>)>,
     calls: Vec<Call>,
-    usage: Option<Value>,
+    usage: Option<UsageCounts>,
     finish_reason: Option<String>,
-    terminal: Option<Value>,
-    /// The Response object the first events carried, made the terminal one at the end.
-    base: Option<Value>,
+    terminal: Option<Terminal>,
     /// The terminal event went out (the terminal value may have been taken since).
     ended: bool,
 }
@@ -62,13 +84,13 @@ impl StreamTranslator {
             chunks: ChunkReader::default(),
             seq: 0,
             model: None,
-            done_items: Vec::new(),
+            output: Vec::new(),
+            done_items: 0,
             message: None,
             calls: Vec::new(),
             usage: None,
             finish_reason: None,
             terminal: None,
-            base: None,
             ended: false,
         }
     }
@@ -76,9 +98,8 @@ impl StreamTranslator {
     /// The first two events, before any chunk. The Response object is written once for both.
     pub fn start(&mut self) -> Vec<u8> {
         let mut out = Vec::new();
-        let base = self.meta.response_base();
-        let r = json_bytes(&base);
-        self.base = Some(base);
+        let mut r = Vec::with_capacity(1024);
+        self.meta.write_response(&mut r, &Outcome { status: "in_progress", output: b"", usage: None, model: None, error: None });
         self.emit_response(&mut out, "response.created", &r);
         self.emit_response(&mut out, "response.in_progress", &r);
         out
@@ -86,7 +107,8 @@ impl StreamTranslator {
 
     /// The events a piece of the chat stream completes.
     pub fn feed(&mut self, bytes: &[u8]) -> Vec<u8> {
-        let mut out = Vec::new();
+        // Room for what the chunk's events usually come to: no regrowth per event.
+        let mut out = Vec::with_capacity(2 * bytes.len() + 128);
         // The decoder is lent out while `self.event` runs on each payload.
         let mut decoder = std::mem::take(&mut self.decoder);
         each_payload(&mut decoder, bytes, |payload| self.event(payload, &mut out));
@@ -107,12 +129,12 @@ impl StreamTranslator {
     }
 
     /// The terminal Response object (completed, incomplete or failed) once there is one.
-    pub fn terminal(&self) -> Option<&Value> {
+    pub fn terminal(&self) -> Option<&Terminal> {
         self.terminal.as_ref()
     }
 
     /// [`Self::terminal`], taken (once): for the store, without a copy.
-    pub fn take_terminal(&mut self) -> Option<Value> {
+    pub fn take_terminal(&mut self) -> Option<Terminal> {
         self.terminal.take()
     }
 
@@ -169,7 +191,7 @@ impl StreamTranslator {
     }
 
     fn next_index(&self) -> usize {
-        self.done_items.len() + usize::from(self.message.is_some()) + self.calls.len()
+        self.done_items + usize::from(self.message.is_some()) + self.calls.len()
     }
 
     /// A chunk of the usual shape, from its raw parts.
@@ -178,7 +200,7 @@ impl StreamTranslator {
             self.model = Some(decode(m));
         }
         if let Some(u) = c.usage {
-            self.usage = serde_json::from_slice::<Value>(u).ok().as_ref().and_then(answer::usage_of);
+            self.usage = UsageCounts::read(u);
         }
         if let Some(raw) = c.text.filter(|t| !t.is_empty()) {
             self.text(out, raw);
@@ -193,7 +215,7 @@ impl StreamTranslator {
             self.model.get_or_insert_with(|| m.to_string());
         }
         if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
-            self.usage = answer::usage_of(u);
+            self.usage = UsageCounts::of_value(u);
         }
         let Some(choice) = v.pointer("/choices/0") else { return };
         let delta = choice.get("delta");
@@ -302,16 +324,19 @@ impl StreamTranslator {
         part(out);
         self.event_tail(out, "response.content_part.done");
         self.event_head(out, "response.output_item.done");
-        out.extend_from_slice(b"{\"item\":{\"content\":[");
+        out.extend_from_slice(b"{\"item\":");
+        let item = out.len();
+        out.extend_from_slice(b"{\"content\":[");
         part(out);
         out.extend_from_slice(b"],\"id\":\"");
         out.extend_from_slice(id.as_bytes());
         out.extend_from_slice(b"\",\"role\":\"assistant\",\"status\":\"");
         out.extend_from_slice(status.as_bytes());
-        out.extend_from_slice(b"\",\"type\":\"message\"},\"output_index\":");
+        out.extend_from_slice(b"\",\"type\":\"message\"}");
+        self.push_item(&out[item..]);
+        out.extend_from_slice(b",\"output_index\":");
         push_u64(out, index as u64);
         self.event_tail(out, "response.output_item.done");
-        self.done_items.push(answer::message_item(&id, &decode(&raw), status));
         self.message_id = id;
     }
 
@@ -345,38 +370,47 @@ impl StreamTranslator {
         for call in std::mem::take(&mut self.calls) {
             self.emit(out, "response.function_call_arguments.done", json!({"output_index": call.output_index, "item_id": call.item_id, "arguments": call.arguments}));
             let item = answer::call_item(&call.item_id, &call.call_id, &call.name, &call.arguments, "completed");
+            self.push_item(&json_bytes(&item));
             self.emit(out, "response.output_item.done", json!({"output_index": call.output_index, "item": item}));
-            self.done_items.push(item);
         }
     }
 
+    /// A finished output item's JSON, for the terminal Response.
+    fn push_item(&mut self, item: &[u8]) {
+        if self.done_items > 0 {
+            self.output.push(b',');
+        }
+        self.output.extend_from_slice(item);
+        self.done_items += 1;
+    }
+
     fn complete(&mut self, out: &mut Vec<u8>) {
-        if self.message.is_none() && self.calls.is_empty() && self.done_items.is_empty() {
+        if self.message.is_none() && self.calls.is_empty() && self.done_items == 0 {
             // An empty answer is still one (empty) message, as in the whole answer.
             self.open_message(out);
         }
         self.close_message(out);
         self.close_calls(out);
         let status = answer::status_of(self.finish_reason.as_deref());
-        let r = self.outcome(status);
         let kind = if status == "incomplete" { "response.incomplete" } else { "response.completed" };
-        self.emit_response(out, kind, &json_bytes(&r));
-        self.terminal = Some(r);
-        self.ended = true;
-    }
-
-    /// The terminal Response object: the first events' one, with the outcome.
-    fn outcome(&mut self, status: &str) -> Value {
-        let mut r = self.base.take().unwrap_or_else(|| self.meta.response_base());
-        ResponseMeta::set_outcome(&mut r, status, std::mem::take(&mut self.done_items), self.usage.take(), self.model.as_deref());
-        r
+        self.end_with(out, kind, status, None);
     }
 
     fn fail(&mut self, out: &mut Vec<u8>, code: &str, message: &str) {
-        let mut r = self.outcome("failed");
-        r["error"] = json!({"code": code, "message": message});
-        self.emit_response(out, "response.failed", &json_bytes(&r));
-        self.terminal = Some(r);
+        self.end_with(out, "response.failed", "failed", Some((code, message)));
+    }
+
+    /// The terminal event, and the Response object it carries kept for [`Self::terminal`].
+    fn end_with(&mut self, out: &mut Vec<u8>, kind: &str, status: &'static str, error: Option<(&str, &str)>) {
+        let usage = self.usage.take().map(|c| {
+            let mut u = Vec::with_capacity(160);
+            answer::write_usage(&mut u, &c);
+            u
+        });
+        let mut json = Vec::with_capacity(1024 + self.output.len());
+        let output = self.meta.write_response(&mut json, &Outcome { status, output: &self.output, usage: usage.as_deref(), model: self.model.as_deref(), error });
+        self.emit_response(out, kind, &json);
+        self.terminal = Some(Terminal { json, output, status });
         self.ended = true;
     }
 }

@@ -3,7 +3,7 @@ use serde_json::{json, Value};
 use super::*;
 
 fn chat_of(body: Value, history: &[Value]) -> Value {
-    let req = parse_responses(body.to_string().as_bytes()).unwrap_or_else(|e| panic!("{e:?}"));
+    let mut req = parse_responses(body.to_string().as_bytes()).unwrap_or_else(|e| panic!("{e:?}"));
     Value::Object(req.chat_body(history).unwrap_or_else(|e| panic!("{e:?}")))
 }
 
@@ -95,7 +95,7 @@ fn bad_input_is_refused_with_the_field() {
         let req = parse_responses(body.to_string().as_bytes());
         match req {
             Err(e) => e.param,
-            Ok(r) => r.chat_body(&[]).err().and_then(|e| e.param),
+            Ok(mut r) => r.chat_body(&[]).err().and_then(|e| e.param),
         }
     };
     assert_eq!(param(json!({})), Some("input".into()));
@@ -164,7 +164,7 @@ fn translate(wire: &str, split: usize) -> (String, Option<Value>) {
         out.extend(t.feed(piece));
     }
     out.extend(t.end());
-    (String::from_utf8(out).unwrap_or_else(|e| panic!("not UTF-8: {e}")), t.terminal().cloned())
+    (String::from_utf8(out).unwrap_or_else(|e| panic!("not UTF-8: {e}")), t.terminal().map(Terminal::value))
 }
 
 #[test]
@@ -225,9 +225,77 @@ fn text_stream_is_the_responses_event_sequence_at_any_split() {
     );
     assert_eq!(evs[9].1, json!({"type": "response.output_item.done", "sequence_number": 9, "output_index": 0, "item": item("completed", text)}));
     let r = terminal.unwrap_or_else(|| panic!("no terminal"));
+    // The terminal Response, written directly, is the generic builder's.
+    assert_eq!(r, meta().response("completed", vec![item("completed", text)], answer::usage_of(&usage), Some("w")));
+    assert_eq!(evs[10].1["response"], r);
+    assert_eq!(evs[0].1["response"], meta().response("in_progress", vec![], None, None));
     assert_eq!(r["output"][0]["content"][0]["text"], json!("Hel\"\\\n\u{1}élo"));
     assert_eq!(r["usage"]["output_tokens"], json!(2));
     assert_eq!(r["model"], json!("w"));
+}
+
+/// Metas whose echo holds nothing, the usual fields, and every field the Response echoes.
+fn metas() -> Vec<ResponseMeta> {
+    let all = br#"{"model":"m","input":"hi","max_output_tokens":8,"instructions":"be \"brief\"","temperature":0.3,"top_p":0,
+        "user":"u\u00e9","parallel_tool_calls":false,"metadata":{"k":"v"},"tools":[{"type":"function","name":"f","parameters":{}}],
+        "tool_choice":"required","text":{"format":{"type":"json_object"}},"reasoning":{"effort":"low"},"truncation":"auto",
+        "previous_response_id":"resp_prev","store":false}"#;
+    let all = parse_responses(all).unwrap_or_else(|e| panic!("{e:?}"));
+    vec![meta(), ResponseMeta { id: "resp_x".into(), created_at: 0, echo: serde_json::Map::new() }, ResponseMeta { id: "resp_y".into(), created_at: u64::MAX, echo: all.echo }]
+}
+
+/// The Response object written directly is byte for byte the generic builder's JSON, and says
+/// where its output items lie.
+#[test]
+fn the_written_response_is_the_generic_builders_json() {
+    let usage = answer::usage_of(&json!({"prompt_tokens": 3, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 1}}));
+    let outputs = [vec![], vec![answer::message_item("msg_1", "a\"é", "completed"), answer::call_item("fc_1", "call_1", "f", "{}", "completed")]];
+    for meta in metas() {
+        for status in ["in_progress", "completed", "incomplete", "failed"] {
+            for output in &outputs {
+                for (usage, model) in [(None, None), (usage.clone(), Some("worker \"m\""))] {
+                    let want = meta.response(status, output.clone(), usage.clone(), model);
+                    let mut got = Vec::new();
+                    let range = meta.write_response_of(&mut got, status, output, usage.as_ref(), model);
+                    assert_eq!(String::from_utf8_lossy(&got), want.to_string(), "{status}");
+                    let items: Vec<Value> = serde_json::from_slice(&[b"[", &got[range], b"]"].concat()).unwrap_or_default();
+                    assert_eq!(&items, output);
+                }
+            }
+        }
+        // A failed response's error.
+        let mut want = meta.response("failed", vec![], None, None);
+        want["error"] = json!({"code": "c\"", "message": "went \n wrong"});
+        let mut got = Vec::new();
+        meta.write_response(&mut got, &Outcome { status: "failed", output: b"", usage: None, model: None, error: Some(("c\"", "went \n wrong")) });
+        assert_eq!(String::from_utf8_lossy(&got), want.to_string());
+    }
+}
+
+#[test]
+fn the_written_usage_is_the_generic_builders_json() {
+    for u in [
+        json!({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}),
+        json!({"prompt_tokens": 3, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 1}, "completion_tokens_details": {"reasoning_tokens": 7}}),
+        json!({"prompt_tokens": 3.5, "total_tokens": null}),
+        json!({}),
+    ] {
+        let counts = crate::chat_usage::UsageCounts::of_value(&u).unwrap_or_else(|| panic!("{u}"));
+        let mut got = Vec::new();
+        answer::write_usage(&mut got, &counts);
+        assert_eq!(String::from_utf8_lossy(&got), answer::usage_of(&u).map(|v| v.to_string()).unwrap_or_default(), "{u}");
+    }
+}
+
+#[test]
+fn the_json_of_a_whole_answer_is_its_value() {
+    let chat = json!({"model": "w", "choices": [{"message": {"content": "hi", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}, "finish_reason": "length"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}});
+    let (json, output, status) = response_json_from_chat(&chat, &meta());
+    let want = response_from_chat(&chat, &meta());
+    assert_eq!(String::from_utf8_lossy(&json), want.to_string());
+    assert_eq!(status, "incomplete");
+    let items: Vec<Value> = serde_json::from_slice(&[b"[", &json[output], b"]"].concat()).unwrap_or_default();
+    assert_eq!(Some(&Value::Array(items)), want.get("output"));
 }
 
 #[test]

@@ -28,10 +28,9 @@ pub struct BadQuery {
     pub message: String,
 }
 
-/// The input items of `kept`: its conversation without its own output (the last items).
+/// The input items of `kept`: its conversation without its own output.
 pub fn input_items(kept: &StoredResponse) -> &[Value] {
-    let output = kept.response.get("output").and_then(Value::as_array).map_or(0, Vec::len);
-    &kept.items[..kept.items.len().saturating_sub(output)]
+    &kept.input
 }
 
 /// This turn's input items as kept: each without an id gets `msg_<suffix>_in<i>` (a message) or
@@ -183,7 +182,9 @@ mod tests {
 
     #[test]
     fn the_input_items_are_the_conversation_without_the_output() {
-        let kept = StoredResponse { response: json!({"output": [{"id": "out"}]}), items: vec![json!({"id": "a"}), json!({"id": "b"}), json!({"id": "out"})] };
+        let response = br#"{"id":"r","output":[{"id":"out"}]}"#;
+        let kept = StoredResponse { response: response[..].into(), output: 20..32, input: vec![json!({"id": "a"}), json!({"id": "b"})] };
         assert_eq!(input_items(&kept), &[json!({"id": "a"}), json!({"id": "b"})]);
+        assert_eq!(kept.items(), vec![json!({"id": "a"}), json!({"id": "b"}), json!({"id": "out"})], "the next turn's conversation ends with the output");
     }
 }

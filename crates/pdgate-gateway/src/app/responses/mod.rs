@@ -11,6 +11,7 @@
 pub mod items;
 pub mod store;
 
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use axum::body::{Body, Bytes};
@@ -23,7 +24,7 @@ use futures_util::StreamExt;
 use pdgate_core::error::{ErrorKind, Source};
 use pdgate_core::GatewayError;
 use pdgate_protocol::openai::error_body;
-use pdgate_protocol::responses::{parse_responses, response_from_chat, ResponseMeta, ResponsesRequest, StreamTranslator};
+use pdgate_protocol::responses::{parse_responses, response_json_from_chat, ResponseMeta, ResponsesRequest, StreamTranslator};
 use pdgate_protocol::{Endpoint, InvalidRequest};
 use serde_json::{json, Value};
 
@@ -100,10 +101,10 @@ async fn create(State(r): State<Arc<Responses>>, req: Request) -> Response {
     let (slot, previous_slot) = (prepared.clone(), unknown_previous.clone());
     let store = r.store.clone();
     let prepare = move |raw: Bytes| async move {
-        let req = parse_responses(&raw).map_err(invalid)?;
+        let mut req = parse_responses(&raw).map_err(invalid)?;
         let history = match &req.previous_response_id {
             Some(id) => match store.get(id).await {
-                Some(kept) => kept.items.clone(),
+                Some(kept) => kept.items(),
                 None => {
                     *lock(&previous_slot) = Some(id.clone());
                     return Err(GatewayError::invalid(Some("previous_response_id"), format!("Previous response with id '{id}' not found.")));
@@ -122,12 +123,12 @@ async fn create(State(r): State<Arc<Responses>>, req: Request) -> Response {
     let taken = lock(&prepared).take();
     // Refused before or by the translation, or failed before any answer: the error is already
     // in OpenAI's shape.
-    let Some(p) = taken else { return resp };
+    let Some(mut p) = taken else { return resp };
     if !resp.status().is_success() {
         return resp;
     }
     let created_at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let meta = ResponseMeta { id: format!("resp_{:032x}", rand::random::<u128>()), created_at, echo: p.req.echo.clone() };
+    let meta = ResponseMeta { id: response_id(rand::random()), created_at, echo: std::mem::take(&mut p.req.echo) };
     if p.req.stream {
         stream_answer(resp, meta, p, r.store.clone())
     } else {
@@ -135,21 +136,25 @@ async fn create(State(r): State<Arc<Responses>>, req: Request) -> Response {
     }
 }
 
-/// The conversation a kept response ends: the history, this input (each item with an id, for
-/// `input_items`' cursors), this output.
-fn conversation(p: &Turn, response: &Value) -> Vec<Value> {
-    let output = response.get("output").and_then(Value::as_array).cloned().unwrap_or_default();
-    let id = response.get("id").and_then(Value::as_str).unwrap_or_default();
-    p.history.iter().cloned().chain(items::with_ids(&p.req.input, id)).chain(output).collect()
+/// `resp_` and 32 hex digits (not `format!`: its machinery cost more than the digits).
+fn response_id(n: u128) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut id = String::with_capacity(37);
+    id.push_str("resp_");
+    for shift in (0..32).rev() {
+        id.push(char::from(HEX[((n >> (shift * 4)) & 0xf) as usize]));
+    }
+    id
 }
 
-async fn keep(store: &dyn ResponseStore, p: &Turn, response: Value) {
-    let status = response.get("status").and_then(Value::as_str);
-    if p.req.store && matches!(status, Some("completed" | "incomplete")) {
-        if let Some(id) = response.get("id").and_then(Value::as_str).map(str::to_string) {
-            let items = conversation(p, &response);
-            store.put(id, StoredResponse { response, items }).await;
-        }
+/// Keeps a finished response (`store: true`, completed or incomplete) with the conversation
+/// before its output: the history, then this input (each item with an id, for `input_items`'
+/// cursors). Its output stays in its JSON, read only by a turn that continues it.
+async fn keep(store: &dyn ResponseStore, id: &str, p: Turn, json: Bytes, output: Range<usize>, status: &str) {
+    if p.req.store && matches!(status, "completed" | "incomplete") {
+        let mut input = p.history;
+        input.extend(items::with_ids(&p.req.input, id));
+        store.put(id.to_string(), StoredResponse { response: json, output, input }).await;
     }
 }
 
@@ -162,9 +167,10 @@ async fn whole_answer(state: &AppState, resp: Response, meta: ResponseMeta, p: T
     let Some(chat) = chat else {
         return error_response(&GatewayError::bad_worker_response(pdgate_core::Leg::Decode, "the chat answer could not be read as JSON for /v1/responses"));
     };
-    let response = response_from_chat(&chat, &meta);
-    let body = serde_json::to_vec(&response).unwrap_or_default();
-    keep(store, &p, response).await;
+    let (json, output, status) = response_json_from_chat(&chat, &meta);
+    let body = Bytes::from(json);
+    // The store keeps the same bytes (shared, not copied).
+    keep(store, &meta.id, p, body.clone(), output, status).await;
     parts.headers.remove(header::CONTENT_LENGTH);
     parts.headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     Response::from_parts(parts, Body::from(body))
@@ -175,6 +181,7 @@ async fn whole_answer(state: &AppState, resp: Response, meta: ResponseMeta, p: T
 fn stream_answer(resp: Response, meta: ResponseMeta, p: Turn, store: Arc<dyn ResponseStore>) -> Response {
     let (mut parts, body) = resp.into_parts();
     parts.headers.remove(header::CONTENT_LENGTH);
+    let id = meta.id.clone();
     let mut translator = StreamTranslator::new(meta);
     let head = translator.start();
     struct St {
@@ -182,11 +189,11 @@ fn stream_answer(resp: Response, meta: ResponseMeta, p: Turn, store: Arc<dyn Res
         t: StreamTranslator,
         head: Option<Vec<u8>>,
         ended: bool,
-        kept: bool,
-        p: Turn,
+        /// The response's id and this turn, until the response is kept.
+        unkept: Option<(String, Turn)>,
         store: Arc<dyn ResponseStore>,
     }
-    let st = St { chunks: body.into_data_stream(), t: translator, head: Some(head), ended: false, kept: false, p, store };
+    let st = St { chunks: body.into_data_stream(), t: translator, head: Some(head), ended: false, unkept: Some((id, p)), store };
     let events = futures_util::stream::unfold(st, |mut st| async move {
         if let Some(h) = st.head.take() {
             return Some((Ok::<_, std::convert::Infallible>(Bytes::from(h)), st));
@@ -201,11 +208,10 @@ fn stream_answer(resp: Response, meta: ResponseMeta, p: Turn, store: Arc<dyn Res
                     st.t.end()
                 }
             };
-            if !st.kept {
-                if let Some(done) = st.t.take_terminal() {
-                    st.kept = true;
+            if st.t.terminal().is_some() {
+                if let (Some(done), Some((id, p))) = (st.t.take_terminal(), st.unkept.take()) {
                     // Kept before the client sees the terminal event: a retrieve right after works.
-                    keep(st.store.as_ref(), &st.p, done).await;
+                    keep(st.store.as_ref(), &id, p, Bytes::from(done.json), done.output, done.status).await;
                 }
             }
             if !out.is_empty() {
@@ -219,7 +225,7 @@ fn stream_answer(resp: Response, meta: ResponseMeta, p: Turn, store: Arc<dyn Res
 
 async fn retrieve(State(r): State<Arc<Responses>>, Path(id): Path<String>) -> Response {
     match r.store.get(&id).await {
-        Some(kept) => Json(kept.response.clone()).into_response(),
+        Some(kept) => ([(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], kept.response.clone()).into_response(),
         None => error_response(&not_found(&id)),
     }
 }
@@ -252,5 +258,15 @@ async fn cancel(State(r): State<Arc<Responses>>, Path(id): Path<String>) -> Resp
             None,
         ),
         None => error_response(&not_found(&id)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_response_id_is_resp_and_32_hex_digits() {
+        for n in [0u128, 1, 0xabc, u128::MAX, 0x0123_4567_89ab_cdef_0fed_cba9_8765_4321] {
+            assert_eq!(super::response_id(n), format!("resp_{n:032x}"));
+        }
     }
 }

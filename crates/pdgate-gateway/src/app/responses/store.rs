@@ -7,25 +7,44 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
+use std::ops::Range;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use axum::body::Bytes;
 use serde_json::Value;
 
-/// One kept response: the Response object as answered, and the conversation it ends (every
-/// item of the earlier turns, this turn's input items and its output items; instructions are
-/// not part of it, as OpenAI does not carry them over).
+/// One kept response: the Response object as answered (its JSON, the bytes the client got),
+/// and the conversation it ends: `input` (every item of the earlier turns, then this turn's
+/// input items) and the output items, which stay in `response` until a next turn reads them
+/// ([`Self::items`]); instructions are not part of it, as OpenAI does not carry them over.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StoredResponse {
-    pub response: Value,
-    pub items: Vec<Value>,
+    pub response: Bytes,
+    /// Where the output items lie in `response` (the `output` array's contents).
+    pub output: Range<usize>,
+    pub input: Vec<Value>,
 }
 
 impl StoredResponse {
     fn bytes(&self) -> usize {
         // Close enough for a bound: the JSON text of what is kept (counted, not written).
-        json_len(&self.response) + self.items.iter().map(json_len).sum::<usize>()
+        self.response.len() + self.input.iter().map(json_len).sum::<usize>()
+    }
+
+    /// The whole conversation: `input`, then the output items (parsed here, so only a turn
+    /// that continues this response pays for it).
+    pub fn items(&self) -> Vec<Value> {
+        let mut items = self.input.clone();
+        let mut array = Vec::with_capacity(self.output.len() + 2);
+        array.push(b'[');
+        array.extend_from_slice(self.response.get(self.output.clone()).unwrap_or_default());
+        array.push(b']');
+        if let Ok(output) = serde_json::from_slice::<Vec<Value>>(&array) {
+            items.extend(output);
+        }
+        items
     }
 }
 
@@ -207,14 +226,15 @@ mod tests {
     }
 
     fn value(text: &str) -> StoredResponse {
-        StoredResponse { response: json!({"id": text}), items: vec![json!({"type": "message", "content": text})] }
+        let response = serde_json::to_vec(&json!({"id": text, "output": []})).unwrap_or_default();
+        StoredResponse { response: response.into(), output: 0..0, input: vec![json!({"type": "message", "content": text})] }
     }
 
     #[test]
     fn put_get_delete() {
         let (s, _) = store(10, 1 << 20, 60);
         s.put_now("a".into(), value("x"));
-        assert_eq!(s.get_now("a").map(|v| v.response.clone()), Some(json!({"id": "x"})));
+        assert_eq!(s.get_now("a").map(|v| v.response.clone()), Some(value("x").response));
         assert!(s.lock().remove("a"));
         assert!(s.get_now("a").is_none());
         assert!(!s.lock().remove("a"));
