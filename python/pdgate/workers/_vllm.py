@@ -88,6 +88,7 @@ class VllmWorker:
         self.grpc = grpc
         self.proc: subprocess.Popen | None = None
         self._log_file = None
+        self._started = False
 
     @property
     def url(self) -> str:
@@ -125,6 +126,13 @@ class VllmWorker:
         log tail when the process exits or the timeout passes (start-up is 40-60 s on two cores)."""
         if self.proc is not None:
             raise RuntimeError("worker already started")
+        if self._started:
+            # A restart keeps its URL (the gateway knows the worker by it) but takes a new NIXL
+            # side channel port: peers learn that one per request, and the old one, free since the
+            # kill, may meanwhile be any process's ephemeral port (a revive once failed on it:
+            # "Address already in use").
+            self.side_channel_port = free_port(self.host)
+        self._started = True
         if self.log_path is None:
             fd, self.log_path = tempfile.mkstemp(prefix=f"pdgate-vllm-{self.mode}-", suffix=".log")
             os.close(fd)
