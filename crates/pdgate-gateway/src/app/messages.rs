@@ -6,7 +6,6 @@
 //! ours and the layers' (key, admission), are rewritten into Anthropic's shape by
 //! [`anthropic_errors`]. docs/protocols.md, "Messages API", says why translate, not forward.
 
-use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 
 use axum::body::{Body, Bytes};
@@ -16,7 +15,6 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use futures_util::StreamExt;
 use pdgate_core::GatewayError;
 use pdgate_protocol::anthropic::request::{to_chat, Kind, Translated};
 use pdgate_protocol::anthropic::{answer, error, stream::MessagesStream};
@@ -24,6 +22,7 @@ use pdgate_protocol::Endpoint;
 use serde_json::{json, Value};
 
 use crate::app::intake::{admit_with, client_error, read_body, Prepared};
+use crate::app::messages_body::MessagesBody;
 use crate::app::state::AppState;
 use crate::prompt_ids::{prompt_token_ids, PromptKind};
 
@@ -66,7 +65,7 @@ async fn messages(State(state): State<Arc<AppState>>, req: Request) -> Response 
     parts.headers.remove(header::CONTENT_LENGTH);
     let is_stream = parts.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("text/event-stream"));
     if is_stream {
-        return Response::from_parts(parts, translate_stream(body, MessagesStream::new(t.model, t.stop_sequences)));
+        return Response::from_parts(parts, Body::new(MessagesBody::new(body, MessagesStream::new(t.model, t.stop_sequences))));
     }
     let bytes = match axum::body::to_bytes(body, state.config.max_response_bytes).await {
         Ok(b) => b,
@@ -79,31 +78,6 @@ async fn messages(State(state): State<Arc<AppState>>, req: Request) -> Response 
     let out = answer::from_chat(&chat, &t.model, &t.stop_sequences);
     parts.headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     Response::from_parts(parts, Body::from(out.to_string()))
-}
-
-/// The chat stream's bytes through the translator, as the client reads them. The chat stream is
-/// read to its end (the relay's accounting finishes there) even after `message_stop`.
-fn translate_stream(body: Body, tr: MessagesStream) -> Body {
-    let data = body.into_data_stream();
-    let events = futures_util::stream::unfold((data, tr, false), |(mut data, mut tr, over)| async move {
-        if over {
-            return None;
-        }
-        loop {
-            let (out, over) = match data.next().await {
-                Some(Ok(bytes)) => (tr.feed(&bytes), false),
-                // The relay ends a broken stream with its own error event; a body error is a cut.
-                Some(Err(_)) | None => (tr.finish(), true),
-            };
-            if !out.is_empty() {
-                return Some((Ok::<_, Infallible>(Bytes::from(out)), (data, tr, over)));
-            }
-            if over {
-                return None;
-            }
-        }
-    });
-    Body::from_stream(events)
 }
 
 /// `{"input_tokens": N}`: the gateway's tokenizer through the model's chat template when it has

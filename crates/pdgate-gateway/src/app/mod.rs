@@ -6,6 +6,7 @@
 pub mod front;
 pub mod intake;
 pub mod messages;
+mod messages_body;
 pub mod metrics_listener;
 pub mod responses;
 pub mod server;

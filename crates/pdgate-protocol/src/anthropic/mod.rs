@@ -14,6 +14,7 @@
 pub mod answer;
 pub mod error;
 pub mod request;
+mod request_usual;
 pub mod stream;
 
 #[cfg(test)]

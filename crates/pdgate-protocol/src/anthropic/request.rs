@@ -69,6 +69,14 @@ impl<'a> Fields<'a> {
 
 /// Parses and translates a Messages body.
 pub fn to_chat(raw: &[u8], kind: Kind) -> Result<Translated, InvalidRequest> {
+    if let Some(t) = super::request_usual::usual(raw, kind) {
+        return Ok(t);
+    }
+    parsed(raw, kind)
+}
+
+/// The body parsed: every shape, and every error.
+pub(crate) fn parsed(raw: &[u8], kind: Kind) -> Result<Translated, InvalidRequest> {
     let body: Value = serde_json::from_slice(raw).map_err(|e| InvalidRequest { param: None, message: format!("the request body is not valid JSON: {e}") })?;
     let Value::Object(body) = body else { return Err(InvalidRequest { param: None, message: "the request body must be a JSON object".into() }) };
     let f = Fields::of(&body);
