@@ -7,6 +7,8 @@
 #   GATEWAYS="pdgate" bench/gateway/standalone_cpu.sh        # a subset, in this order
 #   TOKIO_WORKER_THREADS=1 bench/gateway/standalone_cpu.sh   # one runtime thread
 #   PERF=1 GATEWAYS=pdgate bench/gateway/standalone_cpu.sh   # also a perf profile summary
+#   DURATION=1s GATEWAYS="pdgate pdgate-pd hyper-floor nginx-proxy custom" GATEWAY_CMD=... \
+#     BIN=... FLOOR=... bench/gateway/standalone_cpu.sh      # CI's smoke (and PERF=1 GATEWAYS=pdgate)
 #
 # Gateways (each gets the same wrk load, one after the other):
 #   pdgate       the release binary, regular mode, round robin over one worker
@@ -17,6 +19,7 @@
 #     python3 -m venv /tmp/smg && /tmp/smg/bin/pip install smg==1.13.0
 #     GATEWAYS=custom GATEWAY_CMD='/tmp/smg/bin/smg launch --host 127.0.0.1 --port $PORT \
 #       --worker-urls $WORKER --policy round_robin --log-level warn' bench/gateway/standalone_cpu.sh
+# Exits 1 after its table when a measured wrk run completed no request or saw errors.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${BIN:-target/release/pdgate-gateway}
@@ -30,6 +33,7 @@ sed -e "s#@DIR@#$D#g" -e "s#@REGULAR_PORT@#$RP#g" -e "s#@PREFILL_PORT@#$PP#g" \
 nginx -p "$D" -c "$D/nginx.conf" -g 'daemon off;' & NG=$!
 GW=
 trap 'kill $GW $NG 2>/dev/null || true' EXIT
+source bench/gateway/checks.sh  # check_wrk, finish
 WORKER="http://127.0.0.1:$RP"
 
 # nginx-proxy: bench/gateway/nginx_proxy.sh
@@ -64,6 +68,7 @@ for name in $GATEWAYS; do
     read -r ub sb < <(awk '{print $14, $15}' "/proc/$GW/stat")
     wrk -t2 -c32 -d"$DURATION" -s bench/gateway/post.lua "$URL" > "$D/$name.wrk"
     read -r ua sa < <(awk '{print $14, $15}' "/proc/$GW/stat")
+    check_wrk "$D/$name.wrk" "$name"
     n=$(awk '/requests in/ {print $1}' "$D/$name.wrk")
     rps=$(awk '/Requests\/sec/ {printf "%d", $2}' "$D/$name.wrk")
     errors=$(grep -cE 'Non-2xx|Socket errors' "$D/$name.wrk" || true)
@@ -80,3 +85,4 @@ for name in $GATEWAYS; do
     kill "$GW" 2>/dev/null || true; wait "$GW" 2>/dev/null || true; GW=
 done
 echo "ratio: CPU per request relative to the first gateway listed; raw wrk output in $D"
+finish
