@@ -26,7 +26,7 @@ echo "== cargo test"
 cargo test -q --workspace --exclude pdgate-python
 # The criterion benches, each benchmark run once in criterion's test mode (untimed): they still
 # build and run. The bench scripts' smoke is tests/bench/test_bench_smoke.py.
-cargo test -q --workspace --exclude pdgate-python --benches
+cargo test -q --workspace --exclude pdgate-python --bench '*'
 
 echo "== pytest"
 # Run from a directory where `import pdgate` finds the installed wheel, not the source tree.

@@ -80,7 +80,9 @@ for name in $GATEWAYS; do
         "$(awk -v a="$us" -v b="$base" 'BEGIN {printf "%.2f", a / b}')" "$([ "$errors" = 0 ] && echo none || echo SEE_$D)"
     if [ -n "${PERF:-}" ]; then
         wait "$PERF_PID" 2>/dev/null || true
-        perf report -i "$D/$name.perf" --no-children --sort dso,symbol --stdio -g none 2>/dev/null | grep -E '^ +[0-9]' | head -25
+        # To a file, then the first 25 rows: `| head` would end perf with SIGPIPE (pipefail).
+        perf report -i "$D/$name.perf" --no-children --sort dso,symbol --stdio -g none > "$D/$name.report" 2>/dev/null
+        awk '/^ +[0-9]/ && n++ < 25' "$D/$name.report"
     fi
     kill "$GW" 2>/dev/null || true; wait "$GW" 2>/dev/null || true; GW=
 done

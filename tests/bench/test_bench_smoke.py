@@ -16,7 +16,7 @@ round) costs a vLLM start-up (40-60 s per worker here), a 20 s idle window by de
 bench serve`'s ~20 s import on top of pdgate bench's run: over the two minutes a smoke may cost
 in CI's 90, and it needs pandas in the vLLM venv. bench/vllm_idle_threads.py (one worker, a 1 s
 window) is in, opt-in as tests/real_vllm: PDGATE_REAL_VLLM=1, or =require (CI). The criterion benches
-(crates/*/benches) run once each in test mode in scripts/test.sh (`cargo test --benches`).
+(crates/*/benches) run once each in test mode in scripts/test.sh (`cargo test --bench '*'`).
 """
 
 from __future__ import annotations
