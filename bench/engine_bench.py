@@ -215,7 +215,7 @@ def raw_loopback(nbytes: int, kind: str) -> float:
 
 
 def _engine_transfer(backend: str, prompt_len: int, model: str = "small") -> tuple[int, list[float]]:
-    """GB/s of each transfer through the bootstrap path between two `small` workers, the first
+    """GB/s of each transfer through the bootstrap path between two workers (`small` by default), the first
     (which also sets up the connection to this peer) first; returns (bytes, [GB/s, ...])."""
     import threading
     kw = {"model": model, "transfer_backend": backend}

