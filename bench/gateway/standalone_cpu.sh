@@ -19,7 +19,7 @@
 #     python3 -m venv /tmp/smg && /tmp/smg/bin/pip install smg==1.13.0
 #     GATEWAYS=custom GATEWAY_CMD='/tmp/smg/bin/smg launch --host 127.0.0.1 --port $PORT \
 #       --worker-urls $WORKER --policy round_robin --log-level warn' bench/gateway/standalone_cpu.sh
-# Exits 1 after its table when a measured wrk run completed no request or saw errors.
+# Exits 1 after its table when a gateway never routed or a measured wrk run saw errors.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${BIN:-target/release/pdgate-gateway}
@@ -33,7 +33,7 @@ sed -e "s#@DIR@#$D#g" -e "s#@REGULAR_PORT@#$RP#g" -e "s#@PREFILL_PORT@#$PP#g" \
 nginx -p "$D" -c "$D/nginx.conf" -g 'daemon off;' & NG=$!
 GW=
 trap 'kill $GW $NG 2>/dev/null || true' EXIT
-source bench/gateway/checks.sh  # check_wrk, finish
+source bench/gateway/checks.sh  # check_wrk, fail, finish
 WORKER="http://127.0.0.1:$RP"
 
 # nginx-proxy: bench/gateway/nginx_proxy.sh
@@ -58,10 +58,12 @@ for name in $GATEWAYS; do
     port=$(free_port)
     start "$name" "$port"
     URL="http://127.0.0.1:$port/v1/completions"
-    for _ in $(seq 100); do  # until the gateway routes a request (at most ~30 s)
-        curl -s -o /dev/null -w '%{http_code}' -H 'content-type: application/json' -d '{"prompt":"x","max_tokens":1}' "$URL" | grep -q 200 && break
+    routed=
+    for _ in $(seq 100); do  # until the gateway routes a request (at most ~30 s; SMG needs the model)
+        curl -s -o /dev/null -w '%{http_code}' -H 'content-type: application/json' -d '{"model":"mock-model","prompt":"x","max_tokens":1}' "$URL" | grep -q 200 && { routed=1; break; }
         sleep 0.3
     done
+    [ -n "$routed" ] || fail "$name never routed a request"
     wrk -t2 -c32 -d2s -s bench/gateway/post.lua "$URL" > /dev/null
     PERF_PID=
     if [ -n "${PERF:-}" ]; then perf record -F 1999 -g -p "$GW" -o "$D/$name.perf" -- sleep 5 > /dev/null 2>&1 & PERF_PID=$!; fi

@@ -52,8 +52,9 @@ wrk -t2 -c"$N" -d"$DURATION" --timeout 60s -s "$D/stream.lua" "$URL" > /dev/null
 # The gateway itself (heaptrack's wrapper runs it as a child), stopped so heaptrack writes out.
 kill -INT "$(pgrep -f "^$BIN --port $GP" | head -1)"
 wait "$HT" || true
+# (No --print-histogram: it takes a file name, and `0` wrote a file named 0 into the checkout.)
 heaptrack_print -f "$D"/heap.*zst --print-peaks 0 --print-allocators 0 --print-temporary 0 --print-leaks 0 \
-    --print-histogram 0 -F "$D/peak.folded" --flamegraph-cost-type peak > /dev/null 2>&1
+    -F "$D/peak.folded" --flamegraph-cost-type peak > /dev/null 2>&1
 python3 - "$D/peak.folded" "$N" <<'PY'
 import collections, re, sys
 path, n = sys.argv[1], int(sys.argv[2])

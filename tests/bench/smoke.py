@@ -44,6 +44,7 @@ def env(**extra: str) -> dict[str, str]:
 def run(argv: list[str], timeout: float, **extra: str) -> str:
     """Runs a script from the repository root to its end; fails with its output unless it exits 0.
     Returns stdout and stderr, interleaved."""
+    before = set(os.listdir(REPO))
     # Its own process group: a script stuck past its timeout goes with its gateways and mocks.
     p = subprocess.Popen(argv, cwd=REPO, env=env(**extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, start_new_session=True)
@@ -59,6 +60,8 @@ def run(argv: list[str], timeout: float, **extra: str) -> str:
                 break
         pytest.fail(f"{' '.join(argv)} still running after {timeout:.0f} s:\n{(out or '')[-4000:]}")
     assert p.returncode == 0, f"{' '.join(argv)} exited {p.returncode}:\n{out[-6000:]}"
+    # Results go where the smoke says (heaptrack_print once wrote a file named `0` here).
+    assert set(os.listdir(REPO)) <= before, f"{' '.join(argv)} left {set(os.listdir(REPO)) - before} in {REPO}"
     return out
 
 
