@@ -24,6 +24,7 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 import httpx
@@ -175,6 +176,66 @@ def test_a_faulty_encode_worker_is_retried_on_a_sound_one_and_its_breaker_opens(
     # from the faulty one: a refused embedding is not counted as received)
     assert mm(fleet.prefill)["received"] == received + images
     fleet.clean()
+
+
+def test_a_half_open_encode_worker_takes_one_probe_request_at_a_time(fleet: Fleet) -> None:
+    """Once its cool-down has passed, a hanging encode worker's breaker is half-open: of six
+    image requests sent at once, one is its probe (it times out and is retried on the sound
+    worker) and the other five are placed on the sound worker at once, as a half-open prefill
+    or decode would be. Before encode workers were admitted by their breaker, round robin sent
+    the half-open worker about half of them, each to wait out --encode-timeout-secs."""
+    hang = fleet.faulty["hang"]
+    with fleet.gateway([hang, fleet.good], breaker_cooldown_secs=3) as gw:
+        assert wait_status(gw.url + "/readiness", 200) == 200
+        # open its breaker: some round's image meets it (see the first test for the text shifts)
+        for j in range(4):
+            for _ in range(j):
+                assert httpx.post(gw.url + "/v1/chat/completions", json=chat("text", max_tokens=2), timeout=60).status_code == 200
+            r = httpx.post(gw.url + "/v1/chat/completions", json=chat("open: ", f"img:{RED}", max_tokens=3), timeout=60)
+            assert r.status_code == 200, r.text
+            if "attempts=2" in r.headers["x-pdgate-route"]:
+                break
+        assert leg_errors(gw, "encode_timeout") == 1
+        wait_for("the hanging worker's breaker half-open", lambda: breakers(gw)[hang.url] == "half_open", 15)
+        bodies = [chat(f"probe {i}: ", f"img:{NOISE}", max_tokens=3) for i in range(6)]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda b: httpx.post(gw.url + "/v1/chat/completions", json=b, timeout=60), bodies))
+        for r in answers:
+            assert r.status_code == 200, r.text
+            assert encode_field(r.headers["x-pdgate-route"]) == [fleet.good.url], r.headers["x-pdgate-route"]
+        routes = [r.headers["x-pdgate-route"] for r in answers]
+        assert sum("attempts=2" in route for route in routes) == 1, routes
+        assert leg_errors(gw, "encode_timeout") == 2, "one probe, not one call per request that picked it"
+        assert breakers(gw)[hang.url] in ("open", "half_open")
+    fleet.clean()
+
+
+def test_epd_readiness_waits_for_an_encode_worker(fleet: Fleet) -> None:
+    """An EPD gateway whose prefill and decode are healthy but whose one encode worker is not
+    (nothing listens there) is not ready, and its readiness says why (`healthy_encode: 0`); it
+    becomes ready once a sound encode worker is added through the worker API."""
+    down = socket.socket()
+    down.bind(("127.0.0.1", 0))  # a port nobody listens on: connections are refused
+    try:
+        with fleet.gateway([]) as gw:
+            wait_for("the prefill and decode healthy", lambda: all(
+                w["healthy"] for w in httpx.get(gw.url + "/workers", timeout=10).json()["workers"]), 30)
+            r = httpx.get(gw.url + "/readiness", timeout=10)
+            assert r.status_code == 503, r.text
+            body = r.json()
+            assert (body["status"], body["healthy_encode"], body["healthy_prefill"], body["healthy_decode"]) == ("not_ready", 0, 1, 1), body
+            added = httpx.post(gw.url + "/workers", json={"url": f"http://127.0.0.1:{down.getsockname()[1]}", "worker_type": "encode",
+                                                          "bootstrap_port": fleet.good.bootstrap_port}, timeout=10)
+            assert added.status_code == 201, added.text
+            time.sleep(2)  # two health rounds: the unreachable worker is never healthy
+            assert httpx.get(gw.url + "/readiness", timeout=10).status_code == 503
+            added = httpx.post(gw.url + "/workers", json={"url": fleet.good.url, "worker_type": "encode",
+                                                          "bootstrap_port": fleet.good.bootstrap_port}, timeout=10)
+            assert added.status_code == 201, added.text
+            assert wait_status(gw.url + "/readiness", 200) == 200
+            assert httpx.get(gw.url + "/readiness", timeout=10).json()["healthy_encode"] == 1
+    finally:
+        down.close()
 
 
 def test_a_hanging_only_encode_worker_fails_the_request_with_encode_timeout(fleet: Fleet) -> None:

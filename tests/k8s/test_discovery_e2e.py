@@ -239,10 +239,8 @@ def test_epd_encode_pods_are_found_by_the_encode_selector(processes: Any, apiser
         entry = next(w for w in workers(gw) if w["url"] == url["ee"])
         assert entry["bootstrap_port"] == engines["ee"].bootstrap_port, "read from sglang.ai/bootstrap-port, as a prefill's"
         assert entry["labels"]["k8s.pod"] == "ee"
-        gw.wait_ready(10)
-        deadline = time.monotonic() + CONVERGE_S
-        while not next(w for w in workers(gw) if w["url"] == url["ee"])["healthy"] and time.monotonic() < deadline:
-            time.sleep(0.1)
+        gw.wait_ready(10)  # EPD readiness waits for a healthy encode worker too
+        assert next(w for w in workers(gw) if w["url"] == url["ee"])["healthy"]
         r = httpx.post(gw.url + "/v1/chat/completions", json=red_square_chat(), timeout=60)
         assert r.status_code == 200, r.text
         assert f"encode={url['ee']}" in r.headers["x-pdgate-route"], r.headers["x-pdgate-route"]

@@ -27,6 +27,8 @@ import pytest
 # passed a 120 s deadline (stop 38). The tests prove answers, not speed.
 DEADLINE_S = 600
 MODEL = "tiny64"
+TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
+             "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}')
 
 
 def _need_vllm() -> str:
@@ -113,8 +115,11 @@ def fleet(model_dir) -> Iterator[Fleet]:
 
     def worker(mode: str, events: dict | None = None) -> VllmWorker:
         # Dev mode: vLLM's POST /reset_prefix_cache, which test_4_kv_events.py uses between runs.
+        # Tool calling as test_6_tools.py uses it: the pythonic parser for `tool_choice: auto`,
+        # and structured output without free whitespace (a random-weight model would fill a
+        # named call's JSON with blanks up to max_tokens).
         return VllmWorker(str(model_dir), mode, served_model_name=MODEL, kv_events_config=events,
-                          env={"VLLM_SERVER_DEV_MODE": "1"})
+                          env={"VLLM_SERVER_DEV_MODE": "1"}, extra_args=TOOL_ARGS)
 
     # The prefills publish KV events (vLLM's ZMQ publisher). vLLM binds its PUB socket only for a
     # wildcard endpoint, which would listen on every interface; given a loopback address it

@@ -92,9 +92,12 @@ def test_a_nixl_prefill_whose_decode_died_before_pulling_frees_its_blocks(fleet)
     expected = httpx.post(fleet.colocated.url + "/v1/completions", json=body, timeout=300).json()["choices"][0]["text"]
     wait_until(lambda: all(metric(p, "vllm:kv_cache_usage_perc") == 0 for p in fleet.prefills), 60, "the prefills hold no blocks")
 
-    def orphaned():
-        return next((p for p in fleet.prefills if metric(p, "vllm:kv_cache_usage_perc") > 0
-                     and metric(p, "vllm:num_requests_running") == 0), None)
+    # Prefills seen holding blocks with nothing running: blocks waiting for a decode's pull.
+    seen: set[str] = set()
+
+    def watch() -> None:
+        seen.update(p.url for p in fleet.prefills
+                    if metric(p, "vllm:kv_cache_usage_perc") > 0 and metric(p, "vllm:num_requests_running") == 0)
 
     def at_victim() -> bool:
         # vLLM PD sends the decode leg once the prefill has answered: in flight there means
@@ -105,22 +108,30 @@ def test_a_nixl_prefill_whose_decode_died_before_pulling_frees_its_blocks(fleet)
     # with it, so it neither pulls nor sends a heartbeat until it is killed.
     os.kill(victim.proc.pid, signal.SIGSTOP)
     try:
-        with ThreadPoolExecutor(1) as ex:
-            for _ in range(2):  # round robin: one of two requests lands on the stopped decode
-                answer = ex.submit(httpx.post, fleet.url + "/v1/completions", json=body, timeout=300)
-                wait_until(lambda: answer.done() or at_victim(), 120, "the answer, or the decode leg at the stopped decode")
-                if not answer.done():
-                    break
-                assert answer.result().status_code == 200
-            else:
-                raise AssertionError("no request went to the stopped decode")
-            wait_until(lambda: orphaned() is not None, 60, "a prefill holding the blocks the stopped decode was to pull")
-            held = orphaned()
-            assert held is not None
+        with ThreadPoolExecutor(2) as ex:
+            # Both placed at once, before the gateway's health rounds can see the stop (two missed
+            # rounds: seconds, while one request takes 10-15 s on a slow machine): round robin
+            # gives one pair each decode, so one request surely meets the stopped decode.
+            answers = [ex.submit(httpx.post, fleet.url + "/v1/completions", json=body, timeout=300) for _ in range(2)]
+            wait_until(lambda: at_victim() or all(a.done() for a in answers), 120,
+                       "the decode leg at the stopped decode")
+            assert at_victim(), "no request went to the stopped decode"
+            # The other request's pair answers meanwhile; watch the prefills all along (vLLM
+            # frees unread blocks when its lease runs out: 30 s).
+            wait_until(lambda: watch() or any(a.done() for a in answers), 300, "the request on the live decode answered")
+            done = next(a for a in answers if a.done())
+            other = done.result()
+            assert other.status_code == 200, other.text
+            assert other.json()["choices"][0]["text"] == expected
+            # Round robin gave the two requests different prefills: the other one's is held.
+            other_prefill = _route_part(other.headers["x-pdgate-route"], "prefill")
+            held = next(p for p in fleet.prefills if p.url != other_prefill)
+            wait_until(lambda: watch() or held.url in seen, 60, "the stopped decode's prefill holding its blocks")
             victim.kill()  # SIGKILL reaches a stopped process
-            r = answer.result()
+            r = next(a for a in answers if a is not done).result()
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == expected
+        # Sent again on a new pair: nothing had reached the client.
         assert _route_part(r.headers["x-pdgate-route"], "decode") == fleet.decodes[1].url
         wait_until(lambda: metric(held, "vllm:kv_cache_usage_perc") == 0, 30 + 60, "the orphaned blocks freed by the lease")
     finally:

@@ -10,6 +10,7 @@ mod otlp;
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use common::mocks::{spawn, Fault, Rendezvous};
 use common::{client, gateway, wait_ready};
@@ -160,10 +161,16 @@ async fn a_retry_is_an_attempt_span_of_its_own_and_the_failed_one_says_why() {
     let good = spawn("regular", Default::default(), Fault::None).await;
     let (gw, url) = gateway(json!({"worker_urls": [bad.url, good.url], "policy": "round_robin"})).await;
     wait_ready(&url).await;
-    // Round robin: within two requests, one goes to the failing worker first and is retried.
-    for _ in 0..2 {
+    // Round robin: once both workers passed a health check, within two requests one goes to the
+    // failing worker first and is retried. Readiness needs only one healthy worker, so the bad
+    // one may not be routable yet: send until it has had a request.
+    for _ in 0..40 {
         let r = client().post(format!("{url}/v1/completions")).json(&json!({"prompt": "x", "max_tokens": 2})).send().await.unwrap();
         assert_eq!(r.status(), 200);
+        if !bad.log().trace_headers().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let (tp, _) = bad.log().trace_headers()[0].clone();
     let (trace, failed_leg) = ids(&tp);

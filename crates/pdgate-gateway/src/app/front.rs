@@ -84,14 +84,22 @@ async fn liveness() -> Response {
 }
 
 /// Ready when a request could be served now: PD mode needs a healthy prefill with a compatible
-/// healthy decode; regular mode a healthy worker.
+/// healthy decode; EPD mode a healthy encode worker as well (an EPD gateway is there for its
+/// image requests, and each would fail without one); regular mode a healthy worker.
 async fn readiness(State(state): State<Arc<AppState>>) -> Response {
     let routing = state.fleet.registry.routing();
     let snap = &routing.snapshot;
     let (ready, detail) = if state.config.pd_disaggregation {
         let p = snap.eligible(WorkerRole::Prefill).len();
         let d = snap.eligible(WorkerRole::Decode).len();
-        (snap.pd_ready(), json!({"healthy_prefill": p, "healthy_decode": d, "pairable_prefill": snap.pairable_prefills().len()}))
+        let mut detail = json!({"healthy_prefill": p, "healthy_decode": d, "pairable_prefill": snap.pairable_prefills().len()});
+        let mut ready = snap.pd_ready();
+        if state.config.epd_disaggregation {
+            let e = snap.eligible(WorkerRole::Encode).len();
+            detail["healthy_encode"] = json!(e);
+            ready &= e > 0;
+        }
+        (ready, detail)
     } else {
         let r = snap.eligible(WorkerRole::Regular).len();
         (r > 0, json!({"healthy_workers": r}))

@@ -30,7 +30,7 @@ use pdgate_core::breaker::Outcome;
 use pdgate_core::epd::{self, EncodeLeg, Image};
 use pdgate_core::plan::{AbortStyle, PdPlan};
 use pdgate_core::ErrorKind;
-use pdgate_core::{GatewayError, Leg};
+use pdgate_core::{GatewayError, Leg, PoolSnapshot};
 use pdgate_protocol::media;
 use pdgate_protocol::Endpoint;
 use serde_json::Value;
@@ -70,22 +70,50 @@ pub struct Encodes {
 }
 
 /// Select, for an EPD attempt with images: an encode worker per image by `--encode-policy`
-/// (never one that failed this request while another is left), then the rooms and bodies
-/// (core), which also give the prefill its `encode_bootstrap_info`.
+/// (never one that failed this request while another is left), each admitted by its breaker
+/// as the prefill and decode are (a half-open encode worker takes one probe request at a time:
+/// a pick it refuses is made again without it), then the rooms and bodies (core), which also
+/// give the prefill its `encode_bootstrap_info`. On an error, the probe slots this attempt took
+/// for its encode workers are given back.
 pub fn decide(ctx: &Ctx, routing: &Routing, plan: &mut PdPlan, exclude: &[usize]) -> Result<Encodes, GatewayError> {
     let snap = &routing.snapshot;
+    let mut admitted = Vec::new();
+    let decided = pick_all(ctx, snap, exclude, &mut admitted)
+        // the rooms: never from the seeded routing rng (replicas with one seed must not share rooms)
+        .and_then(|workers| epd::attach(plan, snap, &ctx.images, &workers, &mut rand::rng()));
+    let legs = decided.inspect_err(|_| super::end_probes(ctx, snap, &admitted))?;
+    let runtimes = legs.iter().map(|l| routing.runtime[l.worker].clone()).collect();
+    Ok(Encodes { legs, runtimes })
+}
+
+/// Each image's encode worker, in image order. A worker is asked to admit this attempt once,
+/// however many of its images it gets (they are one probe); `admitted` collects those it
+/// admitted.
+fn pick_all(ctx: &Ctx, snap: &PoolSnapshot, exclude: &[usize], admitted: &mut Vec<usize>) -> Result<Vec<usize>, GatewayError> {
     let policy = ctx.state.encode_policy.as_ref();
+    let mut exclude = exclude.to_vec();
     let mut workers = Vec::with_capacity(ctx.images.len());
     for image in ctx.images.iter() {
-        let sequence = ctx.state.next_sequence();
-        let pick = ctx.state.policy_rng.with(|rng| epd::select_encoder(snap, policy, image, sequence, exclude, rng))?;
+        let pick = loop {
+            let sequence = ctx.state.next_sequence();
+            let pick = ctx.state.policy_rng.with(|rng| epd::select_encoder(snap, policy, image, sequence, &exclude, rng))?;
+            if admitted.contains(&pick.worker) {
+                break pick;
+            }
+            if ctx.state.fleet.admit(&snap.worker(pick.worker).spec.url) {
+                admitted.push(pick.worker);
+                break pick;
+            }
+            // Refused: half-open with its one probe in flight (the view predates that probe).
+            if exclude.contains(&pick.worker) {
+                return Err(GatewayError::no_workers("encode (the only candidates are half-open, their one probe in flight)"));
+            }
+            exclude.push(pick.worker);
+        };
         ctx.state.metrics.decisions.with_label_values(&["encode", pick.branch]).inc();
         workers.push(pick.worker);
     }
-    // the rooms: never from the seeded routing rng (replicas with one seed must not share rooms)
-    let legs = epd::attach(plan, snap, &ctx.images, &workers, &mut rand::rng())?;
-    let runtimes = legs.iter().map(|l| routing.runtime[l.worker].clone()).collect();
-    Ok(Encodes { legs, runtimes })
+    Ok(workers)
 }
 
 /// The encode calls of one attempt, once sent.

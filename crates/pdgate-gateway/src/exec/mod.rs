@@ -273,11 +273,17 @@ impl From<GatewayError> for AttemptFailure {
 pub(crate) fn admit_all(ctx: &Ctx, snap: &pdgate_core::PoolSnapshot, workers: &[usize]) -> Option<usize> {
     for (k, &w) in workers.iter().enumerate() {
         if !ctx.state.fleet.admit(&snap.worker(w).spec.url) {
-            for &earlier in &workers[..k] {
-                ctx.state.fleet.registry.end_probe(&snap.worker(earlier).spec.url);
-            }
+            end_probes(ctx, snap, &workers[..k]);
             return Some(w);
         }
     }
     None
+}
+
+/// Gives back the probe slots [`admit_all`] may have taken for `workers`: the choice they were
+/// admitted for is not sent (a later stage of the same decision failed).
+pub(crate) fn end_probes(ctx: &Ctx, snap: &pdgate_core::PoolSnapshot, workers: &[usize]) {
+    for &w in workers {
+        ctx.state.fleet.registry.end_probe(&snap.worker(w).spec.url);
+    }
 }

@@ -279,7 +279,12 @@ fn select(ctx: &Ctx, failed: &[String], placed: Option<Placement>) -> Result<Cho
     // the room: never from the seeded routing rng (replicas with one seed must not share rooms)
     let mut plan = plan::pd(snap, &p, &d, &ctx.req, &ctx.request_id, &mut rand::rng())?;
     // EPD: an encode worker per image, and the prefill told where each embedding waits.
-    let encode = if ctx.images.is_empty() { None } else { Some(encode::decide(ctx, &routing, &mut plan, &exclude)?) };
+    let encode = if ctx.images.is_empty() {
+        None
+    } else {
+        // Not sent without its encode workers: the pair's probe slots, if it took any, go back.
+        Some(encode::decide(ctx, &routing, &mut plan, &exclude).inspect_err(|_| super::end_probes(ctx, snap, &[p.worker, d.worker]))?)
+    };
     Ok(Chosen {
         plan,
         prefill_runtime: Some(routing.runtime[p.worker].clone()),
