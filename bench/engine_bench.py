@@ -10,6 +10,11 @@
             chunked prefill vs disaggregated (prefill on another worker)
 
 Usage: PYTHONPATH=python python bench/engine_bench.py [model|transfer|itl|all] [--json out.json]
+           [--svg itl.svg] [--smoke]
+
+--smoke (CI's smoke of this script: `all --smoke --json F --svg G`) runs every stage at a toy size
+(the tiny model only, short prompts, a few steps and tokens): its figures mean nothing, it only
+proves the path still runs. --svg: where the ITL plot goes (default bench/engine_itl.svg).
 """
 
 from __future__ import annotations
@@ -209,11 +214,11 @@ def raw_loopback(nbytes: int, kind: str) -> float:
     return nbytes / best / 1e9
 
 
-def _engine_transfer(backend: str, prompt_len: int) -> tuple[int, list[float]]:
-    """GB/s of each transfer through the bootstrap path between two `small` workers, the first
+def _engine_transfer(backend: str, prompt_len: int, model: str = "small") -> tuple[int, list[float]]:
+    """GB/s of each transfer through the bootstrap path between two workers (`small` by default), the first
     (which also sets up the connection to this peer) first; returns (bytes, [GB/s, ...])."""
     import threading
-    kw = {"model": "small", "transfer_backend": backend}
+    kw = {"model": model, "transfer_backend": backend}
     with ReferenceWorker("prefill", **kw) as p, ReferenceWorker("decode", **kw) as d:
         rng = random.Random(0)
         results = []
@@ -240,9 +245,9 @@ def _engine_row(out: dict, name: str, runs: list[float]) -> float:
     return got
 
 
-def bench_transfer(prompt_len: int = 2048) -> dict:
-    nbytes, runs = _engine_transfer("tcp", prompt_len)
-    raw = nbytes - nbytes % (1 << 22)
+def bench_transfer(prompt_len: int = 2048, model: str = "small") -> dict:
+    nbytes, runs = _engine_transfer("tcp", prompt_len, model)
+    raw = max(1 << 22, nbytes - nbytes % (1 << 22))  # whole 4 MiB sends (at least one: --smoke)
     out: dict = {"kv_bytes": nbytes}
     tcp = _engine_row(out, "tcp", runs)
     out["raw_asyncio_GBps"] = round(raw_loopback(raw, "asyncio"), 3)
@@ -254,7 +259,7 @@ def bench_transfer(prompt_len: int = 2048) -> dict:
         if not any(importlib.util.find_spec(m) for m in mods):
             out[name] = "not installed"
             continue
-        got = _engine_row(out, name, _engine_transfer(name, prompt_len)[1])
+        got = _engine_row(out, name, _engine_transfer(name, prompt_len, model)[1])
         out[f"raw_{name}_GBps"] = round(raw_fn(nbytes), 3)
         out[f"engine_{name}_vs_raw"] = round(got / out[f"raw_{name}_GBps"], 2)
     return out
@@ -268,7 +273,7 @@ async def _stream(c, url, body, arrivals: list) -> None:
                 arrivals.append(time.perf_counter())
 
 
-async def _itl_run(decode_url, prefill=None, long_len=2000, n_streams=4, n_long=2) -> list[float]:
+async def _itl_run(decode_url, prefill=None, long_len=2000, n_streams=4, n_long=2, max_new=400) -> list[float]:
     rng = random.Random(1)
     streams = [[] for _ in range(n_streams)]
     room = iter(range(10**6))
@@ -292,7 +297,7 @@ async def _itl_run(decode_url, prefill=None, long_len=2000, n_streams=4, n_long=
         await asyncio.gather(*legs)
 
     async with httpx.AsyncClient(timeout=600) as c:
-        decodes = [asyncio.ensure_future(send(body(32, 400), s)) for s in streams]
+        decodes = [asyncio.ensure_future(send(body(32, max_new), s)) for s in streams]
         await asyncio.sleep(1.0)
         for _ in range(n_long):
             await send(body(long_len, 1))
@@ -307,12 +312,13 @@ def _summary(itl: list[float]) -> dict:
             "p99_ms": round(q[2], 2), "max_ms": round(max(itl), 2) if itl else 0}
 
 
-def bench_itl(chunk: int = 512) -> dict:
-    with ReferenceWorker("null", model="small", extra_args=["--chunked-prefill-size", str(chunk)]) as n:
-        colo = asyncio.run(_itl_run(n.url))
-    with ReferenceWorker("prefill", model="small", extra_args=["--chunked-prefill-size", str(chunk)]) as p, \
-            ReferenceWorker("decode", model="small") as d:
-        disagg = asyncio.run(_itl_run(d.url, prefill=p))
+def bench_itl(chunk: int = 512, model: str = "small", **run) -> dict:
+    """`run`: _itl_run's sizes (long_len, n_streams, n_long, max_new), its defaults unless given."""
+    with ReferenceWorker("null", model=model, extra_args=["--chunked-prefill-size", str(chunk)]) as n:
+        colo = asyncio.run(_itl_run(n.url, **run))
+    with ReferenceWorker("prefill", model=model, extra_args=["--chunked-prefill-size", str(chunk)]) as p, \
+            ReferenceWorker("decode", model=model) as d:
+        disagg = asyncio.run(_itl_run(d.url, prefill=p, **run))
     return {"chunked_prefill_size": chunk, "colocated": _summary(colo), "disaggregated": _summary(disagg),
             "colocated_itl_ms": [round(x, 3) for x in colo], "disaggregated_itl_ms": [round(x, 3) for x in disagg]}
 
@@ -351,21 +357,25 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("what", nargs="?", default="all", choices=["model", "transfer", "itl", "all"])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--svg", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_itl.svg"))
+    ap.add_argument("--smoke", action="store_true", help="every stage at a toy size (CI): proves the path, measures nothing")
     args = ap.parse_args()
-    out: dict = {"cpu_count": os.cpu_count(), "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS")}
+    out: dict = {"cpu_count": os.cpu_count(), "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS"), "smoke": args.smoke}
     if args.what in ("model", "all"):
-        out["model"] = [bench_model("tiny", 2048, 16, 256, 32), bench_model("small", 2048, 16, 256, 16)]
+        sizes = [("tiny", 64, 2, 16, 2)] if args.smoke else [("tiny", 2048, 16, 256, 32), ("small", 2048, 16, 256, 16)]
+        out["model"] = [bench_model(*s) for s in sizes]
         print(json.dumps(out["model"], indent=1))
     if args.what in ("transfer", "all"):
-        out["transfer"] = bench_transfer()
+        out["transfer"] = bench_transfer(64, "tiny") if args.smoke else bench_transfer()
         print(json.dumps(out["transfer"], indent=1))
     if args.what in ("itl", "all"):
-        out["itl"] = bench_itl()
+        toy = dict(chunk=32, model="tiny", long_len=64, n_streams=2, n_long=1, max_new=8)
+        out["itl"] = bench_itl(**toy) if args.smoke else bench_itl()
         print(json.dumps({k: v for k, v in out["itl"].items() if not k.endswith("_itl_ms")}, indent=1))
         edges = [0, 5, 10, 20, 40, 80, 160, 320, 640, 1280, 5000]
         for k in ("colocated", "disaggregated"):
             print(k, list(zip(edges[:-1], histogram(out["itl"][f"{k}_itl_ms"], edges))))
-        itl_svg(out["itl"], os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_itl.svg"))
+        itl_svg(out["itl"], args.svg)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f)

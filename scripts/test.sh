@@ -24,6 +24,9 @@ fi
 echo "== cargo test"
 # The pyo3 extension crate links against libpython only when loaded by Python: test it there.
 cargo test -q --workspace --exclude pdgate-python
+# The criterion benches, each benchmark run once in criterion's test mode (untimed): they still
+# build and run. The bench scripts' smoke is tests/bench/test_bench_smoke.py.
+cargo test -q --workspace --exclude pdgate-python --bench '*'
 
 echo "== pytest"
 # Run from a directory where `import pdgate` finds the installed wheel, not the source tree.

@@ -12,7 +12,9 @@ process and `pdgate bench` against it with the same traffic:
         --image-fraction 0.5 --images-per-request 4 --out /tmp/epd-bench
 
 `--order epd,pd` runs them the other way round (on a shared machine, run both orders).
-Prints one line per configuration and writes each `pdgate bench` result JSON under --out.
+Prints one line per configuration and writes each `pdgate bench` result JSON under --out; exits 1
+when a request failed. CI's smoke: `--num-prompts 6 --request-rate inf --images-per-request 1
+--image-size 32 --input-len 16 --output-len 2`.
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ def main() -> int:
                       f"{e['p90_text_ttft_ms']:.0f}/{e['p99_text_ttft_ms']:.0f} ms, "
                       f"all TTFT p99 {r['p99_ttft_ms']:.0f} ms, TPOT median {r['median_tpot_ms']:.1f} ms",
                       file=sys.stderr, flush=True)
+                if r["failed"] or not r["completed"]:
+                    print(f"{name}: {r['failed']} of {r['completed'] + r['failed']} requests failed", file=sys.stderr)
+                    return 1
     finally:
         for w in workers:
             w.stop()

@@ -21,6 +21,9 @@ and, the regular worker being idle, places each one colocated on it (the same wo
 as the regular-mode runs):
 
     --gateway 'conditional=BINARY:--pd-disaggregation,--prefill={prefill},--decode={decode},--pd-placement=conditional'
+
+CI's smoke: `--requests 20 --concurrency 4 --rounds 1 --pd-mocks` with a regular and a conditional
+gateway. Exits 1 after its summary when any measured request failed.
 """
 
 from __future__ import annotations
@@ -175,6 +178,7 @@ def main() -> None:
         extra = [urls.get(p, p) for f in flags.split(",") if f for p in f.split("=", 1)]
         gateways.append((name, binary, extra))
     results: dict[str, list[float]] = {name: [] for name, _, _ in gateways}
+    short: list[str] = []  # runs where a request failed: their figure is not a result
     try:
         time.sleep(1.5)
         for r in range(args.rounds):
@@ -182,6 +186,8 @@ def main() -> None:
             for name, binary, extra in order:
                 us, ok = measure(binary, extra, worker, args)
                 results[name].append(us)
+                if ok != args.requests:
+                    short.append(f"round {r + 1} {name}: {ok}/{args.requests} ok")
                 print(f"round {r + 1} {name:>12}: {us:7.1f} us/request ({ok}/{args.requests} ok)", flush=True)
     finally:
         for m in mocks:
@@ -192,6 +198,8 @@ def main() -> None:
     print(f"\n{kind}, {args.requests} requests x {args.rounds} rounds, concurrency {args.concurrency}, load {load:.1f}")
     for name, values in results.items():
         print(f"{name:>12}: mean {sum(values) / len(values):7.1f} us/request  runs {', '.join(f'{v:.1f}' for v in values)}")
+    if short:
+        raise SystemExit("failed requests: " + "; ".join(short))
 
 
 if __name__ == "__main__":

@@ -9,10 +9,12 @@
 #   WRK=1 WRK_D=10s ...            # wrk -t2 -c32 for WRK_D instead (bench/gateway/post.lua)
 #   SIM=1 ...                      # also simulated cache misses and branch mispredictions
 #   STREAM=1 ...                   # sequential requests streamed (regular:stream's body)
+#   N=10 WARM=5 STREAM=1 ... ; WRK=1 WRK_D=1s SIM=1 WARM=5 ...   # CI's smoke (two runs)
 #
 # Writes $OUTDIR/NAME.cg.1 (the counters from after the warm-up to the last request; read it
 # with callgrind_annotate [--inclusive=yes]) and prints the counters per request.
-# Needs valgrind (apt-get install valgrind), python3, curl (and wrk for WRK=1).
+# Needs valgrind (apt-get install valgrind), python3, curl (and wrk for WRK=1). Fails (non-zero)
+# when a measured request did not get a 200 or wrk saw errors.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 NAME=$1 BIN=$2 MOCK=$3
@@ -26,6 +28,7 @@ valgrind --tool=callgrind "${SIMARGS[@]}" --callgrind-out-file="$OUTDIR/$NAME.cg
     "$BIN" --port "$GP" --log-level warn --policy round_robin --worker-urls "http://127.0.0.1:$RP" \
     > "$OUTDIR/$NAME.gw.log" 2>&1 & VGPID=$!
 trap 'kill $VGPID $MOCKPID 2>/dev/null || true' EXIT
+source bench/gateway/checks.sh  # check_wrk, fail, finish
 URL="http://127.0.0.1:$GP/v1/completions"
 for _ in $(seq 300); do
     [ "$(curl -s -o /dev/null -w '%{http_code}' -H 'content-type: application/json' -d '{"model":"mock-model","prompt":"x","max_tokens":1}' "$URL")" = 200 ] && break
@@ -49,10 +52,14 @@ client "$WARM" > /dev/null
 sleep 1
 callgrind_control -z "$VGPID" > /dev/null
 if [ -n "${WRK:-}" ]; then
-    REQ=$(wrk -t2 -c32 -d"${WRK_D:-10s}" --timeout 30s -s bench/gateway/post.lua "$URL" | awk '/requests in/ {print $1}')
+    wrk -t2 -c32 -d"${WRK_D:-10s}" --timeout 30s -s bench/gateway/post.lua "$URL" > "$OUTDIR/$NAME.wrk"
+    check_wrk "$OUTDIR/$NAME.wrk" "$NAME"
+    REQ=$(awk '/requests in/ {print $1}' "$OUTDIR/$NAME.wrk")
 else
     REQ=$(client "$N")
+    [ "$REQ" = "$N" ] || fail "$NAME: $REQ of $N requests got a 200"
 fi
+finish
 callgrind_control -d "$VGPID" > /dev/null
 kill "$VGPID"; wait "$VGPID" 2>/dev/null || true
 F=$OUTDIR/$NAME.cg.1

@@ -17,13 +17,15 @@
 #   bench/gateway/grpc_bench.sh                         # all gateways, regular mode, 4 scenarios, 2 rounds
 #   BASE=/tmp/base/pdgate-gateway bench/gateway/grpc_bench.sh     # also "pdgate-base": a previous build
 #   MODES="regular bootstrap" ROUNDS=1 bench/gateway/grpc_bench.sh  # also SGLang bootstrap PD over gRPC
+#   ROUNDS=1 DURATION=1s MODES=bootstrap SCENARIOS="completions:whole chat:stream" ...  # CI's smoke
 #
 # Scenarios (ROUTE:KIND): ROUTE is completions (/v1/completions, a short prompt) or chat
 # (/v1/chat/completions, one user message); KIND is whole or stream. pdgate-http runs the
 # completions scenarios only (the HTTP mock writes completions-shaped events). Modes: regular
 # (one worker) and bootstrap (SGLang PD: both legs at once; the prefill mock answers one token).
 # Rounds alternate the gateways' order. At the end: pdgate-grpc's CPU/request over smg-grpc's,
-# per scenario and round (the issue's target: <= 0.5).
+# per scenario and round (the issue's target: <= 0.5). Exits 1 after its output when a gateway
+# never routed, an answer lacked what the mock sent, or a measured wrk run saw errors.
 #
 # MODEL_DIR: the model directory both gateways load the tokenizer from (default: written with
 # `python -m pdgate.engine --model tiny --export-tokenizer`, from this checkout's python/).
@@ -65,6 +67,7 @@ PIDS=()
 GW=
 cleanup() { kill $GW "${PIDS[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
 trap cleanup EXIT
+source bench/gateway/checks.sh  # check_wrk, fail, finish
 
 MODEL_DIR=${MODEL_DIR:-$D/model}
 if [ ! -f "$MODEL_DIR/tokenizer.json" ]; then
@@ -146,7 +149,7 @@ for round in $(seq "$ROUNDS"); do
         for name in $order; do
             port=$(free_port); start "$name" "$mode" "$port"
             URL="http://127.0.0.1:$port"
-            wait_routing "$URL" "$name" "$mode" || { stop; continue; }
+            wait_routing "$URL" "$name" "$mode" || { fail "$name $mode never routed"; stop; continue; }
             pids=$(descendants "$GW")
             for scenario in $SCENARIOS; do
                 route=${scenario%%:*}; kind=${scenario##*:}
@@ -158,12 +161,13 @@ for round in $(seq "$ROUNDS"); do
                 want='The qui'
                 [ "$kind" = stream ] && want='[DONE]'
                 [ "$name" = pdgate-http ] && [ "$kind" = whole ] && want=' tok'
-                grep -qF "$want" "$a" || echo "$name $mode $scenario: answer without '$want': $(head -c 300 "$a")" >&2
+                grep -qF "$want" "$a" || fail "$name $mode $scenario: answer without '$want': $(head -c 300 "$a")"
                 wrk -t2 -c"$CONNECTIONS" -d2s -s "$D/$route-$kind.lua" "$URL$(path "$route")" > /dev/null
                 g0=$(tree_ticks $pids); w0=$(tree_ticks $MOCKS)
                 wrk -t2 -c"$CONNECTIONS" -d"$DURATION" -s "$D/$route-$kind.lua" "$URL$(path "$route")" > "$D/$round-$name-$mode-$scenario.wrk"
                 g1=$(tree_ticks $pids); w1=$(tree_ticks $MOCKS)
                 out=$D/$round-$name-$mode-$scenario.wrk
+                check_wrk "$out" "$name $mode $scenario"
                 n=$(awk '/requests in/ {print $1}' "$out")
                 rps=$(awk '/Requests\/sec/ {printf "%d", $2}' "$out")
                 errors=$(grep -E 'Non-2xx|Socket errors' "$out" | tr -s ' ' | tr '\n' ';' || true)
@@ -194,3 +198,4 @@ kill $MGR $MGP $MGD 2>/dev/null || true
 wait $MGR $MGP $MGD 2>/dev/null || true
 for m in regular prefill decode; do echo "grpc mock $m: $(grep 'grpc_mock calls' "$D/grpc-$m.mock" || echo '(no count)')"; done
 echo "raw wrk output, answers and gateway logs in $D"
+finish

@@ -12,6 +12,9 @@
 #
 #   cargo build --release -p pdgate-gateway --bin pdgate-gateway --example stream_mock
 #   bench/gateway/messages_cpu.sh                # ROUNDS=5 DURATION=5s by default
+#   ROUNDS=1 DURATION=1s bench/gateway/messages_cpu.sh   # CI's smoke
+#
+# Exits 1 after its output when a measured wrk run completed no request or saw errors.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 T=${CARGO_TARGET_DIR:-target}
@@ -27,6 +30,7 @@ D=$(mktemp -d /tmp/pdgate-messages.XXXXXX)
 PIDS=()
 cleanup() { kill "${PIDS[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
 trap cleanup EXIT
+source bench/gateway/checks.sh  # check_wrk, finish
 
 cat > "$D/chat.lua" <<'LUA'
 wrk.method = "POST"
@@ -64,6 +68,7 @@ for round in $(seq "$ROUNDS"); do
         g0=$(ticks "$GW")
         wrk -t2 -c32 -d"$DURATION" -s "$D/$kind.lua" "$(route $kind)" > "$D/$kind-$round.wrk"
         g1=$(ticks "$GW")
+        check_wrk "$D/$kind-$round.wrk" "$kind round $round"
         n=$(awk '/requests in/ {print $1}' "$D/$kind-$round.wrk")
         rps=$(awk '/Requests\/sec/ {printf "%d", $2}' "$D/$kind-$round.wrk")
         errors=$(grep -E 'Non-2xx|Socket errors' "$D/$kind-$round.wrk" | tr -s ' ' | tr '\n' ';' || true)
@@ -87,3 +92,4 @@ ratios = [v["messages"] / v["chat"] for v in rounds.values() if "chat" in v and 
 print("messages/chat router CPU per request, per round:", " ".join(f"{x:.3f}" for x in ratios))
 print(f"median ratio: {statistics.median(ratios):.3f}")
 PY
+finish

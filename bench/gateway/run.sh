@@ -7,7 +7,10 @@
 # /proc/<pid>/stat (utime + stime of all its threads) around the same wrk run.
 #
 #   bench/gateway/run.sh            # DURATION=10s CONNECTIONS=32 THREADS=2 by default
+#   DURATION=1s CONNECTIONS=4 RESULTS=/tmp/r bench/gateway/run.sh   # CI's smoke
 #
+# RESULTS: where the report goes (default bench/results). Exits 1 after the report when a wrk
+# run completed no request or saw errors.
 # Needs: wrk and nginx (Debian packages `wrk`, `nginx-light`), pdgate installed (pip install .).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -17,9 +20,10 @@ CONNECTIONS=${CONNECTIONS:-32}
 THREADS=${THREADS:-2}
 PYTHON=${PYTHON:-python}
 DIR=$(mktemp -d /tmp/pdgate-bench.XXXXXX)
-RESULTS=bench/results
+RESULTS=${RESULTS:-bench/results}
 mkdir -p "$RESULTS"
 PIDS=()
+source bench/gateway/checks.sh  # check_wrk, finish
 
 cleanup() {
     for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
@@ -56,6 +60,7 @@ run_wrk() {
     [ -n "$pid" ] && before=$(cpu_ticks "$pid")
     wrk -t"$THREADS" -c"$CONNECTIONS" -d"$DURATION" -s bench/gateway/post.lua "$url/v1/completions" > "$DIR/$name.wrk"
     [ -n "$pid" ] && after=$(cpu_ticks "$pid")
+    check_wrk "$DIR/$name.wrk" "$name"
     local requests rps errors cpu="-"
     requests=$(awk '/requests in/ {print $1}' "$DIR/$name.wrk")
     rps=$(awk '/Requests\/sec/ {printf "%.0f", $2}' "$DIR/$name.wrk")
@@ -97,3 +102,4 @@ REPORT="$RESULTS/gateway-overhead-$(date +%Y%m%d-%H%M%S).md"
     printf '%s\n' "${ROWS[@]}"
 } | tee "$REPORT"
 echo "report: $REPORT"
+finish

@@ -7,6 +7,8 @@
 #   GATEWAYS="pdgate" bench/gateway/standalone_cpu.sh        # a subset, in this order
 #   TOKIO_WORKER_THREADS=1 bench/gateway/standalone_cpu.sh   # one runtime thread
 #   PERF=1 GATEWAYS=pdgate bench/gateway/standalone_cpu.sh   # also a perf profile summary
+#   DURATION=1s GATEWAYS="pdgate pdgate-pd hyper-floor nginx-proxy custom" GATEWAY_CMD=... \
+#     BIN=... FLOOR=... bench/gateway/standalone_cpu.sh      # CI's smoke (and PERF=1 GATEWAYS=pdgate)
 #
 # Gateways (each gets the same wrk load, one after the other):
 #   pdgate       the release binary, regular mode, round robin over one worker
@@ -17,6 +19,7 @@
 #     python3 -m venv /tmp/smg && /tmp/smg/bin/pip install smg==1.13.0
 #     GATEWAYS=custom GATEWAY_CMD='/tmp/smg/bin/smg launch --host 127.0.0.1 --port $PORT \
 #       --worker-urls $WORKER --policy round_robin --log-level warn' bench/gateway/standalone_cpu.sh
+# Exits 1 after its table when a gateway never routed or a measured wrk run saw errors.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${BIN:-target/release/pdgate-gateway}
@@ -30,6 +33,7 @@ sed -e "s#@DIR@#$D#g" -e "s#@REGULAR_PORT@#$RP#g" -e "s#@PREFILL_PORT@#$PP#g" \
 nginx -p "$D" -c "$D/nginx.conf" -g 'daemon off;' & NG=$!
 GW=
 trap 'kill $GW $NG 2>/dev/null || true' EXIT
+source bench/gateway/checks.sh  # check_wrk, fail, finish
 WORKER="http://127.0.0.1:$RP"
 
 # nginx-proxy: bench/gateway/nginx_proxy.sh
@@ -54,16 +58,19 @@ for name in $GATEWAYS; do
     port=$(free_port)
     start "$name" "$port"
     URL="http://127.0.0.1:$port/v1/completions"
-    for _ in $(seq 100); do  # until the gateway routes a request (at most ~30 s)
-        curl -s -o /dev/null -w '%{http_code}' -H 'content-type: application/json' -d '{"prompt":"x","max_tokens":1}' "$URL" | grep -q 200 && break
+    routed=
+    for _ in $(seq 100); do  # until the gateway routes a request (at most ~30 s; SMG needs the model)
+        curl -s -o /dev/null -w '%{http_code}' -H 'content-type: application/json' -d '{"model":"mock-model","prompt":"x","max_tokens":1}' "$URL" | grep -q 200 && { routed=1; break; }
         sleep 0.3
     done
+    [ -n "$routed" ] || fail "$name never routed a request"
     wrk -t2 -c32 -d2s -s bench/gateway/post.lua "$URL" > /dev/null
     PERF_PID=
     if [ -n "${PERF:-}" ]; then perf record -F 1999 -g -p "$GW" -o "$D/$name.perf" -- sleep 5 > /dev/null 2>&1 & PERF_PID=$!; fi
     read -r ub sb < <(awk '{print $14, $15}' "/proc/$GW/stat")
     wrk -t2 -c32 -d"$DURATION" -s bench/gateway/post.lua "$URL" > "$D/$name.wrk"
     read -r ua sa < <(awk '{print $14, $15}' "/proc/$GW/stat")
+    check_wrk "$D/$name.wrk" "$name"
     n=$(awk '/requests in/ {print $1}' "$D/$name.wrk")
     rps=$(awk '/Requests\/sec/ {printf "%d", $2}' "$D/$name.wrk")
     errors=$(grep -cE 'Non-2xx|Socket errors' "$D/$name.wrk" || true)
@@ -75,8 +82,11 @@ for name in $GATEWAYS; do
         "$(awk -v a="$us" -v b="$base" 'BEGIN {printf "%.2f", a / b}')" "$([ "$errors" = 0 ] && echo none || echo SEE_$D)"
     if [ -n "${PERF:-}" ]; then
         wait "$PERF_PID" 2>/dev/null || true
-        perf report -i "$D/$name.perf" --no-children --sort dso,symbol --stdio -g none 2>/dev/null | grep -E '^ +[0-9]' | head -25
+        # To a file, then the first 25 rows: `| head` would end perf with SIGPIPE (pipefail).
+        perf report -i "$D/$name.perf" --no-children --sort dso,symbol --stdio -g none > "$D/$name.report" 2>/dev/null
+        awk '/^ +[0-9]/ && n++ < 25' "$D/$name.report"
     fi
     kill "$GW" 2>/dev/null || true; wait "$GW" 2>/dev/null || true; GW=
 done
 echo "ratio: CPU per request relative to the first gateway listed; raw wrk output in $D"
+finish

@@ -14,6 +14,9 @@
 #   GATEWAYS="pdgate smg" SCENARIOS="bootstrap:stream" bench/gateway/stream_bench.sh
 #   MEMORY=1 GATEWAYS="pdgate smg" bench/gateway/stream_bench.sh  # RSS idle and with 1,000 slow streams
 #   ROUNDS=5 bench/gateway/stream_bench.sh                # 5 interleaved rounds, then medians
+#   CI's smoke, three runs (DURATION=1s each): ROUNDS=2 GATEWAYS="pdgate nginx-proxy"
+#     SCENARIOS=regular:stream; GATEWAYS="pdgate smg vllm-router" SCENARIOS="bootstrap:whole
+#     nixl:stream"; MEMORY=1 MEMORY_SECONDS=2 STREAMS=20 SLOW_MS=200 GATEWAYS=pdgate MEMORY_MODES=regular
 #
 # ROUNDS=N runs every scenario and gateway N times, round after round (so a noisy minute hits
 # every gateway alike), prints each round, then the median of each column per gateway and
@@ -33,7 +36,9 @@
 # Peers: `pip install vllm-router smg==1.13.0` (VLLM_ROUTER and SMG name their commands).
 # MEMORY=1: the decode (and regular) mock waits SLOW_MS (default 1000) between 30 chunks, wrk
 # holds STREAMS (default 1000) streams open through the gateway, and the gateway's VmRSS is
-# read idle (after a warm-up) and after 15 s of that load.
+# read idle (after a warm-up) and after MEMORY_SECONDS (default 15) of that load.
+#
+# Exits 1 after its output when a gateway never routed or a measured wrk run saw errors.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 T=${CARGO_TARGET_DIR:-target}
@@ -55,6 +60,7 @@ PIDS=()
 GW=
 cleanup() { kill $GW "${PIDS[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
 trap cleanup EXIT
+source bench/gateway/checks.sh  # check_wrk, fail, finish
 
 cat > "$D/stream.lua" <<'EOF'
 wrk.method = "POST"
@@ -150,12 +156,12 @@ if [ -n "${MEMORY:-}" ]; then
     for name in $GATEWAYS; do
         for mode in ${MEMORY_MODES:-regular bootstrap}; do
             speaks "$name" "$mode" || continue
-            up "$name" "$mode" whole || continue
+            up "$name" "$mode" whole || { fail "$name $mode never routed"; continue; }
             sleep 1
             idle=$(rss_kb "$pid")
-            wrk -t2 -c"${STREAMS:-1000}" -d25s --timeout 60s -s "$D/stream.lua" "$URL" > "$D/$name-$mode-mem.wrk" &
+            wrk -t2 -c"${STREAMS:-1000}" -d$((${MEMORY_SECONDS:-15} + 10))s --timeout 60s -s "$D/stream.lua" "$URL" > "$D/$name-$mode-mem.wrk" &
             WRK=$!
-            sleep 15
+            sleep "${MEMORY_SECONDS:-15}"
             loaded=$(rss_kb "$pid")
             open=$(ls /proc/"$pid"/fd | wc -l)
             wait $WRK || true
@@ -165,6 +171,7 @@ if [ -n "${MEMORY:-}" ]; then
             stop
         done
     done
+    finish
     exit 0
 fi
 
@@ -176,12 +183,13 @@ for round in $(seq "${ROUNDS:-1}"); do
         mode=${scenario%%:*}; kind=${scenario##*:}
         for name in $GATEWAYS; do
             speaks "$name" "$mode" || continue
-            up "$name" "$mode" "$kind" || continue
+            up "$name" "$mode" "$kind" || { fail "$name $scenario never routed"; continue; }
             s0=$(curl -s "$P/stats")
             g0=$(ticks "$pid"); w0=$(( $(ticks $MR) + $(ticks $MP) + $(ticks $MD) ))
             wrk -t2 -c32 -d"$DURATION" -s "$D/$kind.lua" "$URL" > "$D/$name-$scenario.wrk"
             g1=$(ticks "$pid"); w1=$(( $(ticks $MR) + $(ticks $MP) + $(ticks $MD) ))
             s1=$(curl -s "$P/stats")
+            check_wrk "$D/$name-$scenario.wrk" "$name $scenario"
             n=$(awk '/requests in/ {print $1}' "$D/$name-$scenario.wrk")
             rps=$(awk '/Requests\/sec/ {printf "%d", $2}' "$D/$name-$scenario.wrk")
             errors=$(grep -E 'Non-2xx|Socket errors' "$D/$name-$scenario.wrk" | tr -s ' ' | tr '\n' ';' || true)
@@ -225,3 +233,4 @@ if [ "${ROUNDS:-1}" -gt 1 ]; then
                 printf "%-12s %-18s %8.2fx %13.2fx %13.2fx %s\n", peer, sc[s], med(rr, c), med(gg, c), med(ww, c), detail } } }' "$ROWS"
 fi
 echo "raw wrk output and gateway logs in $D"
+finish

@@ -15,6 +15,9 @@
 #
 #   cargo build --release -p pdgate-gateway --bin pdgate-gateway --example stream_mock
 #   bench/gateway/translation_instructions.sh     # ROUNDS=3 N=200 by default
+#   ROUNDS=1 N=3 bench/gateway/translation_instructions.sh   # CI's smoke
+#
+# Fails (non-zero) on any answer that is not a 200 ending as its route's stream should.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 T=${CARGO_TARGET_DIR:-target}

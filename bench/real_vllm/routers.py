@@ -21,7 +21,9 @@ Scenarios:
     python3 bench/real_vllm/routers.py --scenarios regular,nixl --rounds 3 --out /tmp/routers
     (PDGATE_VLLM_PYTHON names the vLLM venv's python; peers: pip install vllm-router==0.1.17 smg==1.13.0)
 
-Prints a markdown table of medians over rounds and writes results.json under --out.
+Prints a markdown table of medians over rounds and writes results.json under --out; exits 1 when
+a router did not answer or a client failed. CI's smoke (about 80 s here): `--scenarios regular
+--routers pdgate --rounds 1 --num-prompts 2 --concurrency 1 --output-len 4 --idle-window 1`.
 """
 
 from __future__ import annotations
@@ -254,7 +256,10 @@ def main() -> int:
             for w in workers.values():
                 w.stop()
     print(table(rows))
-    return 0
+    failed = [r for r in rows if "error" in r]
+    for r in failed:
+        print(f"failed: {r['scenario']} {r['router']} {r.get('client', '')}: {r['error']}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
