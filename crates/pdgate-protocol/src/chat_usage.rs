@@ -92,16 +92,14 @@ fn details(s: &mut Scan<'_>, want: &[u8], slot: &mut Option<u64>) -> Option<()> 
 
 /// A count: `Some(n)` for digits that fit, `None` inside for `null`; anything else refused.
 fn count(s: &mut Scan<'_>) -> Option<Option<u64>> {
+    // Digits only, within u64 (a bigger number is a float to the parse: the slow path).
+    let at = s.i;
+    if let Some(n) = s.plain_u64() {
+        return Some(Some(n));
+    }
+    s.i = at;
     let (a, z) = s.value()?;
-    let raw = &s.b[a..z];
-    if raw == b"null" {
-        return Some(None);
-    }
-    if raw.is_empty() || (raw.len() > 1 && raw[0] == b'0') {
-        return None;
-    }
-    // Digits only, within u64 (a bigger number is a float to the parse: absent).
-    raw.iter().try_fold(0u64, |n, &d| if d.is_ascii_digit() { n.checked_mul(10)?.checked_add(u64::from(d - b'0')) } else { None }).map(Some)
+    (&s.b[a..z] == b"null").then_some(None)
 }
 
 fn once(seen: &mut u8, bit: u8) -> Option<()> {

@@ -106,6 +106,18 @@ impl<'a> Scan<'a> {
         Some((start, self.i))
     }
 
+    /// Skips one value and reads it as an unsigned integer in plain digits (no sign, fraction,
+    /// exponent or leading zero) within u64: what `Value::as_u64` of the parsed value gives,
+    /// for the values written that way; `None` for any other value.
+    pub(crate) fn plain_u64(&mut self) -> Option<u64> {
+        let (a, z) = self.value()?;
+        let raw = &self.b[a..z];
+        if raw.len() > 1 && raw[0] == b'0' {
+            return None;
+        }
+        raw.iter().try_fold(0u64, |n, &d| if d.is_ascii_digit() { n.checked_mul(10)?.checked_add(u64::from(d - b'0')) } else { None })
+    }
+
     /// Walks the object at the cursor: `f(scan, key, key_start, before)` is called with the
     /// cursor at the member's value and must consume it; `before` is the comma that precedes
     /// the member, if any. Keys with escapes are refused.

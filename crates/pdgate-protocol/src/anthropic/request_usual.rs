@@ -72,13 +72,7 @@ fn plain_string<'a>(s: &mut Scan<'a>) -> Option<&'a str> {
 
 /// A count >= 1 in plain digits (no sign, fraction, exponent or leading zero).
 fn digits(s: &mut Scan<'_>) -> Option<u64> {
-    let (a, b) = s.value()?;
-    let d = &s.b[a..b];
-    if d.len() > 19 || d.first() == Some(&b'0') || !d.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    let n = d.iter().try_fold(0u64, |n, c| n.checked_mul(10)?.checked_add(u64::from(c - b'0')))?;
-    (n >= 1).then_some(n)
+    s.plain_u64().filter(|&n| n >= 1)
 }
 
 fn boolean(s: &mut Scan<'_>) -> Option<bool> {
