@@ -30,4 +30,5 @@ cargo test -q --workspace --exclude pdgate-python --bench '*'
 
 echo "== pytest"
 # Run from a directory where `import pdgate` finds the installed wheel, not the source tree.
-"$PY" -m pytest -q -p no:cacheprovider tests "$@"
+# --durations: the slowest tests' times end the output, where CI's time goes (its limit is 90 min).
+"$PY" -m pytest -q -p no:cacheprovider --durations=25 tests "$@"

@@ -33,7 +33,13 @@ def test_the_series_pdgate_reads_exist_on_real_vllm(fleet):
 
 
 def test_the_gateway_learned_models_load_and_pairing_from_vllm(fleet):
-    rows = httpx.get(fleet.url + "/workers", timeout=10).json()["workers"]
+    def rows_now() -> list[dict]:
+        return httpx.get(fleet.url + "/workers", timeout=10).json()["workers"]
+
+    # Load comes from the gateway's periodic poll of each worker's /metrics: the first round may
+    # not have reached every worker yet when this test runs first (alone, or with -k).
+    wait_until(lambda: all(isinstance(r["load"], (int, float)) for r in rows_now()), 30, "a load for every worker")
+    rows = rows_now()
     assert len(rows) == len(fleet.all())
     for row in rows:
         assert row["models"] == [MODEL], row
@@ -56,9 +62,11 @@ def test_a_client_that_disconnects_mid_stream_leaves_vllm_idle(fleet):
     with httpx.Client(timeout=DEADLINE_S) as client, client.stream("POST", fleet.url + "/v1/completions", json=body) as r:
         assert r.status_code == 200
         decode = fleet.by_url(r.headers["x-pdgate-route"].split("decode=")[1].split(";")[0])
-        for n, _ in enumerate(r.iter_lines()):
-            if n >= 6:
-                break
+        # Held in a name: a `for ... break` over r.iter_lines() drops the generator, and closing it
+        # closes httpx's connection, so the client would leave here rather than at the `with`'s end.
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
         assert metric(decode, "vllm:num_requests_running") == 1, "the decode is serving the stream"
     closed = time.monotonic()
     # The gateway closed its stream to the decode (vLLM's abort for HTTP): vLLM frees the request.

@@ -97,9 +97,11 @@ def test_a_client_that_leaves_a_grpc_pd_stream_leaves_vllm_idle(grpc_fleet):
                 "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=180) as client, client.stream("POST", gw.url + "/v1/completions", json=body) as r:
             assert r.status_code == 200
-            for n, _ in enumerate(r.iter_lines()):
-                if n >= 6:
-                    break
+            # Held in a name: a `for ... break` over r.iter_lines() drops the generator, and closing it
+            # closes httpx's connection, so the client would leave here rather than at the `with`'s end.
+            lines = r.iter_lines()
+            for _ in range(6):
+                next(lines)
             mark = len(grpc_fleet.decode.log_text())
             wait_until(lambda: RUNNING_ONE in grpc_fleet.decode.log_text()[mark:], 15, "the decode reports the stream running")
         closed = len(grpc_fleet.decode.log_text())

@@ -35,6 +35,10 @@ CPU_ENV = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_LOGGING_LEVEL": "INFO",
+    # NIXL's UCX progress thread sleeps 1 ms between polls instead of spinning a core per worker
+    # (scripts/vllm_cpu/pdgate_vllm_cpu_fix.py; only in the venv scripts/install_vllm_cpu.sh
+    # makes). "0" in `env` restores nixl's busy loop.
+    "PDGATE_NIXL_PROGRESS_DELAY_US": "1000",
 }
 
 
