@@ -121,7 +121,9 @@ def client_command(client: str, url: str, args, dataset: Path, model_dir: Path, 
     if client == "vllm":
         return [args.vllm_python, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
                 "--tokenizer", str(model_dir), "--skip-chat-template", *common]
-    return ["pdgate", "bench", *common]
+    # Both clients time the same chunks: vLLM's counts every chunk with `choices`, empty text or
+    # not (this byte-level model sends many), so pdgate bench is told to do the same.
+    return ["pdgate", "bench", *common, "--chunk-timing", "choices"]
 
 
 def run_round(scenario: str, router: str, workers: dict, args, dataset: Path, model_dir: Path, out: Path, rnd: int) -> list[dict]:

@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--metric-percentiles", default="50,90,99", help="comma list (default: %(default)s; vLLM's is 99)")
     a("--no-stream", action="store_true", help="non-streaming requests (TTFT is then E2E)")
     a("--ignore-eos", action="store_true", help="ask the server to generate exactly max_tokens")
+    a("--chunk-timing", default="text", choices=("text", "choices"),
+      help="stream chunks that time a token (TTFT, ITL): those with text (default), or every chunk with "
+           "`choices`, text or not, as `vllm bench serve` counts")
     a("--request-timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
     a("--seed", type=int, default=0)
     a("--save-result", action="store_true")
@@ -186,7 +189,7 @@ def _run(args: argparse.Namespace) -> int:
         return _calibrate(args, model)
     spec = RequestSpec(url=args.base_url.rstrip("/") + args.endpoint, model=model,
                        chat=args.endpoint.endswith("chat/completions"), stream=not args.no_stream,
-                       ignore_eos=args.ignore_eos)
+                       ignore_eos=args.ignore_eos, chunk_timing=args.chunk_timing)
     levels = []
     for rate in args.request_rate:
         rng = np.random.default_rng(args.seed)

@@ -27,6 +27,12 @@ class RequestSpec:
     stream: bool
     ignore_eos: bool = False
     headers: dict[str, str] = field(default_factory=dict)
+    # Which stream chunks time a token (TTFT, ITL): "text", those that carry text (a token the
+    # client can show); "choices", every chunk with a non-empty `choices`, text or not, as `vllm
+    # bench serve` counts (vllm/benchmarks/lib/endpoint_request_func.py). They differ where a
+    # server sends empty-text chunks: vLLM holding the bytes of an unfinished UTF-8 character,
+    # a chat stream's role chunk, a last chunk with only `finish_reason`.
+    chunk_timing: str = "text"
 
 
 @dataclass
@@ -94,7 +100,7 @@ def _apply_usage(out: RequestOutput, usage: dict[str, Any] | None) -> None:
 
 async def _read_stream(resp: httpx.Response, spec: RequestSpec, out: RequestOutput) -> None:
     last = out.start_time
-    chunks = 0
+    chunks, first = 0, True  # chunks with text: the token count when the server sends no usage
     usage = None
     async for line in resp.aiter_lines():
         if not line.startswith("data:"):
@@ -106,15 +112,17 @@ async def _read_stream(resp: httpx.Response, spec: RequestSpec, out: RequestOutp
         if "error" in chunk:
             raise _StreamError(str(chunk["error"]))
         usage = chunk.get("usage") or usage
-        if not _content(chunk, spec.chat):
-            continue
-        now = time.perf_counter()
-        if chunks == 0:
-            out.ttft = now - out.start_time
-        else:
-            out.itl.append(now - last)
-        last = now
-        chunks += 1
+        has_text = bool(_content(chunk, spec.chat))
+        timed = bool(chunk.get("choices")) if spec.chunk_timing == "choices" else has_text
+        if timed:
+            now = time.perf_counter()
+            if first:
+                out.ttft = now - out.start_time
+                first = False
+            else:
+                out.itl.append(now - last)
+            last = now
+        chunks += has_text
     out.output_tokens = chunks
     _apply_usage(out, usage)
 
