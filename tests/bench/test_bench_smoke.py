@@ -139,12 +139,13 @@ def test_translation_instructions(bins: dict[str, str]) -> None:
     row(out, rf"messages/chat per round: {NUM}; median {NUM}")
 
 
-def test_messages_cpu(bins: dict[str, str]) -> None:
+def test_translation_cpu(bins: dict[str, str]) -> None:
     require("wrk", "curl")
-    out = run(["bash", "bench/gateway/messages_cpu.sh"], 300, **bins, ROUNDS="1", DURATION="1s")
-    for route in ("chat", "messages"):
+    out = run(["bash", "bench/gateway/translation_cpu.sh"], 300, **bins, ROUNDS="1", DURATION="1s")
+    for route in ("chat", "messages", "responses"):
         row(out, rf"1\s+{route}\s+{NUM}\s+{NUM}\s+none")
-    row(out, rf"median ratio: {NUM}")
+        if route != "chat":
+            row(out, rf"{route} median ratio: {NUM}")
 
 
 def test_stream_heap(bins: dict[str, str], sysalloc_bin: str) -> None:

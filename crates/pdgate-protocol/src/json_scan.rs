@@ -173,6 +173,32 @@ impl<'a> Scan<'a> {
         }
     }
 
+    /// A string with no escape and no control character (what serde_json would refuse or
+    /// decode), as text: the usual request readers take only these.
+    pub(crate) fn plain_str(&mut self) -> Option<&'a str> {
+        let b = self.string()?;
+        if b.iter().any(|&c| c == b'\\' || c < 0x20) {
+            return None;
+        }
+        std::str::from_utf8(b).ok()
+    }
+
+    /// `true` or `false`; `None` for any other value.
+    pub(crate) fn boolean(&mut self) -> Option<bool> {
+        let (a, z) = self.value()?;
+        match &self.b[a..z] {
+            b"true" => Some(true),
+            b"false" => Some(false),
+            _ => None,
+        }
+    }
+
+    /// Nothing but whitespace is left: the whole input was one value.
+    pub(crate) fn end(&mut self) -> Option<()> {
+        self.ws();
+        (self.i == self.b.len()).then_some(())
+    }
+
     pub(crate) fn peek_after_ws(&mut self) -> Option<u8> {
         self.ws();
         self.peek()

@@ -17,19 +17,16 @@ pub(crate) fn usual(raw: &[u8], kind: Kind) -> Option<Translated> {
     let mut messages: Option<Vec<Value>> = None;
     s.object(|s, key, _, _| {
         match key {
-            b"model" if model.is_none() => model = Some(plain_string(s)?),
-            b"system" if system.is_none() => system = Some(plain_string(s)?),
+            b"model" if model.is_none() => model = Some(s.plain_str()?),
+            b"system" if system.is_none() => system = Some(s.plain_str()?),
             b"max_tokens" if max_tokens.is_none() => max_tokens = Some(digits(s)?),
-            b"stream" if stream.is_none() => stream = Some(boolean(s)?),
+            b"stream" if stream.is_none() => stream = Some(s.boolean()?),
             b"messages" if messages.is_none() => messages = Some(turns(s)?),
             _ => return None,
         }
         Some(())
     })?;
-    s.ws();
-    if s.i != raw.len() {
-        return None;
-    }
+    s.end()?;
     let model = model.filter(|m| !m.is_empty())?.to_string();
     let turns = messages?;
     let max_tokens = match (max_tokens, kind) {
@@ -61,27 +58,9 @@ pub(crate) fn usual(raw: &[u8], kind: Kind) -> Option<Translated> {
     Some(Translated { chat, stream, stop_sequences: Vec::new(), model })
 }
 
-/// A string with no escape and no control character (what serde_json would refuse or decode).
-fn plain_string<'a>(s: &mut Scan<'a>) -> Option<&'a str> {
-    let b = s.string()?;
-    if b.iter().any(|&c| c == b'\\' || c < 0x20) {
-        return None;
-    }
-    std::str::from_utf8(b).ok()
-}
-
 /// A count >= 1 in plain digits (no sign, fraction, exponent or leading zero).
 fn digits(s: &mut Scan<'_>) -> Option<u64> {
     s.plain_u64().filter(|&n| n >= 1)
-}
-
-fn boolean(s: &mut Scan<'_>) -> Option<bool> {
-    let (a, b) = s.value()?;
-    match &s.b[a..b] {
-        b"true" => Some(true),
-        b"false" => Some(false),
-        _ => None,
-    }
 }
 
 /// `messages`: at least one, each `{"role": "user" | "assistant", "content": "..."}` (the keys
@@ -92,8 +71,8 @@ fn turns(s: &mut Scan<'_>) -> Option<Vec<Value>> {
         let (mut role, mut content) = (None, None);
         s.object(|s, key, _, _| {
             match key {
-                b"role" if role.is_none() => role = Some(plain_string(s)?),
-                b"content" if content.is_none() => content = Some(plain_string(s)?),
+                b"role" if role.is_none() => role = Some(s.plain_str()?),
+                b"content" if content.is_none() => content = Some(s.plain_str()?),
                 _ => return None,
             }
             Some(())

@@ -9,6 +9,7 @@
 
 pub mod answer;
 pub mod request;
+mod request_usual;
 pub mod stream;
 
 #[cfg(test)]

@@ -35,7 +35,7 @@ pub struct ResponsesRequest {
     /// The request's fields the Response object echoes (`model`, `max_output_tokens`, `tools`, ...).
     pub echo: Map<String, Value>,
     /// Chat fields other than `messages`, already mapped.
-    chat: Map<String, Value>,
+    pub(super) chat: Map<String, Value>,
 }
 
 /// Fields refused with a clear 400 rather than silently ignored: they would change the answer.
@@ -140,6 +140,14 @@ impl<'a> Fields<'a> {
 
 /// Parses and validates a `/v1/responses` body.
 pub fn parse_responses(bytes: &[u8]) -> Result<ResponsesRequest, InvalidRequest> {
+    if let Some(r) = super::request_usual::usual(bytes) {
+        return Ok(r);
+    }
+    parsed(bytes)
+}
+
+/// The body parsed: every shape, and every error.
+pub(crate) fn parsed(bytes: &[u8]) -> Result<ResponsesRequest, InvalidRequest> {
     let value: Value = serde_json::from_slice(bytes).map_err(|e| InvalidRequest { param: None, message: format!("request body is not valid JSON: {e}") })?;
     let Value::Object(body) = value else {
         return Err(InvalidRequest { param: None, message: "request body must be a JSON object".into() });

@@ -97,9 +97,10 @@ impl StreamTranslator {
 
     /// The first two events, before any chunk. The Response object is written once for both.
     pub fn start(&mut self) -> Vec<u8> {
-        let mut out = Vec::new();
         let mut r = Vec::with_capacity(1024);
         self.meta.write_response(&mut r, &Outcome { status: "in_progress", output: b"", usage: None, model: None, error: None });
+        // Both events in one allocation.
+        let mut out = Vec::with_capacity(2 * r.len() + 192);
         self.emit_response(&mut out, "response.created", &r);
         self.emit_response(&mut out, "response.in_progress", &r);
         out
@@ -299,6 +300,8 @@ impl StreamTranslator {
     /// escaped contents of a JSON string); the text is decoded once, for the Response object.
     fn close_message(&mut self, out: &mut Vec<u8>) {
         let Some((index, raw)) = self.message.take() else { return };
+        // The three events: the text three times, ~700 bytes of fields.
+        out.reserve(3 * raw.len() + 768);
         let status = answer::item_status(answer::status_of(self.finish_reason.as_deref()));
         let id = std::mem::take(&mut self.message_id);
         let part = |out: &mut Vec<u8>| {
@@ -409,6 +412,7 @@ impl StreamTranslator {
         });
         let mut json = Vec::with_capacity(1024 + self.output.len());
         let output = self.meta.write_response(&mut json, &Outcome { status, output: &self.output, usage: usage.as_deref(), model: self.model.as_deref(), error });
+        out.reserve(json.len() + 96);
         self.emit_response(out, kind, &json);
         self.terminal = Some(Terminal { json, output, status });
         self.ended = true;
@@ -435,7 +439,7 @@ fn json_bytes(v: &Value) -> Vec<u8> {
 }
 
 /// A number's decimal digits (`write!` goes through `fmt`: several times the cost, per token).
-pub(crate) fn push_u64(out: &mut Vec<u8>, mut n: u64) {
+pub fn push_u64(out: &mut Vec<u8>, mut n: u64) {
     let mut digits = [0u8; 20];
     let mut i = digits.len();
     loop {

@@ -34,22 +34,25 @@ pub fn input_items(kept: &StoredResponse) -> &[Value] {
 }
 
 /// This turn's input items as kept: each without an id gets `msg_<suffix>_in<i>` (a message) or
-/// `item_<suffix>_in<i>`, `suffix` being the response id's.
-pub fn with_ids(input: &[Value], response_id: &str) -> Vec<Value> {
+/// `item_<suffix>_in<i>`, `suffix` being the response id's. Takes the items (they are kept, not
+/// copied).
+pub fn with_ids(input: Vec<Value>, response_id: &str) -> Vec<Value> {
     let suffix = response_id.strip_prefix("resp_").unwrap_or(response_id);
+    let mut input = input;
+    for (i, item) in input.iter_mut().enumerate() {
+        if let Some(obj) = item.as_object_mut().filter(|o| !o.contains_key("id")) {
+            let is_message = obj.get("type").and_then(Value::as_str).is_none_or(|t| t == "message");
+            let mut id = String::with_capacity(suffix.len() + 12);
+            id.push_str(if is_message { "msg_" } else { "item_" });
+            id.push_str(suffix);
+            id.push_str("_in");
+            let mut digits = Vec::with_capacity(4);
+            pdgate_protocol::push_u64(&mut digits, i as u64);
+            id.push_str(std::str::from_utf8(&digits).unwrap_or_default());
+            obj.insert("id".into(), id.into());
+        }
+    }
     input
-        .iter()
-        .enumerate()
-        .map(|(i, item)| {
-            let mut item = item.clone();
-            if let Some(obj) = item.as_object_mut().filter(|o| !o.contains_key("id")) {
-                let is_message = obj.get("type").and_then(Value::as_str).is_none_or(|t| t == "message");
-                let id = if is_message { format!("msg_{suffix}_in{i}") } else { format!("item_{suffix}_in{i}") };
-                obj.insert("id".into(), id.into());
-            }
-            item
-        })
-        .collect()
 }
 
 /// One page of `items` (oldest first) in OpenAI's list shape.
@@ -114,7 +117,7 @@ mod tests {
 
     fn items() -> Vec<Value> {
         with_ids(
-            &[
+            vec![
                 json!({"type": "message", "role": "user", "content": "a"}),
                 json!({"role": "user", "content": [{"type": "input_text", "text": "b"}]}),
                 json!({"type": "function_call_output", "call_id": "c", "output": "o"}),

@@ -8,6 +8,7 @@
 //! back: whole, or chunk by chunk into the Responses event stream. Kept responses live in a
 //! [`store::ResponseStore`] (in memory by default).
 
+mod body;
 pub mod items;
 pub mod store;
 
@@ -20,7 +21,6 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use futures_util::StreamExt;
 use pdgate_core::error::{ErrorKind, Source};
 use pdgate_core::GatewayError;
 use pdgate_protocol::openai::error_body;
@@ -153,7 +153,7 @@ fn response_id(n: u128) -> String {
 async fn keep(store: &dyn ResponseStore, id: &str, p: Turn, json: Bytes, output: Range<usize>, status: &str) {
     if p.req.store && matches!(status, "completed" | "incomplete") {
         let mut input = p.history;
-        input.extend(items::with_ids(&p.req.input, id));
+        input.extend(items::with_ids(p.req.input, id));
         store.put(id.to_string(), StoredResponse { response: json, output, input }).await;
     }
 }
@@ -176,51 +176,12 @@ async fn whole_answer(state: &AppState, resp: Response, meta: ResponseMeta, p: T
     Response::from_parts(parts, Body::from(body))
 }
 
-/// The chat stream's body, translated event by event. It reads the chat stream to its end even
-/// after the terminal event, so the relay finishes (accounting, breakers) as for a chat client.
+/// The chat stream's body, translated event by event ([`body::ResponsesBody`]).
 fn stream_answer(resp: Response, meta: ResponseMeta, p: Turn, store: Arc<dyn ResponseStore>) -> Response {
     let (mut parts, body) = resp.into_parts();
     parts.headers.remove(header::CONTENT_LENGTH);
     let id = meta.id.clone();
-    let mut translator = StreamTranslator::new(meta);
-    let head = translator.start();
-    struct St {
-        chunks: axum::body::BodyDataStream,
-        t: StreamTranslator,
-        head: Option<Vec<u8>>,
-        ended: bool,
-        /// The response's id and this turn, until the response is kept.
-        unkept: Option<(String, Turn)>,
-        store: Arc<dyn ResponseStore>,
-    }
-    let st = St { chunks: body.into_data_stream(), t: translator, head: Some(head), ended: false, unkept: Some((id, p)), store };
-    let events = futures_util::stream::unfold(st, |mut st| async move {
-        if let Some(h) = st.head.take() {
-            return Some((Ok::<_, std::convert::Infallible>(Bytes::from(h)), st));
-        }
-        while !st.ended {
-            let out = match st.chunks.next().await {
-                Some(Ok(chunk)) => st.t.feed(&chunk),
-                // The relay ends a broken stream with its own error event; a body error here
-                // is the client side going away or a bug: end the Responses stream validly.
-                Some(Err(_)) | None => {
-                    st.ended = true;
-                    st.t.end()
-                }
-            };
-            if st.t.terminal().is_some() {
-                if let (Some(done), Some((id, p))) = (st.t.take_terminal(), st.unkept.take()) {
-                    // Kept before the client sees the terminal event: a retrieve right after works.
-                    keep(st.store.as_ref(), &id, p, Bytes::from(done.json), done.output, done.status).await;
-                }
-            }
-            if !out.is_empty() {
-                return Some((Ok(Bytes::from(out)), st));
-            }
-        }
-        None
-    });
-    Response::from_parts(parts, Body::from_stream(events))
+    Response::from_parts(parts, Body::new(body::ResponsesBody::new(body, StreamTranslator::new(meta), id, p, store)))
 }
 
 async fn retrieve(State(r): State<Arc<Responses>>, Path(id): Path<String>) -> Response {

@@ -156,9 +156,9 @@ impl MemoryStore {
             return;
         }
         // Expired first, then the oldest until the new entry fits.
-        while let Some((_, front)) = inner.order.front().cloned() {
+        while let Some((_, front)) = inner.order.front() {
             let over = inner.map.len() + 1 > self.bounds.max_entries || inner.bytes + bytes > self.bounds.max_bytes;
-            let expired = inner.map.get(&front).is_none_or(|e| e.expires <= now);
+            let expired = inner.map.get(front).is_none_or(|e| e.expires <= now);
             if !over && !expired {
                 break;
             }
