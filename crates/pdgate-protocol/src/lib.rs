@@ -28,5 +28,5 @@ pub mod sse;
 pub mod usage;
 
 pub use limits::Limits;
-pub use responses::stream::push_u64;
 pub use request::{estimate_tokens, parse_object, parse_request, Endpoint, InvalidRequest, ParsedRequest};
+pub use responses::stream::push_u64;

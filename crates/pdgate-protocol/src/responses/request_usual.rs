@@ -53,15 +53,7 @@ pub(crate) fn usual(raw: &[u8]) -> Option<ResponsesRequest> {
     if stream {
         chat.insert("stream_options".into(), json!({"include_usage": true}));
     }
-    Some(ResponsesRequest {
-        stream,
-        store,
-        previous_response_id: previous.map(str::to_string),
-        instructions: instructions.map(str::to_string),
-        input,
-        echo,
-        chat,
-    })
+    Some(ResponsesRequest { stream, store, previous_response_id: previous.map(str::to_string), instructions: instructions.map(str::to_string), input, echo, chat })
 }
 
 /// `input`: a string (one user message item, as the parse makes it), or a non-empty list of
