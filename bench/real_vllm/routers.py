@@ -144,10 +144,11 @@ def run_round(scenario: str, router: str, workers: dict, args, dataset: Path, mo
             answers(url)  # warm-up: connections, caches
         # What the router burns with no traffic (health checks, load polling, timers): taken out
         # of the per-request figure, since `vllm bench serve` spends ~20 s importing before its
-        # first request and the windows differ in length; reported on its own.
-        idle0, t0 = tree_cpu_s(proc.pid), time.monotonic()
-        time.sleep(args.idle_window)
-        idle_rate = (tree_cpu_s(proc.pid) - idle0) / (time.monotonic() - t0)
+        # first request and the windows differ in length; reported on its own. Measured before
+        # and after the clients, and the mean used: a router's idle burns in bursts (pdgate
+        # scrapes the workers' /metrics), and one short window misreads it.
+        idle_before = idle_rate(proc.pid, args.idle_window)
+        runs = []
         # The clients take turns going first (the second finds the worker warmer: its prefix
         # cache, its allocator), so neither is always favoured.
         for client in (("vllm", "pdgate") if rnd % 2 == 0 else ("pdgate", "vllm")):
@@ -156,7 +157,12 @@ def run_round(scenario: str, router: str, workers: dict, args, dataset: Path, mo
             r = subprocess.run(client_command(client, url, args, dataset, model_dir, out, name), capture_output=True,
                                text=True, timeout=1800)
             cpu1, xfer1, wall = tree_cpu_s(proc.pid), nixl_transfers(workers.get("decode")), time.monotonic() - t0
-            row = {"scenario": scenario, "router": router, "client": client, "round": rnd, "idle_cpu_pct": 100 * idle_rate}
+            runs.append((client, name, r, cpu1 - cpu0, wall, xfer0, xfer1))
+        idle_after = idle_rate(proc.pid, args.idle_window)
+        idle = (idle_before + idle_after) / 2
+        for client, name, r, cpu, wall, xfer0, xfer1 in runs:
+            row = {"scenario": scenario, "router": router, "client": client, "round": rnd, "idle_cpu_pct": 100 * idle,
+                   "idle_cpu_pct_before_after": [100 * idle_before, 100 * idle_after]}
             try:
                 res = json.loads((out / name).read_text())
             except (OSError, ValueError):
@@ -165,7 +171,7 @@ def run_round(scenario: str, router: str, workers: dict, args, dataset: Path, mo
                 continue
             done = res.get("completed", 0)
             row.update(completed=done, failed=args.num_prompts - done,
-                       cpu_ms_per_req=1000 * (cpu1 - cpu0 - idle_rate * wall) / done if done else None,
+                       cpu_ms_per_req=1000 * (cpu - idle * wall) / done if done else None,
                        transfers_per_req=(xfer1 - xfer0) / done if done and None not in (xfer0, xfer1) else None,
                        **{k: res.get(k) for k in ("p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms")})
             rows.append(row)
@@ -173,6 +179,13 @@ def run_round(scenario: str, router: str, workers: dict, args, dataset: Path, mo
         stop(proc)
         log.close()
     return rows
+
+
+def idle_rate(pid: int, window: float) -> float:
+    """Cores' worth of CPU the process tree uses over `window` seconds of no traffic."""
+    cpu0, t0 = tree_cpu_s(pid), time.monotonic()
+    time.sleep(window)
+    return (tree_cpu_s(pid) - cpu0) / (time.monotonic() - t0)
 
 
 def stop(proc: subprocess.Popen) -> None:
