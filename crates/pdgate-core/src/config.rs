@@ -113,14 +113,18 @@ pub struct GatewayConfig {
     #[serde(deserialize_with = "crate::config_serde::decode_list")]
     pub decode: Vec<Vec<String>>,
 
-    /// Encode/prefill/decode mode (SMG's spelling): PD mode with the bootstrap connector, plus
-    /// encode workers (--encode) that run the vision encoder for a chat request's images and
-    /// ship the embeddings to the prefill. Text-only requests run as plain PD.
+    /// Encode/prefill/decode mode (SMG's spelling): PD mode plus encode workers (--encode) that
+    /// run the vision encoder for a chat request's images and hand the embeddings to the
+    /// prefill. With the bootstrap connector, TokenSpeed's protocol (`POST /encode`, embeddings
+    /// shipped to the prefill by room); with nixl or mooncake, vLLM's disaggregated encoder (a
+    /// chat completion per image, answered before the prefill is sent, its `ec_transfer_params`
+    /// relayed to the prefill). Text-only requests run as plain PD.
     #[arg(long)]
     pub epd_disaggregation: bool,
 
-    /// An encode worker (EPD, http:// serving `POST /encode`) and its bootstrap port (`none`
-    /// for the engine default), then any `label=KEY=VALUE`. Repeat for more workers. gRPC
+    /// An encode worker (EPD, http://: `POST /encode` under the bootstrap connector, a vLLM
+    /// `ec_producer` under nixl/mooncake) and its bootstrap port (`none` for the engine default;
+    /// unused by vLLM encoders), then any `label=KEY=VALUE`. Repeat for more workers. gRPC
     /// encode workers are not built yet.
     #[arg(long, num_args = 1.., action = ArgAction::Append, value_names = ["URL", "BOOTSTRAP_PORT"])]
     #[serde(deserialize_with = "crate::config_serde::encode_list")]
@@ -132,7 +136,8 @@ pub struct GatewayConfig {
     #[arg(long, value_enum, default_value_t = EncodePolicy::ConsistentHashing)]
     pub encode_policy: EncodePolicy,
 
-    /// EPD: how long an encode worker may take to accept an image (answer `POST /encode`).
+    /// EPD: how long an encode worker may take to accept an image (answer `POST /encode`, or a
+    /// vLLM encoder its chat completion).
     /// One that does not is a failed encode leg (`encode_timeout`): its breaker hears it and
     /// the request is retried on another encode worker while its own deadline allows.
     #[arg(long, default_value_t = 30)]
@@ -797,9 +802,6 @@ impl GatewayConfig {
         }
         if !self.epd_disaggregation && !self.encode.is_empty() {
             return bad("--encode needs --epd-disaggregation".into());
-        }
-        if self.epd_disaggregation && (self.kv_connector != KvConnector::Bootstrap || self.vllm_pd_disaggregation) {
-            return bad(format!("--epd-disaggregation runs the bootstrap connector (SGLang/TokenSpeed style); --kv-connector {} is not built for EPD", self.kv_connector.as_str()));
         }
         if self.request_timeout_secs == 0 {
             return bad("--request-timeout-secs must be at least 1".into());

@@ -1,12 +1,18 @@
-//! EPD's decisions (docs/protocols.md §8): which encode worker gets each image, the room its
-//! embedding waits under, and what the prefill is told, as SMG drives TokenSpeed workers.
+//! EPD's decisions (docs/protocols.md §8): which encode worker gets each image, what it is
+//! sent, and what the prefill is told. Two styles, by the PD connector:
 //!
-//! Per image: the encode policy picks an encode worker (consistent hashing keys it by the
-//! image's content hash, so a repeated image meets the same worker's embedding cache); a
-//! 63-bit room is minted from the injected rng; the encode worker gets `POST /encode` with the
-//! image and the room, and the prefill's body gets `encode_bootstrap_info` naming the encode
-//! worker's bootstrap server and the room per `item_index`. The decode's body is unchanged.
-//! Pure: no IO, randomness as an argument.
+//! - **TokenSpeed** (bootstrap, as SMG drives TokenSpeed workers): per image a 63-bit room is
+//!   minted from the injected rng; the encode worker gets `POST /encode` with the image and the
+//!   room, and the prefill's body gets `encode_bootstrap_info` naming the encode worker's
+//!   bootstrap server and the room per `item_index`. Sent together with the PD legs.
+//! - **vLLM** (NIXL, Mooncake; vLLM's disaggregated encoder): per image the encoder gets a chat
+//!   completion of that image alone (`max_tokens` 1, not streamed), and answers once it stored
+//!   the embedding where the prefill's encoder-cache connector finds it; its answer's
+//!   `ec_transfer_params` go to the prefill ([`add_ec_params`]). Sent before the PD legs.
+//!
+//! Either way the encode policy picks the worker (consistent hashing keys it by the image's
+//! content hash, so a repeated image meets the same worker's embedding cache) and the decode's
+//! body is unchanged. Pure: no IO, randomness as an argument.
 
 use rand::{Rng, RngCore};
 
@@ -28,6 +34,35 @@ pub struct Image {
     pub content_hash: String,
 }
 
+/// How encode workers are driven: by the PD connector (see the module's doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EncodeStyle {
+    /// `POST /encode` with a room, sent with the PD legs (bootstrap).
+    TokenSpeed,
+    /// `POST /v1/chat/completions` of the image alone, answered before the PD legs are sent
+    /// (NIXL, Mooncake).
+    Vllm,
+}
+
+impl EncodeStyle {
+    /// The style the plan's PD connector implies, or none outside PD.
+    pub fn of(mode: Mode) -> Option<EncodeStyle> {
+        match mode {
+            Mode::Pd(KvConnector::Bootstrap) => Some(EncodeStyle::TokenSpeed),
+            Mode::Pd(KvConnector::Nixl | KvConnector::Mooncake) => Some(EncodeStyle::Vllm),
+            Mode::Regular => None,
+        }
+    }
+
+    /// The path the encode leg is sent to.
+    pub fn path(self) -> &'static str {
+        match self {
+            EncodeStyle::TokenSpeed => "/encode",
+            EncodeStyle::Vllm => "/v1/chat/completions",
+        }
+    }
+}
+
 /// The call to one encode worker for one image.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EncodeLeg {
@@ -36,8 +71,14 @@ pub struct EncodeLeg {
     pub url: String,
     /// The image's place among the prompt's images (`item_index`).
     pub item_index: usize,
-    pub room: u64,
-    /// `POST /encode` body.
+    pub style: EncodeStyle,
+    /// TokenSpeed: the room the embedding waits under. vLLM: none (the embedding is found by
+    /// the engine's hash of the image).
+    pub room: Option<u64>,
+    /// The engine's id for the call: TokenSpeed's `req_id` (what `/abort_request` matches), or
+    /// the `X-Request-Id` of a vLLM call.
+    pub call_id: String,
+    /// `POST /encode` body, or the image's own chat completion.
     pub body: serde_json::Map<String, serde_json::Value>,
 }
 
@@ -52,18 +93,25 @@ pub fn select_encoder(snap: &PoolSnapshot, policy: &dyn Policy, image: &Image, s
     policy.select(snap, candidates, &input, rng).ok_or_else(|| GatewayError::no_workers("encode"))
 }
 
-/// Adds the encode legs to a bootstrap plan: a room per image, the `POST /encode` bodies, and
-/// the prefill's body with `encode_bootstrap_info` (the decode's is left as it is).
-/// `encoders[i]` is image `i`'s encode worker.
+/// The encode legs of a PD plan, one per image (`encoders[i]` is image `i`'s encode worker).
+/// TokenSpeed: a room per image, the `POST /encode` bodies, and the prefill's body with
+/// `encode_bootstrap_info`. vLLM: each image's chat completion; the prefill's body is completed
+/// from the answers ([`add_ec_params`]). The decode's body is left as it is.
 pub fn attach(plan: &mut PdPlan, snap: &PoolSnapshot, images: &[Image], encoders: &[usize], rng: &mut dyn RngCore) -> Result<Vec<EncodeLeg>, GatewayError> {
-    if plan.mode != Mode::Pd(KvConnector::Bootstrap) {
-        return Err(GatewayError::internal(format!("EPD runs over the bootstrap connector, not {}", plan.mode.as_str())));
-    }
-    let request_id = plan.request_id.clone();
-    let Some(prefill) = plan.prefill.as_mut() else { return Err(GatewayError::internal("an EPD plan needs a prefill leg")) };
+    let Some(style) = EncodeStyle::of(plan.mode) else { return Err(GatewayError::internal("EPD needs a PD plan")) };
+    let Some(prefill) = plan.prefill.as_ref() else { return Err(GatewayError::internal("an EPD plan needs a prefill leg")) };
     if snap.worker(prefill.worker).spec.is_grpc() {
         return Err(GatewayError::invalid(Some("messages"), "images need an http:// prefill worker: EPD over gRPC prefill workers is not built yet"));
     }
+    match style {
+        EncodeStyle::TokenSpeed => attach_tokenspeed(plan, snap, images, encoders, rng),
+        EncodeStyle::Vllm => vllm_legs(plan, snap, images, encoders),
+    }
+}
+
+fn attach_tokenspeed(plan: &mut PdPlan, snap: &PoolSnapshot, images: &[Image], encoders: &[usize], rng: &mut dyn RngCore) -> Result<Vec<EncodeLeg>, GatewayError> {
+    let request_id = plan.request_id.clone();
+    let Some(prefill) = plan.prefill.as_mut() else { return Err(GatewayError::internal("an EPD plan needs a prefill leg")) };
     let mut legs = Vec::with_capacity(images.len());
     let mut items = Vec::with_capacity(images.len());
     for (i, (image, &w)) in images.iter().zip(encoders).enumerate() {
@@ -71,8 +119,9 @@ pub fn attach(plan: &mut PdPlan, snap: &PoolSnapshot, images: &[Image], encoders
         let room = rng.random_range(0..=MAX_ROOM);
         let port = spec.bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT);
         items.push(EncodeItem { item_index: i, bootstrap_host: spec.host.clone(), bootstrap_port: port, bootstrap_room: room });
-        let body = media::encode_body(&format!("encode-{request_id}-{i}"), &image.url, room);
-        legs.push(EncodeLeg { worker: w, url: spec.url.clone(), item_index: i, room, body });
+        let call_id = format!("encode-{request_id}-{i}");
+        let body = media::encode_body(&call_id, &image.url, room);
+        legs.push(EncodeLeg { worker: w, url: spec.url.clone(), item_index: i, style: EncodeStyle::TokenSpeed, room: Some(room), call_id, body });
     }
     // The prefill's own body: the decode's (or, for a stream, the whole-answer copy) plus where
     // each embedding waits.
@@ -83,6 +132,50 @@ pub fn attach(plan: &mut PdPlan, snap: &PoolSnapshot, images: &[Image], encoders
     body.insert("encode_bootstrap_info".into(), media::encode_bootstrap_info(&items));
     prefill.body = LegBody::Json(body);
     Ok(legs)
+}
+
+/// vLLM: each image alone in a chat completion of one token, not streamed, under the request's
+/// model, as vLLM's EPD proxy primes its encoders (docs/protocols.md §8). Its call id is the
+/// attempt's with the image's index, so two images on one encoder never share an id.
+fn vllm_legs(plan: &PdPlan, snap: &PoolSnapshot, images: &[Image], encoders: &[usize]) -> Result<Vec<EncodeLeg>, GatewayError> {
+    let model = match plan.prefill.as_ref().map(|p| &p.body) {
+        Some(LegBody::Json(b)) => b.get("model").cloned(),
+        _ => None,
+    };
+    let legs = images
+        .iter()
+        .zip(encoders)
+        .enumerate()
+        .map(|(i, (image, &w))| EncodeLeg {
+            worker: w,
+            url: snap.worker(w).spec.url.clone(),
+            item_index: i,
+            style: EncodeStyle::Vllm,
+            room: None,
+            call_id: format!("{}-encode-{i}", plan.request_id),
+            body: media::vllm_encode_body(model.as_ref(), &image.url),
+        })
+        .collect();
+    Ok(legs)
+}
+
+/// vLLM: the encoders' `ec_transfer_params`, merged (one entry per image hash; an image sent
+/// twice keeps its first entry), in the prefill's body. Nothing is added when no encoder gave
+/// any (vLLM's shared-storage connector finds the embeddings without them).
+pub fn add_ec_params(plan: &mut PdPlan, params: serde_json::Map<String, serde_json::Value>) -> Result<(), GatewayError> {
+    if params.is_empty() {
+        return Ok(());
+    }
+    let relayed = plan.relayed.body.clone();
+    let Some(prefill) = plan.prefill.as_mut() else { return Err(GatewayError::internal("an EPD plan needs a prefill leg")) };
+    let mut body = match (&prefill.body, relayed) {
+        (LegBody::Json(b), _) => b.clone(),
+        (LegBody::SameAsRelayed, LegBody::Json(b)) => b,
+        (other, _) => return Err(GatewayError::internal(format!("an EPD prefill cannot carry ec_transfer_params in {other:?}"))),
+    };
+    body.insert("ec_transfer_params".into(), serde_json::Value::Object(params));
+    prefill.body = LegBody::Json(body);
+    Ok(())
 }
 
 #[cfg(test)]
@@ -99,6 +192,10 @@ mod tests {
     use std::sync::Arc;
 
     fn snap() -> PoolSnapshot {
+        snap_for(KvConnector::Bootstrap)
+    }
+
+    fn snap_for(connector: KvConnector) -> PoolSnapshot {
         let mut views = Vec::new();
         for (url, role, port) in [
             ("http://p:1", WorkerRole::Prefill, Some(8998)),
@@ -111,7 +208,7 @@ mod tests {
             spec.bootstrap_port = port;
             views.push(WorkerView::new(Arc::new(spec), true));
         }
-        PoolSnapshot::build(views, KvConnector::Bootstrap)
+        PoolSnapshot::build(views, connector)
     }
 
     fn image(hash: &str) -> Image {
@@ -171,13 +268,58 @@ mod tests {
             assert_eq!(p["stream"], Value::Bool(false), "the prefill answers whole");
             assert!(p.contains_key("bootstrap_room"), "the PD rendezvous stays");
             for (i, leg) in legs.iter().enumerate() {
-                assert_eq!(items[i]["bootstrap_room"], leg.room);
+                assert_eq!(items[i]["bootstrap_room"], leg.room.unwrap());
                 assert_eq!(items[i]["item_index"], i);
-                assert_eq!(leg.body["items"][0]["bootstrap_room"], leg.room);
+                assert_eq!(leg.body["items"][0]["bootstrap_room"], leg.room.unwrap());
+                assert_eq!((leg.style, leg.call_id.as_str()), (EncodeStyle::TokenSpeed, leg.body["req_id"].as_str().unwrap()));
                 assert_eq!(leg.body["mm_items"][0], format!("data:image/png;base64,h{i}"));
                 assert_eq!(leg.body["req_id"], format!("encode-rid-1-{i}"));
             }
             assert_ne!(legs[0].room, legs[1].room);
         }
+    }
+
+    fn nixl_plan(stream: bool) -> (PoolSnapshot, PdPlan) {
+        let s = snap_for(KvConnector::Nixl);
+        let body = json!({"model": "m", "stream": stream, "max_tokens": 9, "messages": [{"role": "user", "content": "hi"}]});
+        let req = parse_request(Endpoint::ChatCompletions, serde_json::to_vec(&body).unwrap().as_slice(), &Limits::default()).unwrap();
+        let mut rng = StdRng::seed_from_u64(7);
+        let plan = crate::plan::pd(&s, &Selection::new(0, "t"), &Selection::new(1, "t"), &req, "rid-2", &mut rng).unwrap();
+        (s, plan)
+    }
+
+    #[test]
+    fn vllm_encoders_get_each_image_alone_and_the_prefill_their_params() {
+        let (s, mut plan) = nixl_plan(true);
+        let (prefill_before, decode_before) = (plan.prefill.clone(), plan.relayed.body.clone());
+        let mut rng = StdRng::seed_from_u64(9);
+        let legs = attach(&mut plan, &s, &[image("h0"), image("h1")], &[2, 4], &mut rng).unwrap();
+        assert_eq!((plan.prefill.clone(), plan.relayed.body.clone()), (prefill_before, decode_before), "nothing changes before the answers");
+        for (i, leg) in legs.iter().enumerate() {
+            assert_eq!((leg.style, leg.room, leg.item_index), (EncodeStyle::Vllm, None, i));
+            assert_eq!(leg.call_id, format!("rid-2-encode-{i}"));
+            let want = json!({"model": "m", "max_tokens": 1, "stream": false,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": format!("data:image/png;base64,h{i}")}}]}]});
+            assert_eq!(Value::Object(leg.body.clone()), want);
+        }
+        assert_eq!((legs[0].url.as_str(), legs[1].url.as_str()), ("http://e0:1", "http://e2:1"));
+        assert_eq!(EncodeStyle::Vllm.path(), "/v1/chat/completions");
+
+        // No params: the prefill's body is left alone.
+        let before = plan.prefill.clone();
+        add_ec_params(&mut plan, serde_json::Map::new()).unwrap();
+        assert_eq!(plan.prefill, before);
+        let params = json!({"abc": {"item_indices": [0], "metadata": {}}}).as_object().unwrap().clone();
+        add_ec_params(&mut plan, params).unwrap();
+        let LegBody::Json(p) = &plan.prefill.as_ref().unwrap().body else { panic!("the prefill has its own body") };
+        assert_eq!(p["ec_transfer_params"], json!({"abc": {"item_indices": [0], "metadata": {}}}));
+        assert_eq!(p["kv_transfer_params"]["do_remote_decode"], Value::Bool(true), "the NIXL prefill stays one");
+    }
+
+    #[test]
+    fn the_style_follows_the_connector() {
+        assert_eq!(EncodeStyle::of(Mode::Pd(KvConnector::Bootstrap)), Some(EncodeStyle::TokenSpeed));
+        assert_eq!(EncodeStyle::of(Mode::Pd(KvConnector::Mooncake)), Some(EncodeStyle::Vllm));
+        assert_eq!(EncodeStyle::of(Mode::Regular), None);
     }
 }

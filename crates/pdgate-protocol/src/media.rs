@@ -87,6 +87,20 @@ pub fn encode_body(req_id: &str, url: &str, room: u64) -> Map<String, Value> {
     body
 }
 
+/// vLLM's encoder call for one image: a chat completion of that image alone (no text), one
+/// token, not streamed, under the request's model (vLLM's `disagg_epd_proxy.py`; the encoder
+/// answers once the embedding is stored for the prefill's encoder-cache connector).
+pub fn vllm_encode_body(model: Option<&Value>, url: &str) -> Map<String, Value> {
+    let mut body = Map::new();
+    if let Some(m) = model {
+        body.insert("model".into(), m.clone());
+    }
+    body.insert("messages".into(), json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]));
+    body.insert("max_tokens".into(), Value::from(1));
+    body.insert("stream".into(), Value::Bool(false));
+    body
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {

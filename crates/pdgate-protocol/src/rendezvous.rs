@@ -15,9 +15,10 @@ use serde_json::{Map, Value};
 ///   them: `transfer_id`, `remote_engine_id`, `remote_bootstrap_addr`, `remote_host`,
 ///   `remote_port`, `remote_block_ids`, `remote_request_id`, `do_remote_prefill`,
 ///   `do_remote_decode`;
-/// - EPD (TokenSpeed, docs/protocols.md §8): `encode_bootstrap_info` (where a prefill fetches
-///   a request's image embeddings).
-pub const GATEWAY_FIELDS: [&str; 20] = [
+/// - EPD (docs/protocols.md §8): TokenSpeed's `encode_bootstrap_info` (where a prefill fetches
+///   a request's image embeddings) and vLLM's `ec_transfer_params` (the encoder's answer, which
+///   may name the host a prefill reads an embedding from).
+pub const GATEWAY_FIELDS: [&str; 21] = [
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",
@@ -38,6 +39,7 @@ pub const GATEWAY_FIELDS: [&str; 20] = [
     "do_remote_prefill",
     "do_remote_decode",
     "encode_bootstrap_info",
+    "ec_transfer_params",
 ];
 
 /// Whether `key` is one of [`GATEWAY_FIELDS`] (a `match`: this runs for every key of every
@@ -65,6 +67,7 @@ pub fn is_gateway_field(key: &str) -> bool {
             | "do_remote_prefill"
             | "do_remote_decode"
             | "encode_bootstrap_info"
+            | "ec_transfer_params"
     )
 }
 

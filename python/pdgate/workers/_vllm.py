@@ -64,13 +64,17 @@ class VllmWorker:
     grpc: serve the SMG gRPC contract instead of HTTP (`vllm.entrypoints.launchers.grpc_server`,
     the `smg-grpc-servicer[vllm]` the install script adds); `url` is then `grpc://host:port`,
     readiness is the service's `HealthCheck`, and there is no `/metrics` to read.
+    ec_transfer_config: vLLM's `--ec-transfer-config` (its disaggregated encoder), e.g.
+    `{"ec_connector": "ECExampleConnector", "ec_role": "ec_producer", "ec_connector_extra_config":
+    {"shared_storage_path": DIR}}` for an encode worker, `ec_consumer` for the prefill.
     """
 
     def __init__(self, model: str, mode: str = "null", kv_connector: str | None = None, *,
                  python: str | None = None, port: int | None = None, host: str = "127.0.0.1",
                  served_model_name: str | None = None, dtype: str = "float32", max_model_len: int = 2048,
                  kv_events_config: Mapping | None = None, extra_args: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None, log_path: str | None = None, grpc: bool = False):
+                 env: Mapping[str, str] | None = None, log_path: str | None = None, grpc: bool = False,
+                 ec_transfer_config: Mapping | None = None):
         if mode not in ("prefill", "decode", "null"):
             raise ValueError(f"mode must be prefill, decode or null, not {mode!r}")
         if mode != "null" and kv_connector is None:
@@ -86,6 +90,7 @@ class VllmWorker:
         self.served_model_name = served_model_name
         self.dtype, self.max_model_len = dtype, max_model_len
         self.kv_events_config = dict(kv_events_config) if kv_events_config else None
+        self.ec_transfer_config = dict(ec_transfer_config) if ec_transfer_config else None
         self.extra_args = list(extra_args)
         self.env = dict(env or {})
         self.log_path = log_path
@@ -115,6 +120,8 @@ class VllmWorker:
             cmd += ["--kv-transfer-config", json.dumps(cfg, separators=(",", ":"))]
         if self.kv_events_config is not None:
             cmd += ["--kv-events-config", json.dumps(self.kv_events_config, separators=(",", ":"))]
+        if self.ec_transfer_config is not None:
+            cmd += ["--ec-transfer-config", json.dumps(self.ec_transfer_config, separators=(",", ":"))]
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:

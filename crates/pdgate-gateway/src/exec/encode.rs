@@ -5,21 +5,30 @@
 //! Each image is named by SHA-256 of its bytes, the name the reference engine gives it (SMG
 //! uses BLAKE3 of the same bytes); `--encode-policy consistent_hashing` hashes on that name.
 //!
-//! Per attempt, `decide` picks an encode worker per image and core's `epd::attach` mints the
-//! rooms and the bodies; `send` starts one `POST /encode` per image, and the prefill leg awaits
-//! them together with its own call (`transaction::send_prefill`). So a failed encode call
-//! fails the prefill leg and the attempt: the decode is aborted as for any failed leg, the
-//! prefill too (its call is dropped unfinished), and the retry loop may try again on another
-//! encode worker, before any byte reached the client, within the request's deadline.
+//! Per attempt, `decide` picks an encode worker per image and core's `epd::attach` makes the
+//! legs; `send` starts one call per image. Two styles, by the PD connector (core `epd`):
+//! - TokenSpeed (bootstrap): `POST /encode` with a room; the prefill leg awaits the calls
+//!   together with its own call (`transaction::send_prefill`), so a failed encode call fails
+//!   the prefill leg and the attempt: the decode is aborted as for any failed leg, the prefill
+//!   too (its call is dropped unfinished).
+//! - vLLM (NIXL, Mooncake): the image's chat completion; the attempt awaits every answer before
+//!   any PD leg is sent ([`before_pd`]), and their `ec_transfer_params` go to the prefill. An
+//!   encoder that answers without them stored nothing a prefill can find: the prefill will
+//!   encode the image itself, which is counted as a silent recompute (`reason="no_ec_params"`).
+//!
+//! Either way the retry loop may try again on another encode worker, before any byte reached
+//! the client, within the request's deadline.
 //!
 //! Faults (docs/architecture.md, "EPD"): an encode worker that does not answer within
 //! `--encode-timeout-secs` fails its leg (`encode_timeout`, retried); one that answers
-//! anything but `"accepted": true` JSON too (`encode_bad_response`); a prefill that refuses
-//! an embedding names the image (`param: "encode_bootstrap_info.items[K]"`), and the failure
-//! is that image's encode worker's ([`blame`]). Each encode call holds an abort guard until
-//! the prefill has answered (by then it took the embeddings): an attempt abandoned earlier
-//! (a failed leg, a client gone) tells the encode worker `POST /abort_request {"rid":
-//! req_id}`, so no embedding waits there for a prefill that will never come.
+//! anything but `"accepted": true` JSON (vLLM: a JSON object) too (`encode_bad_response`); a
+//! prefill that refuses an embedding names the image (`param: "encode_bootstrap_info.items[K]"`),
+//! and the failure is that image's encode worker's ([`blame`]). Each TokenSpeed encode call
+//! holds an abort guard until the prefill has answered (by then it took the embeddings): an
+//! attempt abandoned earlier (a failed leg, a client gone) tells the encode worker
+//! `POST /abort_request {"rid": req_id}`, so no embedding waits there for a prefill that will
+//! never come. A vLLM encoder aborts a call whose connection closes, and holds nothing after
+//! its answer.
 
 use std::sync::{Arc, OnceLock};
 
@@ -27,13 +36,13 @@ use base64::Engine as _;
 use bytes::Bytes;
 use futures_util::future::try_join_all;
 use pdgate_core::breaker::Outcome;
-use pdgate_core::epd::{self, EncodeLeg, Image};
+use pdgate_core::epd::{self, EncodeLeg, EncodeStyle, Image};
 use pdgate_core::plan::{AbortStyle, PdPlan};
 use pdgate_core::ErrorKind;
 use pdgate_core::{GatewayError, Leg, PoolSnapshot};
 use pdgate_protocol::media;
 use pdgate_protocol::Endpoint;
-use serde_json::Value;
+use serde_json::{Map, Value};
 use tracing::Instrument;
 
 use super::{spans, Ctx};
@@ -67,6 +76,15 @@ pub fn find_images(ctx: &Ctx) -> Result<Arc<[Image]>, GatewayError> {
 pub struct Encodes {
     pub legs: Vec<EncodeLeg>,
     pub runtimes: Vec<Arc<Runtime>>,
+    /// The attempt's PD protocol (the legs' metric label).
+    pub protocol: &'static str,
+}
+
+impl Encodes {
+    /// Whether the legs are answered before the PD legs are sent (vLLM) rather than with them.
+    pub fn go_first(&self) -> bool {
+        self.legs.first().is_some_and(|l| l.style == EncodeStyle::Vllm)
+    }
 }
 
 /// Select, for an EPD attempt with images: an encode worker per image by `--encode-policy`
@@ -83,7 +101,7 @@ pub fn decide(ctx: &Ctx, routing: &Routing, plan: &mut PdPlan, exclude: &[usize]
         .and_then(|workers| epd::attach(plan, snap, &ctx.images, &workers, &mut rand::rng()));
     let legs = decided.inspect_err(|_| super::end_probes(ctx, snap, &admitted))?;
     let runtimes = legs.iter().map(|l| routing.runtime[l.worker].clone()).collect();
-    Ok(Encodes { legs, runtimes })
+    Ok(Encodes { legs, runtimes, protocol: plan.mode.as_str() })
 }
 
 /// Each image's encode worker, in image order. A worker is asked to admit this attempt once,
@@ -119,8 +137,8 @@ fn pick_all(ctx: &Ctx, snap: &PoolSnapshot, exclude: &[usize], admitted: &mut Ve
 /// The encode calls of one attempt, once sent.
 pub struct Sent {
     /// Ends when each worker accepted its image, or with the first failure (the other calls
-    /// are dropped).
-    pub calls: LegFuture<()>,
+    /// are dropped). vLLM: each answer's `ec_transfer_params` (TokenSpeed: none).
+    pub calls: LegFuture<Vec<Option<Map<String, Value>>>>,
     /// One per call, armed until the prefill answered: dropped armed, each aborts its call's
     /// rooms on its encode worker.
     pub aborts: Vec<AbortGuard>,
@@ -140,16 +158,22 @@ pub fn send(ctx: &Ctx, client: &Arc<dyn WorkerClient>, encodes: Encodes, failed:
     let mut calls = Vec::with_capacity(encodes.legs.len());
     let mut aborts = Vec::with_capacity(encodes.legs.len());
     let mut urls = Vec::with_capacity(encodes.legs.len());
+    let protocol = encodes.protocol;
     for (leg, rt) in encodes.legs.into_iter().zip(encodes.runtimes) {
-        let body = serde_json::to_vec(&leg.body).map(Bytes::from).map_err(|e| GatewayError::internal(format!("cannot encode the /encode body: {e}")))?;
-        let rid = leg.body.get("req_id").and_then(Value::as_str).unwrap_or_default().to_string();
-        aborts.push(AbortGuard::new(client, &leg.url, &AbortStyle::AbortRequest { rid }));
+        let body = serde_json::to_vec(&leg.body).map(Bytes::from).map_err(|e| GatewayError::internal(format!("cannot encode the encode leg's body: {e}")))?;
+        let (style, request_id) = match leg.style {
+            // TokenSpeed: the abort names the call's req_id; the header is the attempt's.
+            EncodeStyle::TokenSpeed => (AbortStyle::AbortRequest { rid: leg.call_id.clone() }, ctx.request_id.clone()),
+            // vLLM: its own request id per call; a closed connection is its abort.
+            EncodeStyle::Vllm => (AbortStyle::CloseConnection, leg.call_id.clone()),
+        };
+        aborts.push(AbortGuard::new(client, &leg.url, &style));
         urls.push(leg.url.clone());
         let req = LegRequest {
             url: leg.url.clone(),
-            path: "/encode",
+            path: leg.style.path(),
             body,
-            request_id: ctx.request_id.clone(),
+            request_id,
             leg: Leg::Encode,
             deadline: ctx.deadline,
             resumed_ids: 0,
@@ -161,6 +185,7 @@ pub fn send(ctx: &Ctx, client: &Arc<dyn WorkerClient>, encodes: Encodes, failed:
         let inflight = InflightGuard::new(&state.metrics, &rt, &url, "encode");
         let span = spans::leg(Leg::Encode, &url);
         let secs = own.as_secs();
+        let style = leg.style;
         calls.push(
             async move {
                 let t = std::time::Instant::now();
@@ -168,11 +193,14 @@ pub fn send(ctx: &Ctx, client: &Arc<dyn WorkerClient>, encodes: Encodes, failed:
                     Err(GatewayError::timeout(format!("the encode worker did not accept the image within {secs}s (--encode-timeout-secs) or the request's deadline"))
                         .on(Leg::Encode))
                 });
-                let out = answer.and_then(|answer| accepted(&answer));
+                let out = answer.and_then(|answer| match style {
+                    EncodeStyle::TokenSpeed => accepted(&answer).map(|()| None),
+                    EncodeStyle::Vllm => ec_params(&answer),
+                });
                 drop(inflight);
-                state.metrics.leg_duration.with_label_values(&["encode", "bootstrap"]).observe(t.elapsed().as_secs_f64());
+                state.metrics.leg_duration.with_label_values(&["encode", protocol]).observe(t.elapsed().as_secs_f64());
                 match &out {
-                    Ok(()) => state.fleet.record_outcome(&url, Outcome::Success),
+                    Ok(_) => state.fleet.record_outcome(&url, Outcome::Success),
                     Err(e) => {
                         spans::failed(&tracing::Span::current(), e);
                         let _ = failed.set(url);
@@ -183,8 +211,31 @@ pub fn send(ctx: &Ctx, client: &Arc<dyn WorkerClient>, encodes: Encodes, failed:
             .instrument(span),
         );
     }
-    let calls: LegFuture<()> = Box::pin(async move { try_join_all(calls).await.map(|_| ()) });
+    let calls: LegFuture<Vec<Option<Map<String, Value>>>> = Box::pin(try_join_all(calls));
     Ok(Sent { calls, aborts, urls, failed })
+}
+
+/// vLLM: sends the encode legs and waits for every answer, before any PD leg is sent (vLLM's
+/// proxy order: the prefill's connector looks for the embeddings when it schedules the
+/// prompt). Their `ec_transfer_params` go into the prefill's body. An encoder that gave none
+/// is counted (the prefill will encode that image itself).
+pub async fn before_pd(ctx: &Ctx, client: &Arc<dyn WorkerClient>, encodes: Encodes, plan: &mut PdPlan, failed: Arc<OnceLock<String>>) -> Result<(), GatewayError> {
+    let protocol = encodes.protocol;
+    let sent = send(ctx, client, encodes, failed)?;
+    let answers = sent.calls.await?;
+    let mut merged = Map::new();
+    for (params, url) in answers.into_iter().zip(&sent.urls) {
+        match params {
+            Some(p) => p.into_iter().for_each(|(hash, entry)| {
+                merged.entry(hash).or_insert(entry);
+            }),
+            None => {
+                tracing::warn!(encoder = %url, "the encoder answered without ec_transfer_params: the prefill will encode the image itself");
+                ctx.state.metrics.silent_recompute.with_label_values(&[protocol, "no_ec_params"]).inc();
+            }
+        }
+    }
+    epd::add_ec_params(plan, merged)
 }
 
 /// A prefill that failed because an embedding did not reach it (the reference engine's 5xx
@@ -211,6 +262,18 @@ fn refused_item(body: &str) -> Option<usize> {
     let v: Value = serde_json::from_str(body).ok()?;
     let param = v.get("error")?.get("param")?.as_str()?;
     param.strip_prefix("encode_bootstrap_info.items[")?.strip_suffix(']')?.parse().ok()
+}
+
+/// A vLLM encoder's answer: a chat completion (a JSON object) whose `ec_transfer_params`, an
+/// object keyed by the image's hash, say the embedding is stored; none (or not an object) is
+/// an encoder that stored nothing for a prefill (not an error: the prefill encodes itself).
+fn ec_params(answer: &[u8]) -> Result<Option<Map<String, Value>>, GatewayError> {
+    let v: Value = serde_json::from_slice(answer).map_err(|e| GatewayError::protocol(Leg::Encode, format!("the encoder's answer is not JSON: {e}")))?;
+    let Value::Object(mut answer) = v else { return Err(GatewayError::protocol(Leg::Encode, "the encoder's answer is not a JSON object")) };
+    Ok(match answer.remove("ec_transfer_params") {
+        Some(Value::Object(p)) if !p.is_empty() => Some(p),
+        _ => None,
+    })
 }
 
 /// An encode worker's answer: `{"accepted": true, ...}` once the embeddings wait for the
@@ -246,5 +309,20 @@ mod tests {
         let e = blame(GatewayError::worker_status(Leg::Prefill, 400, Some(body.into())), &urls, &failed);
         assert_eq!(e.leg, Some(Leg::Prefill));
         assert!(failed.get().is_none());
+    }
+
+    #[test]
+    fn a_vllm_encoders_answer_gives_its_ec_params_or_none() {
+        let stored = br#"{"choices":[{"message":{"content":""}}],"ec_transfer_params":{"ab12":{"item_indices":[0],"metadata":{}}}}"#;
+        let p = ec_params(stored).unwrap().unwrap();
+        assert_eq!(p.keys().collect::<Vec<_>>(), vec!["ab12"]);
+        // a worker with no encoder-cache connector stored nothing: no params, not an error
+        for none in [&br#"{"choices":[],"ec_transfer_params":null}"#[..], br#"{"choices":[]}"#, br#"{"ec_transfer_params":{}}"#, br#"{"ec_transfer_params":[1]}"#] {
+            assert_eq!(ec_params(none).unwrap(), None);
+        }
+        for bad in [&b"not json"[..], b"[1,2]", b"\"x\""] {
+            let e = ec_params(bad).unwrap_err();
+            assert_eq!((e.leg, e.code().as_str()), (Some(Leg::Encode), "encode_bad_response"));
+        }
     }
 }

@@ -353,7 +353,7 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
         None => (call, Vec::new(), None),
         // A failed encode call ends the leg at once, dropping the prefill's call unfinished.
         Some(encode::Sent { calls, aborts, urls, failed }) => {
-            (Box::pin(async move { futures_util::future::try_join(calls, call).await.map(|((), answer)| answer) }), aborts, Some((urls, failed)))
+            (Box::pin(async move { futures_util::future::try_join(calls, call).await.map(|(_, answer)| answer) }), aborts, Some((urls, failed)))
         }
     };
     let mut abort = AbortGuard::new(client, &leg.url, &leg.abort);
@@ -406,8 +406,16 @@ fn send_prefill(ctx: &Ctx, client: &Arc<dyn WorkerClient>, leg: &LegPlan, body: 
 /// Runs a chosen plan: prepare, send the legs in the plan's order, commit and relay.
 async fn run(ctx: &Ctx, chosen: Chosen, attempts: u32, resumes: u32, encode_failed: Arc<std::sync::OnceLock<String>>) -> Result<Committed, GatewayError> {
     let client = ctx.state.client.clone();
-    let Chosen { plan, prefill_runtime, relayed_runtime, encode, .. } = chosen;
+    let Chosen { mut plan, prefill_runtime, relayed_runtime, encode, .. } = chosen;
     let protocol = plan.mode.as_str();
+    // EPD, vLLM style: every image stored at its encoder before any PD leg is sent.
+    let encode = match encode {
+        Some(e) if e.go_first() => {
+            encode::before_pd(ctx, &client, e, &mut plan, encode_failed.clone()).await?;
+            None
+        }
+        other => other,
+    };
     let relayed_body = prepare_relayed(ctx, &client, &plan).await?;
     let learn_ids = (ctx.usage == UsageAsk::UnlessIds).then(|| relayed_runtime.clone());
     let (mut finish, prefill_queued) = accounting(ctx, &plan, prefill_runtime, relayed_runtime, attempts, resumes);
