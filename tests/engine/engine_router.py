@@ -79,3 +79,25 @@ async def epd(c: httpx.AsyncClient, e, p, d, path: str, body: dict, rng: random.
                for u, r in zip(urls, rooms)]
     *re, rp, rd = await asyncio.gather(*encodes, c.post(p.url + path, json=b), c.post(d.url + path, json=b))
     return re, rp, rd
+
+
+async def ec_encode(c: httpx.AsyncClient, encoder, body: dict) -> tuple[list[httpx.Response], dict | None]:
+    """vLLM's disaggregated-encoder proxy (examples/online_serving/disaggregated_encoder/
+    disagg_epd_proxy.py), its encode step: each image part of the body goes to the encoder (an
+    `ec_producer`) as a chat request of its own (`max_tokens` 1, not streamed, `x-request-id`
+    `<parent>:<i>:<6 hex>`), all at once; the proxy waits for every answer before the prefill
+    (or colocated) leg runs on the ORIGINAL body.
+    Returns the answers and their `ec_transfer_params` merged (None when there are no images)."""
+    parts = [p for m in body.get("messages", []) if isinstance(m.get("content"), list)
+             for p in m["content"] if isinstance(p, dict) and p.get("type") == "image_url"]
+    parent = uuid.uuid4().hex
+    answers = await asyncio.gather(*(c.post(
+        encoder.url + "/v1/chat/completions",
+        json={"model": body.get("model"), "messages": [{"role": "user", "content": [part]}],
+              "max_tokens": 1, "stream": False},
+        headers={"x-request-id": f"{parent}:{i}:{uuid.uuid4().hex[:6]}"}) for i, part in enumerate(parts)))
+    merged: dict = {}
+    for r in answers:
+        if r.status_code == 200:
+            merged.update(r.json().get("ec_transfer_params") or {})
+    return list(answers), merged or None

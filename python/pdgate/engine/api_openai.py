@@ -7,8 +7,10 @@ import uuid
 
 from aiohttp import web
 
+from . import api_ec
+from .ec_connector import transfer_params
 from .http_common import SSE, error_response, fault_kill_point, first_error, read_json, wait_all, watch
-from .items import GenItem, bootstrap_fields, item_rid, kv_params
+from .items import GenItem, bootstrap_fields, ec_params, item_rid, kv_params
 from .multimodal import chat_inputs, encode_items, has_images
 from .outputs import finish_reason_openai, usage, visible_text
 from .sampling import BadRequest, params_from_dict
@@ -52,6 +54,7 @@ def _items(body: dict, prompts: list[list[int]], sp: dict, rid_base: str, lp: tu
         raise BadRequest("n must be an integer in [1, 64]", "n")
     total = len(prompts) * n
     kvp = kv_params(body, total)
+    ec_params(body)
     if enc and total != 1:  # one room is one delivery: it cannot feed several choices
         raise BadRequest("encode_bootstrap_info supports n=1", "encode_bootstrap_info")
     items = []
@@ -128,12 +131,14 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         body = await read_json(request)
         items, n = _parse(engine, request, body, chat)
-        seqs = [engine.submit(it) for it in items]
         rid = body.get("rid")
         ctx = {"id": rid if isinstance(rid, str) and rid else items[0].rid.rsplit("-", 1)[0],
                "created": int(time.time()),
                "model": body.get("model") or engine.served_name, "chat": chat, "n": n,
                "token_ids": body.get("return_token_ids") is True}
+        if engine.ec_encode_only:  # vLLM's encoder instance: embeds the images, generates nothing
+            return await api_ec.answer(request, engine, items, body, ctx)
+        seqs = [engine.submit(it) for it in items]
         if body.get("stream"):
             return await _stream(request, engine, seqs, body, ctx)
         if engine.config.fault_kill_after_tokens or engine.config.fault_drop_after_tokens:
@@ -188,6 +193,8 @@ def _full(engine, seqs: list[Seq], ctx: dict) -> dict:
         out["prompt_token_ids"] = list(seqs[0].tokens[:seqs[0].prompt_len])
     if seqs[0].kv_transfer_params is not None:
         out["kv_transfer_params"] = seqs[0].kv_transfer_params
+    if chat and engine.ec is not None and engine.ec.producer:  # ec_both: vLLM's producer answer field
+        out["ec_transfer_params"] = transfer_params(seqs[0].images)
     return out
 
 

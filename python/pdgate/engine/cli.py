@@ -51,6 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disaggregation-transfer-backend", choices=["tcp", "mooncake", "nixl"], default="tcp")
     p.add_argument("--kv-transfer-config", default=None,
                    help='vLLM style, e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_producer"}\'')
+    p.add_argument("--ec-transfer-config", default=None,
+                   help='vLLM\'s disaggregated encoder (a multimodal model), e.g. \'{"ec_connector": '
+                        '"ECExampleConnector", "ec_role": "ec_producer", "ec_connector_extra_config": '
+                        '{"shared_storage_path": "/tmp/ec"}}\': ec_producer embeds images into the shared '
+                        'folder and answers without generating; ec_consumer loads them from it; ec_both does both')
     p.add_argument("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail",
                    help="vLLM decode: what a failed KV load does")
     p.add_argument("--transfer-port", type=int,

@@ -13,6 +13,7 @@ import aiohttp
 import numpy as np
 
 from .config import PRESETS
+from .ec_connector import ECExampleConnector, transfer_params
 from .engine_config import EngineConfig
 from .errors import EngineConfigError
 from .items import FAKE_BOOTSTRAP_HOST, GenItem
@@ -79,7 +80,7 @@ class Engine:
         self.mode = args.disaggregation_mode
         self.kv_transfer_config = args.kv_transfer_config
         self.served_name = args.served_model_name or args.model
-        self.owned_by = "vllm" if self.kv_transfer_config else "sglang"
+        self.owned_by = "vllm" if self.kv_transfer_config or args.ec_transfer_config else "sglang"
         self.started_at = time.time()
         self.engine_id = args.engine_id or uuid.uuid4().hex
         layout = {"fingerprint": cfg.fingerprint(weights_id), "page_size": args.page_size,
@@ -110,6 +111,12 @@ class Engine:
         if self.encoder_only and self.images is None:
             raise EngineConfigError(f"--encoder-only needs a multimodal model (tiny-mm), not {args.model!r}")
         self.embeds = EmbedSource(self.ctx, self.images.counts, self.images.bytes) if self.images else None
+        # vLLM's disaggregated encoder (--ec-transfer-config): embeddings through a shared folder.
+        self.ec: ECExampleConnector | None = None
+        if args.ec_transfer_config is not None:
+            if self.images is None:
+                raise EngineConfigError(f"--ec-transfer-config needs a multimodal model (tiny-mm), not {args.model!r}")
+            self.ec = ECExampleConnector(args.ec_transfer_config, (self.images.tokens_per_image, cfg.hidden_size))
         handlers = {"register": self.push.on_register, "pull": self.pull.on_pull,
                     "release": self.pull.on_release}
         if self.embeds is not None:
@@ -217,10 +224,43 @@ class Engine:
         return self.pool.pages_for(min(seq.prompt_len + seq.params.max_new_tokens + 1,
                                        self.cfg.max_position))
 
+    @property
+    def ec_encode_only(self) -> bool:
+        """vLLM's encoder-only instance (`ec_role` ec_producer): embeds, never generates."""
+        return self.ec is not None and self.ec.encode_only
+
+    def local_embedding(self, img) -> np.ndarray:
+        """An image's rows made on this worker: from the embedding cache, else (an EC consumer)
+        from the shared storage, else from the tower. An EC producer writes the file the shared
+        storage lacks."""
+        ec = self.ec
+        rows, _ = self.images.embed(img, ec.load if ec is not None and ec.consumer else None)
+        if ec is not None and ec.producer and not ec.exists(img.content_hash):
+            ec.save(img.content_hash, rows)
+        return rows
+
+    def encode_only(self, items: list[GenItem]) -> dict | None:
+        """An EC producer's request: every image's rows written to the shared storage, nothing
+        generated (vLLM's encoder instance stops once the prompt is consumed). Returns the
+        answer's `ec_transfer_params` (None without images). The items of one request share its
+        images (only chat carries images, one prompt)."""
+        for item in items:
+            self._check_prompt(item)
+        images = items[0].images if items else []
+        for img in images:
+            self.local_embedding(img)
+            if not self.ec.exists(img.content_hash):
+                raise EngineError(f"could not write image {img.index}'s embedding to {self.ec.path} "
+                                  "(ec_transfer_config shared_storage_path)", 500, "ec_cache_save_failed")
+        self.counters["requests"] += len(items)
+        self.counters["prompt_tokens"] += sum(len(it.input_ids) for it in items)
+        return transfer_params(images)
+
     async def prepare_images(self, seq: Seq) -> None:
         """Before a sequence computes its prompt: its images' embeddings, received from the
         encode workers `encode_bootstrap_info` names (not on a decode, which only computes when
-        it recomputes, and then on its own), else from the local tower and its cache."""
+        it recomputes, and then on its own), else made here (`local_embedding`: cache, EC
+        shared storage, tower)."""
         if not seq.images or seq.mm_rows is not None:
             return
         embeds: dict[int, object] = {}
@@ -243,7 +283,7 @@ class Engine:
             await asyncio.gather(*(one(img) for img in seq.images if img.index in wanted))
         for img in seq.images:
             if img.index not in embeds:
-                embeds[img.index] = self.images.embed(img)[0]
+                embeds[img.index] = self.local_embedding(img)
         pos = np.concatenate([np.arange(img.offset, img.offset + img.length) for img in seq.images])
         seq.mm_rows = (pos, np.concatenate([embeds[img.index] for img in seq.images]))
 
@@ -270,14 +310,10 @@ class Engine:
         if self.encoder_only:
             raise EngineError("this is an encode worker (--encoder-only): it serves POST /encode, "
                               "not generation", 400, "encoder_only")
-        if len(item.input_ids) == 0:
-            raise EngineError("the prompt is empty", 400, "empty_prompt")
-        if len(item.input_ids) >= self.cfg.max_position:
-            raise EngineError(f"prompt of {len(item.input_ids)} tokens exceeds the context "
-                              f"({self.cfg.max_position})", 400, "context_length_exceeded")
-        if any((not isinstance(t, int)) or t < 0 or t >= self.cfg.vocab_size for t in item.input_ids):
-            raise EngineError(f"input_ids must be integers in [0, {self.cfg.vocab_size})", 400,
-                              "invalid_input_ids")
+        if self.ec_encode_only:
+            raise EngineError("this is an encoder-only instance (--ec-transfer-config ec_role ec_producer): "
+                              "it answers the OpenAI endpoints without generating", 400, "encoder_only")
+        self._check_prompt(item)
         prefill_only = self.pd.is_prefill_leg(item)
         seq = Seq(item.rid, item.input_ids, item.params, return_logprob=item.return_logprob,
                   top_logprobs_num=item.top_logprobs_num, prefill_only=prefill_only,
@@ -292,6 +328,16 @@ class Engine:
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += seq.prompt_len
         return seq
+
+    def _check_prompt(self, item: GenItem) -> None:
+        if len(item.input_ids) == 0:
+            raise EngineError("the prompt is empty", 400, "empty_prompt")
+        if len(item.input_ids) >= self.cfg.max_position:
+            raise EngineError(f"prompt of {len(item.input_ids)} tokens exceeds the context "
+                              f"({self.cfg.max_position})", 400, "context_length_exceeded")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.cfg.vocab_size for t in item.input_ids):
+            raise EngineError(f"input_ids must be integers in [0, {self.cfg.vocab_size})", 400,
+                              "invalid_input_ids")
 
     def _done(self, seq: Seq) -> None:
         self.counters["generation_tokens"] += len(seq.output_ids)

@@ -23,6 +23,13 @@ LOAD_FAILURE_POLICIES = ("fail", "recompute")
 API_FLAVORS = ("sglang", "vllm")
 GRPC_SERVICES = ("sglang", "vllm")
 ENCODE_FAULTS = ("hang", "garbage", "bad-embedding")
+# vLLM's disaggregated encoder (`--ec-transfer-config`, vllm/config/ec_transfer.py): the
+# connector the engine implements, the roles, and every field vLLM's config takes.
+EC_CONNECTORS = ("ECExampleConnector",)
+EC_ROLES = ("ec_producer", "ec_consumer", "ec_both")
+EC_FIELDS = ("ec_connector", "engine_id", "ec_buffer_device", "ec_buffer_size", "ec_role", "ec_ip",
+             "ec_port", "ec_connector_extra_config", "ec_connector_module_path")
+EC_DEFAULT_STORAGE_PATH = "/tmp"  # ECExampleConnector's default shared_storage_path
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,7 @@ class EngineConfig:
     disaggregation_bootstrap_port: int = 8998
     disaggregation_transfer_backend: str = "tcp"
     kv_transfer_config: Any = None                   # vLLM's JSON text or its dict
+    ec_transfer_config: Any = None                   # vLLM's ECTransferConfig JSON text or its dict
     kv_load_failure_policy: str = "fail"
     transfer_port: int = 0
     engine_id: Optional[str] = None
@@ -89,6 +97,13 @@ class EngineConfig:
         if not advertise:
             wildcard = self.host in ("0.0.0.0", "::", "")
             advertise = socket.gethostbyname(socket.gethostname()) if wildcard else self.host
+        ec = _ec_transfer_config(self.ec_transfer_config)
+        if ec is not None and self.encoder_only:
+            raise EngineConfigError("--ec-transfer-config (vLLM's encoder disaggregation) and --encoder-only "
+                                    "(SGLang's / TokenSpeed's encode role) are two ways to be an encoder: pick one")
+        if ec is not None and ec["ec_role"] == "ec_producer" and mode != "null":
+            raise EngineConfigError("--ec-transfer-config ec_role ec_producer is an encoder-only instance: "
+                                    "no --disaggregation-mode prefill/decode or kv_role kv_producer/kv_consumer")
         if self.encoder_only and mode != "null":
             raise EngineConfigError("--encoder-only is a role of its own: no --disaggregation-mode / kv_role")
         if self.fault_encode is not None and not self.encoder_only:
@@ -97,8 +112,9 @@ class EngineConfig:
             raise EngineConfigError("--mm-embedding-cache-items must be >= 0")
         if self.page_size < 1 or self.max_total_tokens < self.page_size:
             raise EngineConfigError("--page-size must be >= 1 and --max-total-tokens >= --page-size")
-        return self.replace(kv_transfer_config=kv, kv_events_config=events, disaggregation_mode=mode,
-                            api_flavor=self.api_flavor or ("vllm" if kv else "sglang"),
+        return self.replace(kv_transfer_config=kv, ec_transfer_config=ec, kv_events_config=events,
+                            disaggregation_mode=mode,
+                            api_flavor=self.api_flavor or ("vllm" if kv or ec else "sglang"),
                             vllm_endpoints_only=bool(self.vllm_endpoints_only), engine_id=engine_id,
                             advertise_host=advertise)
 
@@ -114,6 +130,45 @@ def _transfer_config(cfg: Any) -> Optional[dict]:
     if not isinstance(cfg, dict) or "kv_connector" not in cfg:
         raise EngineConfigError("--kv-transfer-config needs at least kv_connector")
     return cfg
+
+
+def _ec_transfer_config(cfg: Any) -> Optional[dict]:
+    """vLLM's `--ec-transfer-config`, checked: ECExampleConnector (the shared-storage one) is the
+    only connector here, `ec_role` one of the three, `shared_storage_path` a path (default
+    /tmp, as vLLM). Returns the dict with `ec_connector_extra_config.shared_storage_path` filled."""
+    if isinstance(cfg, str):
+        try:
+            cfg = json.loads(cfg)
+        except json.JSONDecodeError as e:
+            raise EngineConfigError(f"--ec-transfer-config is not JSON: {e}") from None
+    if cfg is None:
+        return None
+    if not isinstance(cfg, dict):
+        raise EngineConfigError("--ec-transfer-config must be a JSON object")
+    unknown = sorted(set(cfg) - set(EC_FIELDS))
+    if unknown:
+        raise EngineConfigError(f"--ec-transfer-config: unknown field(s) {', '.join(unknown)} "
+                                f"(vLLM's ECTransferConfig has {', '.join(EC_FIELDS)})")
+    connector = cfg.get("ec_connector")
+    if connector not in EC_CONNECTORS:
+        raise EngineConfigError(f"--ec-transfer-config ec_connector {connector!r} is not supported: the reference "
+                                f"engine implements {', '.join(EC_CONNECTORS)} (embeddings through a shared folder)")
+    if cfg.get("ec_connector_module_path") is not None:
+        raise EngineConfigError("--ec-transfer-config ec_connector_module_path: the reference engine loads no "
+                                "connector module")
+    if cfg.get("ec_role") not in EC_ROLES:
+        raise EngineConfigError(f"--ec-transfer-config ec_role {cfg.get('ec_role')!r}: expected one of "
+                                f"{', '.join(EC_ROLES)}")
+    extra = cfg.get("ec_connector_extra_config")
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        raise EngineConfigError("--ec-transfer-config ec_connector_extra_config must be an object")
+    path = extra.get("shared_storage_path", EC_DEFAULT_STORAGE_PATH)
+    if not isinstance(path, str) or not path:
+        raise EngineConfigError("--ec-transfer-config ec_connector_extra_config.shared_storage_path must be "
+                                "a non-empty string (a folder every encoder and consumer can reach)")
+    return dict(cfg, ec_connector_extra_config=dict(extra, shared_storage_path=path))
 
 
 def _check_choices(c: EngineConfig) -> None:

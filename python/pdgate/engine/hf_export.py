@@ -163,20 +163,13 @@ def export_model(model: str, out_dir: str, seed: int = 0) -> list[str]:
 
 
 def write_safetensors(path: str, tensors: dict) -> None:
-    """float32 tensors in the safetensors format (an 8-byte little-endian header length, a JSON
-    header of dtype/shape/offsets, then the raw bytes), written here so that exporting needs no
-    package beyond numpy; `safetensors` and torch read it back."""
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, t in tensors.items():
-        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    """float32 tensors in the safetensors format (`safetensors_file`), written here so that
+    exporting needs no package beyond numpy; `safetensors` and torch read it back."""
+    from .safetensors_file import header_bytes
+
     with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for t in tensors.values():
+        f.write(header_bytes(tensors, {"format": "pt"}))
+        for t in tensors.values():  # one at a time: a checkpoint need not fit in memory twice
             f.write(t.astype("<f4", copy=False).tobytes())
 
 

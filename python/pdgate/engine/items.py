@@ -68,6 +68,15 @@ def kv_params(body: dict, n: int) -> dict | None:
     return p
 
 
+def ec_params(body: dict) -> dict | None:
+    """vLLM's `ec_transfer_params` (the encoder's answer, relayed by the proxy): checked for its
+    type and otherwise unused, since the shared-storage connector finds files by hash alone."""
+    p = body.get("ec_transfer_params")
+    if p is not None and not isinstance(p, dict):
+        raise BadRequest("ec_transfer_params must be an object or null", "ec_transfer_params")
+    return p
+
+
 def item_rid(rid: str | None, base: str, i: int, n: int) -> str:
     """The i-th of n items' request id. A client's `rid` names a single item as is and a batch's
     items `{rid}_{i}` (SGLang's rule), so `/abort_request` with the rid, a prefix of each,

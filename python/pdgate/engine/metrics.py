@@ -57,7 +57,8 @@ class EngineCollector:
         if e.images is not None:
             m = CounterMetricFamily(P + "mm_embeddings", "Image embeddings by source: computed (the "
                                     "tower ran here), cached (embedding cache hit), received (from an "
-                                    "encode worker), sent (to a prefill)", labels=["source"])
+                                    "encode worker), sent (to a prefill), ec_storage (loaded from "
+                                    "--ec-transfer-config's shared storage)", labels=["source"])
             for source, n in e.images.counts.items():
                 m.add_metric([source], n)
             yield m
@@ -68,6 +69,13 @@ class EngineCollector:
             yield mb
             yield GaugeMetricFamily(P + "mm_embedding_cache_items", "Embeddings in the cache",
                                     value=len(e.images.cache))
+        if e.ec is not None:
+            f = CounterMetricFamily(P + "ec_cache_files", "--ec-transfer-config shared storage files: saved / "
+                                    "save_failed (producer), loaded / missing / invalid (consumer lookups)",
+                                    labels=["result"])
+            for result, n in e.ec.counts.items():
+                f.add_metric([result], n)
+            yield f
         yield from flavor_metrics(e, pool)
 
 

@@ -16,6 +16,7 @@ import base64
 import binascii
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,7 +137,8 @@ def encode_items(body: dict, n_images: int) -> dict[int, dict] | None:
 class ImageEncoder:
     """The vision tower behind an LRU cache keyed by content hash, with its counters:
     computed (the tower ran), cached (served from the cache), received (arrived from an encode
-    worker), sent (shipped to a prefill)."""
+    worker), sent (shipped to a prefill), ec_storage (loaded from vLLM-style shared storage,
+    `ec_connector.py`)."""
 
     def __init__(self, cfg: ModelConfig, seed: int, cache_items: int):
         self.tower = VisionTower(cfg.vision, cfg.hidden_size, seed)
@@ -144,18 +146,24 @@ class ImageEncoder:
         self.dim = cfg.hidden_size
         self.cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self.cache_items = cache_items
-        self.counts = {"computed": 0, "cached": 0, "received": 0, "sent": 0}
+        self.counts = {"computed": 0, "cached": 0, "received": 0, "sent": 0, "ec_storage": 0}
         self.bytes = {"sent": 0, "received": 0}
 
-    def embed(self, img: ImageItem) -> tuple[np.ndarray, bool]:
-        """(embeddings [tokens_per_image, hidden], whether they came from the cache)."""
+    def embed(self, img: ImageItem,
+              load: Callable[[str], np.ndarray | None] | None = None) -> tuple[np.ndarray, bool]:
+        """(embeddings [tokens_per_image, hidden], whether they came from the cache). On a cache
+        miss `load(content_hash)` (an EC consumer's shared storage) is asked before the tower."""
         hit = self.cache.get(img.content_hash)
         if hit is not None:
             self.cache.move_to_end(img.content_hash)
             self.counts["cached"] += 1
             return hit, True
-        emb = self.tower.forward(img.pixels)
-        self.counts["computed"] += 1
+        emb = load(img.content_hash) if load is not None else None
+        if emb is not None:
+            self.counts["ec_storage"] += 1
+        else:
+            emb = self.tower.forward(img.pixels)
+            self.counts["computed"] += 1
         if self.cache_items > 0:
             self.cache[img.content_hash] = emb
             while len(self.cache) > self.cache_items:

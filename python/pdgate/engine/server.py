@@ -90,7 +90,7 @@ async def health_generate(request: web.Request) -> web.Response:
     e: Engine = request.app["engine"]
     if not e.ready:
         return web.json_response(error_body("starting", "server_error", 503), status=503)
-    if e.encoder_only:  # an encode worker's check is one real encode (SGLang's encoder /health encodes)
+    if e.encoder_only or e.ec_encode_only:  # an encoder's check is one real encode (SGLang's encoder /health encodes)
         e.images.tower.forward(np.zeros((3, e.images.tower.vc.image_size, e.images.tower.vc.image_size),
                                         dtype=np.float32))
         return web.Response(text="")
@@ -159,7 +159,8 @@ def loads_dict(e: Engine) -> dict:
         "token_usage": round(used_pages / pool["total"], 6),
         "kv_pages": pool,
         "prefix_cache": e.prefix_cache_stats(),
-        "multimodal": (dict(e.images.stats(), embeddings_waiting_for_prefill=e.embeds.pending)
+        "multimodal": (dict(e.images.stats(), embeddings_waiting_for_prefill=e.embeds.pending,
+                            ec_connector=e.ec.stats() if e.ec is not None else None)
                        if e.images is not None else None),
         "disaggregation": {
             "mode": e.mode, "transfer_backend": e.config.disaggregation_transfer_backend,

@@ -80,13 +80,18 @@ class ReferenceWorker:
     port / bootstrap_port: None picks free ports (bootstrap only for prefill workers).
     grpc_service: "sglang" / "vllm" serves that gRPC service on `port` (`grpc_url`) and the HTTP
     surface on `port + 1` (`url`), SGLang's sidecar convention.
+    ec_transfer_config: vLLM's `--ec-transfer-config` as a mapping, e.g. `{"ec_connector":
+    "ECExampleConnector", "ec_role": "ec_producer", "ec_connector_extra_config":
+    {"shared_storage_path": "/dir"}}` (vLLM's disaggregated encoder; a multimodal model). An
+    `ec_producer` is mode "null": it answers chat requests without generating.
     """
 
     def __init__(self, mode: str = "null", model: str = "tiny", port: int | None = None,
                  bootstrap_port: int | None = None, transfer_backend: str = "tcp",
                  kv_connector: str | None = None, extra_args: Sequence[str] = (),
                  env: Mapping[str, str] | None = None, log_path: str | None = None,
-                 host: str = "127.0.0.1", grpc_service: str | None = None):
+                 host: str = "127.0.0.1", grpc_service: str | None = None,
+                 ec_transfer_config: Mapping | None = None):
         if mode not in ("prefill", "decode", "null", "encode"):
             raise ValueError(f"mode must be prefill, decode, null or encode, not {mode!r}")
         if kv_connector is not None and kv_connector not in _CONNECTORS:
@@ -99,6 +104,7 @@ class ReferenceWorker:
         self.bootstrap_port = (bootstrap_port or free_port(host)) if mode in ("prefill", "encode") else bootstrap_port
         self.transfer_backend = transfer_backend
         self.kv_connector = kv_connector
+        self.ec_transfer_config = dict(ec_transfer_config) if ec_transfer_config is not None else None
         self.extra_args = list(extra_args)
         self.env = dict(env or {})
         self.log_path = log_path
@@ -130,6 +136,8 @@ class ReferenceWorker:
             role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(self.mode, "kv_both")
             cmd += ["--kv-transfer-config",
                     json.dumps({"kv_connector": self.kv_connector, "kv_role": role})]
+        if self.ec_transfer_config is not None:
+            cmd += ["--ec-transfer-config", json.dumps(self.ec_transfer_config, separators=(",", ":"))]
         if self.grpc_service:
             cmd += ["--grpc-service", self.grpc_service]
         return cmd + self.extra_args
