@@ -14,7 +14,7 @@
 //! - vLLM (NIXL, Mooncake): the image's chat completion; the attempt awaits every answer before
 //!   any PD leg is sent ([`before_pd`]), and their `ec_transfer_params` go to the prefill. An
 //!   encoder that answers without them stored nothing a prefill can find: the prefill will
-//!   encode the image itself, which is counted as a silent recompute (`reason="no_ec_params"`).
+//!   encode the image itself, which is counted (`pdgate_epd_unstored_images_total`).
 //!
 //! Either way the retry loop may try again on another encode worker, before any byte reached
 //! the client, within the request's deadline.
@@ -231,7 +231,7 @@ pub async fn before_pd(ctx: &Ctx, client: &Arc<dyn WorkerClient>, encodes: Encod
             }),
             None => {
                 tracing::warn!(encoder = %url, "the encoder answered without ec_transfer_params: the prefill will encode the image itself");
-                ctx.state.metrics.silent_recompute.with_label_values(&[protocol, "no_ec_params"]).inc();
+                ctx.state.metrics.unstored_images.with_label_values(&[protocol]).inc();
             }
         }
     }

@@ -39,6 +39,9 @@ pub struct Metrics {
     pub pairing_refusals: IntCounterVec,
     pub breaker_state: IntGaugeVec,
     pub silent_recompute: IntCounterVec,
+    /// EPD, vLLM style: images whose encoder stored nothing a prefill can find (it answered
+    /// without `ec_transfer_params`), so the prefill encodes them itself.
+    pub unstored_images: IntCounterVec,
     /// Worker answers refused as broken (`bad_worker_response`), by leg and reason.
     pub bad_worker_responses: IntCounterVec,
     /// Streams that ended without `data: [DONE]`, by leg.
@@ -201,6 +204,12 @@ impl Metrics {
                 "pdgate_pd_silent_recompute_total",
                 "PD requests whose decode recomputed the prompt because no (or not all) KV arrived",
                 &["protocol", "cause"],
+            ),
+            unstored_images: counter(
+                &r,
+                "pdgate_epd_unstored_images_total",
+                "EPD images whose encode worker answered without storing an embedding for the prefill (no ec_transfer_params): the prefill encodes them itself",
+                &["protocol"],
             ),
             bad_worker_responses: counter(
                 &r,
