@@ -67,6 +67,12 @@ class GatewayOptions(TypedDict, total=False):
     """--encode-policy: EPD: which encode worker gets each image: random, round_robin, or consistent_hashing (by the image's content hash, SHA-256 of its bytes, so a repeated image goes to the same encode worker). Default: "consistent_hashing"."""
     encode_timeout_secs: int
     """--encode-timeout-secs: EPD: how long an encode worker may take to accept an image (answer `POST /encode`, or a vLLM encoder its chat completion). One that does not is a failed encode leg (`encode_timeout`): its breaker hears it and the request is retried on another encode worker while its own deadline allows. Default: 30. Range: 0 to 18446744073709551615."""
+    allowed_media_domains: list[str] | tuple[str, ...]
+    """--allowed-media-domains: EPD: hosts the gateway may fetch `http(s)://` images from (vLLM's flag name). Unset (the default), a remote image URL is a 400 and the gateway fetches nothing. A listed host's image (host matched exactly, any port) is fetched once per request, within --media-fetch-timeout-secs and the request's deadline, at most --max-image-bytes; it must answer 200 with an `image/*` type (redirects are not followed), and every leg then gets it as a `data:` URL. A failed fetch is the client's 400."""
+    media_fetch_timeout_secs: int
+    """--media-fetch-timeout-secs: EPD: how long fetching one remote image may take (--allowed-media-domains). Default: 10. Range: 0 to 18446744073709551615."""
+    max_image_bytes: int
+    """--max-image-bytes: EPD: the largest remote image the gateway fetches, in bytes (--allowed-media-domains). Default: 20971520. Range: 0 to 18446744073709551615."""
     kv_connector: Literal["bootstrap", "nixl", "mooncake"]
     """--kv-connector: How KV moves between prefill and decode: SGLang bootstrap rendezvous, vLLM NIXL (pull) or vLLM Mooncake (push). Workers registered with their own connector override this. Default: "bootstrap"."""
     policy: Literal["random", "round_robin", "power_of_two", "cache_aware", "consistent_hash", "least_tokens", "most_free_kv"]

@@ -245,7 +245,7 @@ def test_a_remote_image_url_is_a_400_before_any_worker(epd: tuple[Epd, pdgate.Ga
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and err["param"] == "messages" and err["message"], err
     r = httpx.post(gw.url + "/v1/chat/completions", json=chat("look: ", "img:https://example.com/cat.png"), timeout=30)
-    assert "does not fetch remote images" in r.json()["error"]["message"]
+    assert "--allowed-media-domains" in r.json()["error"]["message"]
     assert [mm(e) for e in fleet.encoders] == before
     assert [requests_served(w) for w in (fleet.prefill, fleet.decode)] == served
 

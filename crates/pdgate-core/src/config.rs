@@ -143,6 +143,23 @@ pub struct GatewayConfig {
     #[arg(long, default_value_t = 30)]
     pub encode_timeout_secs: u64,
 
+    /// EPD: hosts the gateway may fetch `http(s)://` images from (vLLM's flag name). Unset (the
+    /// default), a remote image URL is a 400 and the gateway fetches nothing. A listed host's
+    /// image (host matched exactly, any port) is fetched once per request, within
+    /// --media-fetch-timeout-secs and the request's deadline, at most --max-image-bytes; it must
+    /// answer 200 with an `image/*` type (redirects are not followed), and every leg then gets
+    /// it as a `data:` URL. A failed fetch is the client's 400.
+    #[arg(long, num_args = 1.., value_name = "HOST")]
+    pub allowed_media_domains: Vec<String>,
+
+    /// EPD: how long fetching one remote image may take (--allowed-media-domains).
+    #[arg(long, default_value_t = 10)]
+    pub media_fetch_timeout_secs: u64,
+
+    /// EPD: the largest remote image the gateway fetches, in bytes (--allowed-media-domains).
+    #[arg(long, default_value_t = 20 * 1024 * 1024)]
+    pub max_image_bytes: usize,
+
     /// How KV moves between prefill and decode: SGLang bootstrap rendezvous, vLLM NIXL (pull)
     /// or vLLM Mooncake (push). Workers registered with their own connector override this.
     #[arg(long, value_enum, default_value_t = KvConnector::Bootstrap)]
@@ -808,6 +825,15 @@ impl GatewayConfig {
         }
         if self.encode_timeout_secs == 0 {
             return bad("--encode-timeout-secs must be at least 1".into());
+        }
+        if !self.allowed_media_domains.is_empty() && !self.epd_disaggregation {
+            return bad("--allowed-media-domains needs --epd-disaggregation (elsewhere the engines fetch their own images)".into());
+        }
+        if let Some(bad_host) = self.allowed_media_domains.iter().find(|h| h.is_empty() || h.contains(['/', ':', '*', ' '])) {
+            return bad(format!("--allowed-media-domains: {bad_host:?} is not a host name (no scheme, port, path or wildcard)"));
+        }
+        if self.media_fetch_timeout_secs == 0 || self.max_image_bytes == 0 {
+            return bad("--media-fetch-timeout-secs and --max-image-bytes must be at least 1".into());
         }
         if self.max_n == 0 || self.max_batch_size == 0 {
             return bad("--max-n and --max-batch-size must be at least 1".into());

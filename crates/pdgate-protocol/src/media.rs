@@ -23,7 +23,7 @@ impl std::fmt::Display for ImageUrlError {
         match self {
             ImageUrlError::NotAString { index } => write!(f, "image {index}: image_url.url must be a non-empty string"),
             ImageUrlError::Remote { index } => {
-                write!(f, "image {index}: only data: URLs are accepted for images (data:image/png;base64,...); the gateway does not fetch remote images")
+                write!(f, "image {index}: only data: URLs are accepted for images (data:image/png;base64,...); the gateway fetches remote images only from the hosts in --allowed-media-domains")
             }
             ImageUrlError::NotBase64Image { index } => write!(f, "image {index}: an image data URL must be data:image/...;base64,..."),
         }

@@ -20,6 +20,7 @@ pub mod accounting;
 mod commit;
 mod encode;
 pub mod kv_room;
+mod media_fetch;
 pub mod placement;
 pub mod policy_rng;
 pub mod relay;

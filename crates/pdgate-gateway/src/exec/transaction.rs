@@ -52,7 +52,11 @@ pub async fn execute(mut ctx: Ctx) -> Response {
         return finish(&ctx, error_response(&err), &record, Some(&err));
     }
     drop(admit_span);
-    // EPD: the images, before anything reaches a worker (a remote URL is the client's 400).
+    // EPD: the images, before anything reaches a worker: remote ones fetched from the listed
+    // hosts (--allowed-media-domains), any other remote URL the client's 400.
+    if let Err(err) = super::media_fetch::inline_remote_images(&mut ctx).await {
+        return finish(&ctx, error_response(&err), &record, Some(&err));
+    }
     ctx.images = match encode::find_images(&ctx) {
         Ok(images) => images,
         Err(err) => return finish(&ctx, error_response(&err), &record, Some(&err)),
