@@ -187,3 +187,29 @@ def test_an_encoder_that_stores_nothing_is_counted(fleet: Fleet) -> None:
         assert r.json()["choices"][0]["token_ids"] == fleet.colocated(body)["choices"][0]["token_ids"]
         assert mm(fleet.prefill)["computed"] == computed + 1, "the prefill encoded the image itself"
         assert gateway_metric(g.url, "pdgate_epd_unstored_images_total", protocol="nixl") == 1
+
+
+def test_mooncake_pd_takes_the_stored_images_too(fleet: Fleet) -> None:
+    """vLLM's Mooncake connector (push; the legs are concurrent): the encode calls still end
+    before the prefill and decode are sent."""
+    store = fleet.encoders[0].ec_transfer_config["ec_connector_extra_config"]["shared_storage_path"]
+    prefill = ReferenceWorker(mode="prefill", model=MODEL, kv_connector="MooncakeConnector", ec_transfer_config=ec("ec_consumer", store))
+    decode = ReferenceWorker(mode="decode", model=MODEL, kv_connector="MooncakeConnector")
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda w: w.start(timeout=90), [prefill, decode]))
+    try:
+        with pdgate.Gateway(epd_disaggregation=True, kv_connector="mooncake", port=0, request_timeout_secs=60,
+                            encode=[[e.url, None] for e in fleet.encoders], prefill=[[prefill.url, prefill.bootstrap_port]],
+                            decode=[decode.url], health_check_interval_secs=1, health_success_threshold=1) as g:
+            assert wait_status(g.url + "/readiness", 200) == 200
+            before = mm(prefill)
+            body = chat("mooncake: ", f"img:{image_url(61)}", " and ", f"img:{image_url(62)}")
+            r = httpx.post(g.url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == fleet.colocated(body)["choices"][0]["token_ids"]
+            after = mm(prefill)
+            assert after["ec_storage"] - before["ec_storage"] == 2 and after["computed"] == before["computed"]
+            assert route_fields(r.headers["x-pdgate-route"])["images"] == "2"
+    finally:
+        prefill.stop()
+        decode.stop()
