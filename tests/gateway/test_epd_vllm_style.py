@@ -8,7 +8,8 @@ image's rows loaded from the encoders' store (`ec_storage`) and none computed th
 the gateway to have every encoder's answer before it sends the prefill: a prefill sent with the
 encode calls would find no file and encode the images itself. Also: text-only requests skip the
 encoders; a dead encoder is retried on another; an encoder with no encoder-cache connector (it
-stores nothing) leaves the work to the prefill, and the gateway counts it.
+stores nothing) leaves the work to the prefill, and the gateway counts it; a hung or garbage
+encoder costs one --encode-timeout-secs at most and is retried on another before the prefill is sent.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from __future__ import annotations
 import base64
 import io
 import random
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterator
 
 import httpx
@@ -213,3 +217,64 @@ def test_mooncake_pd_takes_the_stored_images_too(fleet: Fleet) -> None:
     finally:
         prefill.stop()
         decode.stop()
+
+
+class _Bad(BaseHTTPRequestHandler):
+    """An encoder that hangs on POST (`/hang` mode) or answers 200 with a body that is not JSON."""
+
+    mode = "garbage"
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name): health checks pass
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if type(self).mode == "hang":
+            time.sleep(30)
+            return
+        body = b"this is not json"
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("mode", ["hang", "garbage"])
+def test_a_hung_or_garbage_encoder_is_retried_within_the_deadline(fleet: Fleet, mode: str) -> None:
+    handler = type(f"Bad_{mode}", (_Bad,), {"mode": mode})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    bad = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pdgate.Gateway(epd_disaggregation=True, kv_connector="nixl", port=0, request_timeout_secs=30,
+                            encode=[[bad, None], [fleet.encoders[1].url, None]],
+                            encode_timeout_secs=1, prefill=[[fleet.prefill.url, None]], decode=[fleet.decode.url],
+                            health_check_interval_secs=1, health_success_threshold=1) as g:
+            assert wait_status(g.url + "/readiness", 200) == 200
+            retried = 0
+            # Consistent hashing (by image) over the two: some of these images start on the bad one.
+            for seed in range(71 if mode == "hang" else 81, 77 if mode == "hang" else 87):
+                stored = mm(fleet.prefill)["ec_storage"]
+                body = chat("retry: ", f"img:{image_url(seed)}")
+                t = time.monotonic()
+                r = httpx.post(g.url + "/v1/chat/completions", json=body, timeout=60)
+                assert r.status_code == 200, r.text
+                assert time.monotonic() - t < 10, "the bad encoder cost one --encode-timeout-secs at most"
+                assert r.json()["choices"][0]["token_ids"] == fleet.colocated(body)["choices"][0]["token_ids"]
+                fields = route_fields(r.headers["x-pdgate-route"])
+                assert fields["encode"] == fleet.encoders[1].url, fields
+                retried += fields["attempts"] == "2"
+                assert mm(fleet.prefill)["ec_storage"] == stored + 1, "the prefill was sent once, after the good encoder"
+            assert retried >= 1, "some image started on the bad encoder and was retried"
+            code = "encode_timeout" if mode == "hang" else "encode_bad_response"
+            assert gateway_metric(g.url, "pdgate_worker_errors_total", leg="encode", code=code) == retried
+        wait_idle([fleet.prefill, fleet.decode], 10)
+    finally:
+        server.shutdown()
