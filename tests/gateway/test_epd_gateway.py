@@ -310,6 +310,6 @@ def test_anthropic_image_blocks_run_epd(epd: tuple[Epd, pdgate.Gateway]) -> None
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}])
-    assert "does not fetch remote images" in str(e.value)
+    assert "--allowed-media-domains" in str(e.value), "EPD without the flag: a url source is refused"
     assert requests_served(fleet.prefill) == served
     fleet.clean()

@@ -14,12 +14,13 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator
 
+import anthropic
 import httpx
 import pytest
 
 import pdgate
 from tests.gateway.harness import wait_status
-from tests.gateway.test_epd_gateway import NOISE, Epd, chat, colocated, encode_field, mm, requests_served, start
+from tests.gateway.test_epd_gateway import MODEL, NOISE, Epd, chat, colocated, encode_field, mm, requests_served, start
 
 pytestmark = pytest.mark.timeout(300)
 PNG = base64.b64decode(NOISE.split(",", 1)[1])
@@ -114,6 +115,20 @@ def test_a_bad_fetch_is_the_clients_400_before_any_worker(epd: tuple[Epd, pdgate
         assert time.monotonic() - t < 2.5, "the fetch's own timeout (1 s) ended it, not the server"
     assert [requests_served(w) for w in (fleet.prefill, fleet.decode)] == served
     assert [mm(e) for e in fleet.encoders] == encoders
+
+
+def test_an_anthropic_url_source_is_fetched_too(epd: tuple[Epd, pdgate.Gateway], images: str) -> None:
+    fleet, gw = epd
+    want = colocated(fleet, chat("what is this: ", f"img:{NOISE}", max_tokens=10))["choices"][0]["message"]["content"]
+    client = anthropic.Anthropic(base_url=gw.url, api_key="unused", timeout=60, max_retries=0)
+    got = client.messages.create(model=MODEL, max_tokens=10, extra_body={"temperature": 0}, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "what is this: "}, {"type": "image", "source": {"type": "url", "url": f"{images}/noise.png"}}]}])
+    assert got.content[0].text == want
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": f"{images}/missing.png"}}]}])
+    assert "answered 404" in str(e.value)
+    fleet.clean()
 
 
 def test_a_host_not_listed_is_never_fetched(epd: tuple[Epd, pdgate.Gateway], images: str) -> None:

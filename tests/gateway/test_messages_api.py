@@ -254,8 +254,11 @@ def test_tools_and_tool_turns_reach_the_worker_as_chat_tools(fleet: Fleet) -> No
 BAD = {
     "missing_max_tokens": {"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
     "unknown_block": {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "hologram", "text": "x"}]}]},
-    "remote_image": {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}]},
+    # (A `url` image source is not bad input: it becomes a chat image_url part with that URL, which
+    # the worker fetches or refuses outside EPD, and the gateway fetches or refuses under EPD:
+    # tests/gateway/test_epd_remote_images.py.)
+    "remote_image_not_http": {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "file:///etc/passwd"}}]}]},
     "document_block": {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}]}]},
     "orphan_tool_result": {"model": MODEL, "max_tokens": 4, "messages": [

@@ -218,17 +218,22 @@ fn unsupported_media(param: &str) -> InvalidRequest {
 /// The media types Anthropic takes in an image block's base64 source.
 const IMAGE_TYPES: [&str; 4] = ["image/jpeg", "image/png", "image/gif", "image/webp"];
 
-/// A user message's image block as a chat `image_url` part with a data URL (what
-/// `--epd-disaggregation` and the multimodal workers read). Only `base64` sources: the gateway
-/// fetches nothing, so a `url` source is refused (as a chat `image_url` with a remote URL is).
+/// A user message's image block as a chat `image_url` part (what `--epd-disaggregation` and
+/// the multimodal workers read): a `base64` source as a data URL, a `url` source as its
+/// `http(s)://` URL, which a chat `image_url` part with that URL meets next (under EPD the
+/// gateway fetches it from a host in `--allowed-media-domains`, else refuses it; elsewhere the
+/// engine fetches it, as vLLM does, or refuses it).
 fn image_part(b: &Value, param: &str) -> Result<Value, InvalidRequest> {
     let source = b.get("source").and_then(Value::as_object).ok_or_else(|| invalid(param, format!("{param}.source: Field required (an object)")))?;
     match source.get("type").and_then(Value::as_str) {
         Some("base64") => {}
         Some("url") => {
-            return Err(invalid(param, format!("{param}.source: url image sources are not supported: pdgate does not fetch remote images; send the image as a base64 source")))
+            return match source.get("url").and_then(Value::as_str) {
+                Some(u) if u.starts_with("http://") || u.starts_with("https://") => Ok(json!({"type": "image_url", "image_url": {"url": u}})),
+                _ => Err(invalid(param, format!("{param}.source.url: Field required (an http:// or https:// URL)"))),
+            };
         }
-        Some(t) => return Err(invalid(param, format!("{param}.source.type: '{t}' is not supported (only 'base64')"))),
+        Some(t) => return Err(invalid(param, format!("{param}.source.type: '{t}' is not supported (only 'base64' and 'url')"))),
         None => return Err(invalid(param, format!("{param}.source.type: Field required"))),
     }
     let media_type = source.get("media_type").and_then(Value::as_str).ok_or_else(|| invalid(param, format!("{param}.source.media_type: Field required")))?;

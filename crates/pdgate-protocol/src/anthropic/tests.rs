@@ -96,7 +96,14 @@ fn bad_requests_are_refused_with_the_field() {
     assert!(refused(json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "video"}]}]})).contains("unknown content block type 'video'"));
     let img = json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}});
     let remote = json!({"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}});
-    assert!(refused(json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [remote]}]})).contains("does not fetch remote images"));
+    let chat = to_chat(serde_json::to_vec(&json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [remote]}]})).unwrap().as_slice(), Kind::Create).unwrap();
+    assert_eq!(
+        chat.chat["messages"][0]["content"][0],
+        json!({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}),
+        "a url source is the chat part's remote URL"
+    );
+    let ftp = json!({"type": "image", "source": {"type": "url", "url": "ftp://example.com/cat.png"}});
+    assert!(refused(json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [ftp]}]})).contains("source.url"));
     let pdf = json!({"type": "image", "source": {"type": "base64", "media_type": "application/pdf", "data": "AA=="}});
     assert!(refused(json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [pdf]}]})).contains("media_type"));
     let turns = json!([{"role": "user", "content": "x"}, {"role": "assistant", "content": [img]}]);
