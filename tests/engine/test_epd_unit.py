@@ -115,7 +115,7 @@ def _ctx(bootstrap: float) -> TransferContext:
 
 
 async def _with_source(bootstrap: float, body):
-    counts, nbytes = {"sent": 0}, {"sent": 0}
+    counts, nbytes = {"sent": 0}, {"tcp": {"sent": 0}}
     src = EmbedSource(_ctx(bootstrap), counts, nbytes)
     server = TransferServer({"embed_register": src.on_register})
     port = await server.start("127.0.0.1", 0)
@@ -131,7 +131,8 @@ def test_embedding_moves_in_either_order():
     async def body(src, addr, counts):
         rx = _ctx(10)
         src.offer(1, "h1", emb)  # encode first
-        a = await embed_receive(rx, addr, 1, "h1", (16, 64))
+        a, via = await embed_receive(rx, addr, 1, "h1", (16, 64))
+        assert via == "tcp"
         task = asyncio.create_task(embed_receive(rx, addr, 2, "h2", (16, 64)))  # prefill first
         for _ in range(200):
             if 2 in src.claimed:
@@ -139,7 +140,7 @@ def test_embedding_moves_in_either_order():
             await asyncio.sleep(0.01)
         assert 2 in src.claimed
         src.offer(2, "h2", emb * 2)
-        b = await asyncio.wait_for(task, 10)
+        b, _ = await asyncio.wait_for(task, 10)
         for _ in range(200):  # the source counts a delivery once the prefill's ack is in
             if counts["sent"] == 2:
                 break

@@ -115,6 +115,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mm-embedding-cache-items", type=int, default=256,
                    help="image embeddings kept by content hash, so a repeated image is encoded once "
                         "(0: no cache)")
+    p.add_argument("--mm-embedding-staging-slots", type=int, default=64,
+                   help="EPD with --disaggregation-transfer-backend mooncake: embeddings' slots in a "
+                        "staging area registered with Mooncake TE at startup (a prefill receives into "
+                        "one per waiting registration, an encode worker writes from one); with none "
+                        "free an embedding goes as TCP frames; 0: always TCP frames")
     p.add_argument("--log-level", default="info")
     p.add_argument("--grpc-service", choices=["sglang", "vllm"], default=None,
                    help="serve gRPC on --port (SGLang's scheduler service or vLLM's engine service, "

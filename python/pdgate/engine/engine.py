@@ -110,7 +110,18 @@ class Engine:
         self.encoder_only = args.encoder_only
         if self.encoder_only and self.images is None:
             raise EngineConfigError(f"--encoder-only needs a multimodal model (tiny-mm), not {args.model!r}")
-        self.embeds = EmbedSource(self.ctx, self.images.counts, self.images.bytes) if self.images else None
+        # With Mooncake TE the rows are written into a staging area registered once here
+        # (transfer/embed_plane.py): a prefill receives into it, an encode worker writes from it.
+        self.embed_plane = None
+        if (self.images is not None and self.mode != "decode" and args.mm_embedding_staging_slots > 0
+                and args.disaggregation_transfer_backend == "mooncake"):
+            from .transfer.embed_plane import MooncakeEmbedPlane
+
+            self.embed_plane = MooncakeEmbedPlane(self.ctx.backend, args.mm_embedding_staging_slots,
+                                                  self.images.tokens_per_image * cfg.hidden_size * 4,
+                                                  args.transfer_timeout)
+        self.embeds = (EmbedSource(self.ctx, self.images.counts, self.images.bytes, self.embed_plane)
+                       if self.images else None)
         # vLLM's disaggregated encoder (--ec-transfer-config): embeddings through a shared folder.
         self.ec: ECExampleConnector | None = None
         if args.ec_transfer_config is not None:
@@ -272,13 +283,14 @@ class Engine:
                 it = wanted[img.index]
                 try:
                     addr = await self.pd.route(it["bootstrap_host"], it["bootstrap_port"])
-                    emb = await embed_receive(self.ctx, addr, it["bootstrap_room"], img.content_hash, shape)
+                    emb, backend = await embed_receive(self.ctx, addr, it["bootstrap_room"], img.content_hash,
+                                                       shape, self.embed_plane)
                 except EngineError as e:
                     # names the image, so a router can blame its encode worker, not this prefill
                     e.param = f"encode_bootstrap_info.items[{img.index}]"
                     raise
                 self.images.counts["received"] += 1
-                self.images.bytes["received"] += emb.nbytes
+                self.images.bytes[backend]["received"] += emb.nbytes
                 embeds[img.index] = emb
             await asyncio.gather(*(one(img) for img in seq.images if img.index in wanted))
         for img in seq.images:

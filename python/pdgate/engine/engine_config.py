@@ -71,6 +71,7 @@ class EngineConfig:
     kv_events_config: Any = None                     # vLLM's KVEventsConfig JSON, dict or parsed
     encoder_only: bool = False                       # SGLang's --encoder-only: an EPD encode worker
     mm_embedding_cache_items: int = 256
+    mm_embedding_staging_slots: int = 64             # embeddings in flight over Mooncake TE at once
     log_level: str = "info"
     grpc_service: Optional[str] = None
 
@@ -110,6 +111,8 @@ class EngineConfig:
             raise EngineConfigError("--fault-encode is a fault of an encode worker: it needs --encoder-only")
         if self.mm_embedding_cache_items < 0:
             raise EngineConfigError("--mm-embedding-cache-items must be >= 0")
+        if self.mm_embedding_staging_slots < 0:
+            raise EngineConfigError("--mm-embedding-staging-slots must be >= 0")
         if self.page_size < 1 or self.max_total_tokens < self.page_size:
             raise EngineConfigError("--page-size must be >= 1 and --max-total-tokens >= --page-size")
         return self.replace(kv_transfer_config=kv, ec_transfer_config=ec, kv_events_config=events,

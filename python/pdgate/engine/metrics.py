@@ -15,6 +15,8 @@ tokens looked up / found cached) or SGLang's gauge `sglang:cache_hit_rate`.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
@@ -62,11 +64,15 @@ class EngineCollector:
             for source, n in e.images.counts.items():
                 m.add_metric([source], n)
             yield m
-            mb = CounterMetricFamily(P + "mm_embedding_bytes", "Image embedding bytes moved",
-                                     labels=["direction"])
-            for direction, n in e.images.bytes.items():
-                mb.add_metric([direction], n)
+            mb = CounterMetricFamily(P + "mm_embedding_bytes", "Image embedding bytes moved to / from "
+                                     "other workers, by the data plane that moved them (tcp frames or "
+                                     "mooncake TE writes)", labels=["direction", "backend"])
+            for backend, by_direction in e.images.bytes.items():
+                for direction, n in by_direction.items():
+                    mb.add_metric([direction, backend], n)
             yield mb
+            if e.embed_plane is not None:
+                yield from staging_metrics(e.embed_plane.stats(time.monotonic()))
             yield GaugeMetricFamily(P + "mm_embedding_cache_items", "Embeddings in the cache",
                                     value=len(e.images.cache))
         if e.ec is not None:
@@ -77,6 +83,23 @@ class EngineCollector:
                 f.add_metric([result], n)
             yield f
         yield from flavor_metrics(e, pool)
+
+
+def staging_metrics(st: dict):
+    """The Mooncake staging area of EPD embeddings (transfer/embed_plane.py)."""
+    g = GaugeMetricFamily(P + "mm_embedding_staging_slots", "Staging slots for embeddings over Mooncake "
+                          "TE: in_use (a transfer holds it), quarantined (given up before an answer, "
+                          "out of use for the transfer timeout), free", labels=["state"])
+    g.add_metric(["in_use"], st["in_use"])
+    g.add_metric(["quarantined"], st["quarantined"])
+    g.add_metric(["free"], st["slots"] - st["in_use"] - st["quarantined"])
+    yield g
+    f = CounterMetricFamily(P + "mm_embedding_fallbacks", "Embeddings sent as TCP frames although both "
+                            "sides run Mooncake: no_slot (no free staging slot), write_failed (the TE "
+                            "write failed)", labels=["reason"])
+    for reason, n in st["fallbacks"].items():
+        f.add_metric([reason], n)
+    yield f
 
 
 def flavor_metrics(e, pool: dict):

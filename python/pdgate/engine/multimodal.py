@@ -26,6 +26,8 @@ from .sampling import BadRequest
 from .vision import ImageError, VisionTower, preprocess
 
 MAX_IMAGE_BYTES = 32 << 20
+# The data planes that move embeddings between workers (transfer/embed.py, embed_plane.py).
+EMBED_BACKENDS = ("tcp", "mooncake")
 
 
 @dataclass
@@ -147,7 +149,8 @@ class ImageEncoder:
         self.cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self.cache_items = cache_items
         self.counts = {"computed": 0, "cached": 0, "received": 0, "sent": 0, "ec_storage": 0}
-        self.bytes = {"sent": 0, "received": 0}
+        # embedding bytes moved to / from other workers, by the data plane that moved them
+        self.bytes = {backend: {"sent": 0, "received": 0} for backend in EMBED_BACKENDS}
 
     def embed(self, img: ImageItem,
               load: Callable[[str], np.ndarray | None] | None = None) -> tuple[np.ndarray, bool]:
@@ -172,5 +175,7 @@ class ImageEncoder:
 
     def stats(self) -> dict:
         return {"tokens_per_image": self.tokens_per_image, "embedding_dim": self.dim,
-                "embeddings": dict(self.counts), "embedding_bytes": dict(self.bytes),
+                "embeddings": dict(self.counts),
+                "embedding_bytes": {d: sum(b[d] for b in self.bytes.values()) for d in ("sent", "received")},
+                "embedding_bytes_by_backend": {k: dict(v) for k, v in self.bytes.items()},
                 "cache": {"items": len(self.cache), "capacity": self.cache_items}}

@@ -160,6 +160,8 @@ def loads_dict(e: Engine) -> dict:
         "kv_pages": pool,
         "prefix_cache": e.prefix_cache_stats(),
         "multimodal": (dict(e.images.stats(), embeddings_waiting_for_prefill=e.embeds.pending,
+                            embedding_staging=(e.embed_plane.stats(time.monotonic())
+                                               if e.embed_plane is not None else None),
                             ec_connector=e.ec.stats() if e.ec is not None else None)
                        if e.images is not None else None),
         "disaggregation": {

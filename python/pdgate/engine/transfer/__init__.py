@@ -1,4 +1,4 @@
-"""Moving KV pages between engine processes.
+"""Moving KV pages (and EPD image embeddings) between engine processes.
 
 - `wire`: framing on the built-in TCP transport.
 - `states`: the per-transfer poll states (Failed, Bootstrapping, WaitingForInput, Transferring,
@@ -11,4 +11,6 @@
 - `kvio`: sending pages (TCP frames or an optional data plane) and receiving them, checked.
 - `mooncake_te`, `nixl_dp`: the optional data planes; `regions`: the contiguous byte regions of
   the page-major pool that they write.
+- `embed`: EPD image embeddings from an encode worker to a prefill (the same side channel);
+  `embed_plane`: their optional Mooncake TE data plane, a staging area of pre-registered slots.
 """

@@ -1,4 +1,5 @@
-"""EPD: image embeddings from an encode worker to a prefill over the TCP side channel.
+"""EPD: image embeddings from an encode worker to a prefill over the side channel, the rows as
+TCP frames or written by the Mooncake Transfer Engine (`embed_plane`).
 
 The rendezvous is TokenSpeed's (docs/protocols.md, "EPD"): the gateway mints a room per image
 and gives it to both the encode worker (`POST /encode`, `items[].bootstrap_room`) and the prefill
@@ -6,14 +7,24 @@ and gives it to both the encode worker (`POST /encode`, `items[].bootstrap_room`
 worker is the data source: it runs the bootstrap server, and the prefill finds its side channel
 there, connects, and registers for the room. Either may come first:
 
-    prefill -> encode   {"op": "embed_register", "room", "content_hash", "shape"}
+    prefill -> encode   {"op": "embed_register", "room", "content_hash", "shape",
+                         "data_plane": {"backend": "mooncake", "session", "addr", "bytes"} (optional)}
     encode  -> prefill  {"op": "embed", "room", "content_hash", "shape", "dtype": "float32"} + rows
-                        (or {"op": "error", "message"})
+                        or {"op": "embed_written", ..., "backend", "addr", "bytes", "digest"}
+                        (the rows are in the prefill's staging slot already)
+                        or {"op": "error", "message"}
     prefill -> encode   {"op": "ack", "room"}
 
-The prefill checks room, hash, shape and size before it uses a byte. An embedding nobody
-registers for within the bootstrap timeout is dropped, as is a registration no encode answers;
-a registration whose prefill closes its connection (it was aborted) is dropped at once.
+A prefill announces a staging slot only when it runs Mooncake and has a free slot; an encode
+worker writes through Mooncake only when it runs it too and the write succeeds, else it sends
+the rows as TCP frames, which every prefill takes (so old and new, Mooncake or not, pair up).
+An encode worker sends its answer only after its write has ended: once the prefill has an
+answer, nothing more lands in its slot.
+
+The prefill checks room, hash, shape and size (and for written rows the slot, the backend and
+the digest) before it uses a byte. An embedding nobody registers for within the bootstrap
+timeout is dropped, as is a registration no encode answers; a registration whose prefill
+closes its connection (it was aborted) is dropped at once.
 An `/abort_request` whose rid is a prefix of the encode call's `req_id` drops that call's rooms
 at once (an offered embedding, a waiting registration: it gets an error), and a later
 `/encode` with that `req_id` is refused, so an abandoned request pins nothing here.
@@ -23,12 +34,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import numpy as np
 
 from ..sequence import EngineError
 from . import wire
 from .context import TransferContext, with_timeout
+from .embed_plane import MooncakeEmbedPlane, digest
 
 log = logging.getLogger("pdgate.engine.transfer")
 
@@ -36,8 +49,10 @@ log = logging.getLogger("pdgate.engine.transfer")
 class EmbedSource:
     """Encode side: embeddings offered by room, waiting for the prefill that registers for it."""
 
-    def __init__(self, ctx: TransferContext, counts: dict, nbytes: dict):
-        self.ctx, self.counts, self.nbytes = ctx, counts, nbytes
+    def __init__(self, ctx: TransferContext, counts: dict, nbytes: dict,
+                 plane: MooncakeEmbedPlane | None = None):
+        # nbytes: {backend: {"sent": n, ...}}, the bytes each data plane moved
+        self.ctx, self.counts, self.nbytes, self.plane = ctx, counts, nbytes, plane
         self.slots: dict[int, asyncio.Future] = {}
         self.claimed: set[int] = set()
         self._expiry: dict[int, asyncio.TimerHandle] = {}
@@ -143,14 +158,47 @@ class EmbedSource:
                 await wire.send(writer, {"op": "error", "message": f"room {room} holds image {content_hash}, "
                                          f"not {want}"})
                 return
-            await wire.send(writer, {"op": "embed", "room": room, "content_hash": content_hash,
-                                     "shape": list(emb.shape), "dtype": "float32"}, emb.tobytes())
+            backend = await self._send_rows(writer, room, content_hash, emb, hdr.get("data_plane"))
             ack, _ = await asyncio.wait_for(wire.recv(reader, 0), self.ctx.timeouts.transfer)
             if ack.get("op") == "ack" and ack.get("room") == room:
                 self.counts["sent"] += 1
-                self.nbytes["sent"] += emb.nbytes
+                self.nbytes[backend]["sent"] += emb.nbytes
         finally:
             self._drop(room, fut)
+
+    async def _send_rows(self, writer: asyncio.StreamWriter, room: int, content_hash: str,
+                         emb: np.ndarray, peer: dict | None) -> str:
+        """The rows to the prefill: written into its staging slot when both sides run the
+        plane and the write succeeds, else as a TCP frame. Returns the backend that moved them."""
+        hdr = {"op": "embed", "room": room, "content_hash": content_hash, "shape": list(emb.shape),
+               "dtype": "float32"}
+        plane = self.plane
+        if plane is not None and plane.accepts(peer, emb.nbytes) and await self._write(plane, peer, emb, room):
+            await wire.send(writer, dict(hdr, op="embed_written", backend=plane.name, addr=peer["addr"],
+                                         bytes=emb.nbytes, digest=digest(emb)))
+            return plane.name
+        await wire.send(writer, hdr, emb.tobytes())
+        return "tcp"
+
+    async def _write(self, plane: MooncakeEmbedPlane, peer: dict, emb: np.ndarray, room: int) -> bool:
+        """Write through the plane from a slot of our own; False (counted) means send TCP frames.
+        Returns only once the write has ended: no answer may overtake a write still landing."""
+        slot = plane.take(time.monotonic())
+        if slot is None:
+            return False
+        fut = asyncio.get_running_loop().run_in_executor(None, plane.write, peer, emb, slot)
+        try:
+            await with_timeout(asyncio.shield(fut), self.ctx.timeouts.transfer,
+                               f"writing the embedding of room {room} through {plane.name}")
+            return True
+        except (RuntimeError, EngineError) as e:
+            plane.fallbacks["write_failed"] += 1
+            log.warning("room %d: %s write failed, sending the rows as TCP frames: %s", room, plane.name, e)
+            return False
+        finally:
+            if not fut.done():
+                await asyncio.gather(fut, return_exceptions=True)
+            plane.give_back(slot, True, time.monotonic())
 
     async def _until_offered(self, room: int, fut: asyncio.Future, reader: asyncio.StreamReader) -> bool:
         """Wait for the room's embedding (or its abort), at most the bootstrap timeout, while
@@ -170,29 +218,60 @@ class EmbedSource:
 
 
 async def embed_receive(ctx: TransferContext, addr: tuple[str, int], room: int, content_hash: str,
-                        shape: tuple[int, int]) -> np.ndarray:
-    """Prefill side: register for `room` at the encode worker's side channel, read and check the
-    rows, ack. Bounded by the bootstrap timeout (the encode may still be running)."""
-    async def attempt() -> np.ndarray:
-        writer = None
+                        shape: tuple[int, int], plane: MooncakeEmbedPlane | None = None
+                        ) -> tuple[np.ndarray, str]:
+    """Prefill side: register for `room` at the encode worker's side channel (announcing a
+    staging slot of `plane` when one is free), take and check the rows, ack. Returns the rows
+    and the backend that moved them. Bounded by the bootstrap timeout (the encode may still be
+    running). The slot is given back however this ends: free at once when the encode worker has
+    answered, else quarantined (a write may still land)."""
+    size = shape[0] * shape[1] * 4
+
+    async def attempt() -> tuple[np.ndarray, str]:
+        writer, slot, settled = None, None, True
         try:
+            if plane is not None:
+                slot = plane.take(time.monotonic())  # None: no free slot, TCP frames (counted)
             reader, writer = await asyncio.open_connection(*addr)
-            await wire.send(writer, {"op": "embed_register", "room": room, "content_hash": content_hash,
-                                     "shape": list(shape), "engine_id": ctx.engine_id})
-            hdr, payload = await wire.recv(reader, shape[0] * shape[1] * 4)
+            reg = {"op": "embed_register", "room": room, "content_hash": content_hash,
+                   "shape": list(shape), "engine_id": ctx.engine_id}
+            if slot is not None:
+                reg["data_plane"] = plane.describe(slot)
+                settled = False  # from now on a write may land in the slot, until an answer
+            await wire.send(writer, reg)
+            hdr, payload = await wire.recv(reader, size)
+            settled = True  # the encode worker answered: it writes nothing more
             if hdr.get("op") == "error":
                 raise EngineError(f"encode worker: {hdr.get('message')}", 500, "embedding_transfer_failed")
-            if (hdr.get("op"), hdr.get("room"), hdr.get("content_hash"), hdr.get("dtype")) != \
-                    ("embed", room, content_hash, "float32") or tuple(hdr.get("shape") or ()) != tuple(shape) \
-                    or len(payload) != shape[0] * shape[1] * 4:
-                raise EngineError(f"encode worker sent a mismatched embedding for room {room}: {hdr}",
-                                  500, "embedding_transfer_failed")
-            emb = np.frombuffer(payload, dtype=np.float32).reshape(shape).copy()
+            if hdr.get("op") not in ("embed", "embed_written") or \
+                    (hdr.get("room"), hdr.get("content_hash"), hdr.get("dtype")) != (room, content_hash, "float32") \
+                    or tuple(hdr.get("shape") or ()) != tuple(shape):
+                raise _mismatch(room, hdr)
+            if hdr["op"] == "embed":
+                if len(payload) != size:
+                    raise _mismatch(room, hdr)
+                emb, backend = np.frombuffer(payload, dtype=np.float32).reshape(shape).copy(), "tcp"
+            else:
+                if slot is None or payload or hdr.get("backend") != plane.name or \
+                        hdr.get("addr") != plane.describe(slot)["addr"] or hdr.get("bytes") != size:
+                    raise _mismatch(room, hdr)
+                emb, backend = plane.read(slot, shape), plane.name
+                if digest(emb) != hdr.get("digest"):
+                    settled = False  # another write landed here: keep the slot out of use a while
+                    raise EngineError(f"the embedding written for room {room} does not match its digest",
+                                      500, "embedding_transfer_failed")
             await wire.send(writer, {"op": "ack", "room": room})
-            return emb
+            return emb, backend
         except (wire.WireError, ConnectionError, OSError) as e:
             raise EngineError(f"embedding transfer for room {room} failed: {e}", 500,
                               "embedding_transfer_failed") from None
         finally:
+            if slot is not None:
+                plane.give_back(slot, settled, time.monotonic())
             await wire.close(writer)
     return await with_timeout(attempt(), ctx.timeouts.bootstrap, f"receiving the embedding of room {room}")
+
+
+def _mismatch(room: int, hdr: dict) -> EngineError:
+    return EngineError(f"encode worker sent a mismatched embedding for room {room}: {hdr}",
+                       500, "embedding_transfer_failed")

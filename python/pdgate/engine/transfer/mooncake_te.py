@@ -7,9 +7,14 @@ then writes the pages straight into the sink's pool, one region per run of conse
 (usually one for the whole request, see `regions`), and sends a `kv_written` control frame on
 the side channel. The rendezvous, metadata row, acks and deadlines stay those of the built-in
 transport. If the two sides do not both use Mooncake, the pages travel as TCP frames instead.
+
+EPD embeddings use the same engine with memory of their own (`embed_plane`): `register` adds
+a buffer at startup and `write_bytes` writes one region.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from ..errors import EngineStartError
 from ..kv import KVPool
@@ -36,6 +41,19 @@ class MooncakeBackend:
         if rc != 0:
             raise EngineStartError(f"Mooncake register_memory failed ({rc})")
         self.session = f"{host}:{self.te.get_rpc_port()}"
+
+    def register(self, buf: np.ndarray) -> None:
+        """Register more memory a peer may write into (once, at startup: it is costly)."""
+        rc = self.te.register_memory(buf.ctypes.data, buf.nbytes)
+        if rc != 0:
+            raise EngineStartError(f"Mooncake register_memory failed ({rc})")
+
+    def write_bytes(self, session: str, local: int, remote: int, length: int) -> None:
+        """Blocking: write `length` bytes at local address `local` to `remote` in the peer's
+        registered memory. The peer's engine refuses an address outside what it registered."""
+        rc = self.te.transfer_sync_write(session, local, remote, length)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake write to {session} failed ({rc})")
 
     def describe(self) -> dict:
         return {"backend": self.name, "session": self.session, **describe_pool(self.pool)}
