@@ -14,6 +14,7 @@ deadline, leaving the prefill and the decode clean.
 from __future__ import annotations
 
 import base64
+import importlib.util
 import io
 import random
 import socket
@@ -312,4 +313,33 @@ def test_anthropic_image_blocks_run_epd(epd: tuple[Epd, pdgate.Gateway]) -> None
             {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}])
     assert "--allowed-media-domains" in str(e.value), "EPD without the flag: a url source is refused"
     assert requests_served(fleet.prefill) == served
+    fleet.clean()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="mooncake-transfer-engine-non-cuda not installed")
+def test_embeddings_over_mooncake_te_through_the_gateway(epd: tuple[Epd, pdgate.Gateway]) -> None:
+    """Encode worker and prefill on `--disaggregation-transfer-backend mooncake`: the rows move
+    by Mooncake TE writes (the prefill's mooncake byte counter grows by the images' bytes, its
+    TCP one does not) and the answer is still the colocated worker's, token for token."""
+    fleet, _ = epd
+    mooncake = ["--disaggregation-transfer-backend", "mooncake"]
+    enc = ReferenceWorker(mode="encode", model=MODEL, extra_args=mooncake)
+    prefill = ReferenceWorker(mode="prefill", model=MODEL, extra_args=mooncake)
+    start([enc, prefill])
+    try:
+        with pdgate.Gateway(epd_disaggregation=True, port=0, request_timeout_secs=60, encode=[[enc.url, enc.bootstrap_port]],
+                            prefill=[[prefill.url, prefill.bootstrap_port]], decode=[fleet.decode.url],
+                            health_check_interval_secs=1, health_success_threshold=1) as gw:
+            assert wait_status(gw.url + "/readiness", 200) == 200
+            before = loads(prefill)["multimodal"]["embedding_bytes_by_backend"]
+            body = chat("first ", f"img:{JPEG}", " then ", f"img:{NOISE}", " compare them")
+            r = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == colocated(fleet, body)["choices"][0]["token_ids"]
+            after = loads(prefill)["multimodal"]["embedding_bytes_by_backend"]
+            assert after["mooncake"]["received"] - before["mooncake"]["received"] == 2 * 16 * 64 * 4
+            assert after["tcp"]["received"] == before["tcp"]["received"]
+    finally:
+        enc.stop()
+        prefill.stop()
     fleet.clean()
