@@ -128,7 +128,7 @@ mod tests {
         assert_eq!(data_url_base64(Some("data:text/plain;base64,aGk="), 0), Err(ImageUrlError::NotBase64Image { index: 0 }));
         assert_eq!(data_url_base64(Some("data:image/png,rawbytes"), 0), Err(ImageUrlError::NotBase64Image { index: 0 }));
         assert_eq!(data_url_base64(None, 2), Err(ImageUrlError::NotAString { index: 2 }));
-        assert!(ImageUrlError::Remote { index: 0 }.to_string().contains("does not fetch"));
+        assert!(ImageUrlError::Remote { index: 0 }.to_string().contains("--allowed-media-domains"));
     }
 
     #[test]
