@@ -2,7 +2,8 @@
 //! in prompt order, which is the order the engine numbers them (`item_index`), and what the
 //! gateway sends the encode worker and the prefill about them.
 //!
-//! Only `data:` URLs are taken: the gateway fetches nothing (a remote URL is refused before any
+//! Only `data:` URLs are taken (the gateway fetches remote images from `--allowed-media-domains`
+//! hosts into `data:` URLs first; any other remote URL is refused before any
 //! leg is sent), and neither does the reference engine.
 
 use serde_json::{json, Map, Value};

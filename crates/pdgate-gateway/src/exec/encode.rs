@@ -1,7 +1,8 @@
 //! EPD (docs/protocols.md §8): a request's images, and its encode legs.
 //!
 //! At admission the chat body's `image_url` parts are found, in prompt order. Only `data:`
-//! URLs are taken: a remote one is a 400 before any leg is sent (the gateway fetches nothing).
+//! URLs are taken: a remote one was fetched into a `data:` URL before (`media_fetch.rs`, hosts in
+//! `--allowed-media-domains`), and any other is a 400 before any leg is sent.
 //! Each image is named by SHA-256 of its bytes, the name the reference engine gives it (SMG
 //! uses BLAKE3 of the same bytes); `--encode-policy consistent_hashing` hashes on that name.
 //!
