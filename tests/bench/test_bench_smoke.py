@@ -86,6 +86,18 @@ def test_stream_bench_memory(bins: dict[str, str]) -> None:
     row(out, rf"pdgate\s+regular\s+{NUM}\s+{NUM}\s+20\s+-?{NUM}")
 
 
+def test_many_streams(bins: dict[str, str]) -> None:
+    require("wrk", "curl")
+    # Two replicas, 8 streams against 4 at the same rate, half a second each: every stage of a row.
+    out = run(["bash", "bench/gateway/many_streams.sh"], 300, **bins, R="2", N="8", BASE_N="4", CHUNKS="10", SLOW_MS="50",
+              WARM="1", ROUNDS="1")
+    # Per replica: RSS idle and loaded, KiB per stream at the window's start and end, fds.
+    replicas = rf"(\s+{NUM}/{NUM}){{2}}(\s+-?{NUM}/-?{NUM}){{2}}\s+{NUM}/{NUM}$"
+    for n in (4, 8):  # ... no error, 7 numbers to the CPU per stream, its user/system split
+        row(out, rf"1\s+{n}\s+2\s+{NUM}\s+{NUM}\s+0(\s+{NUM}){{7}}\s+{NUM}/{NUM}" + replicas)
+    row(out, rf"CPU per stream, 8 / 4 streams, per round: {NUM}; median {NUM}x")
+
+
 def test_grpc_bench(bins: dict[str, str]) -> None:
     require("wrk", "curl", "smg")
     out = run(["bash", "bench/gateway/grpc_bench.sh"], 600, **bins, ROUNDS="1", DURATION="1s", MODES="bootstrap",

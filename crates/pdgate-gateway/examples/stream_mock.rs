@@ -8,7 +8,8 @@
 //! - `decode` (also a regular worker): a stream has `STREAM_CHUNKS` (default 8) content events,
 //!   the usage event when `stream_options.include_usage` is set, then `data: [DONE]`. Each event
 //!   is its own write, as an engine emitting one token at a time does: with a delay of 0 the
-//!   body yields to the runtime between events (so hyper flushes each one), else it sleeps.
+//!   body yields to the runtime between events (so hyper flushes each one), else it sleeps
+//!   before each event (not before the body's end, which follows `[DONE]` at once).
 //!   `return_token_ids` adds `prompt_token_ids` to the first event and `token_ids` to each.
 //!   `/v1/chat/completions` is answered in the chat shape (`delta.content`, `message`).
 //! - `prefill`: one token, the answer an SGLang prefill gives after its KV transfer; streamed
@@ -56,7 +57,9 @@ impl Body for Events {
                 return Poll::Pending;
             }
             self.yielded = false;
-        } else {
+        } else if !self.events.as_slice().is_empty() {
+            // No pause before the body's end: it follows `[DONE]` at once, as an engine's does
+            // (a pause would hold the connection a whole delay after the answer).
             let delay = self.delay;
             let pause = self.pause.get_or_insert_with(|| Box::pin(tokio::time::sleep(delay)));
             if pause.as_mut().poll(cx).is_pending() {
