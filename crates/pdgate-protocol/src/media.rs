@@ -2,9 +2,9 @@
 //! in prompt order, which is the order the engine numbers them (`item_index`), and what the
 //! gateway sends the encode worker and the prefill about them.
 //!
-//! Only `data:` URLs are taken (the gateway fetches remote images from `--allowed-media-domains`
-//! hosts into `data:` URLs first; any other remote URL is refused before any
-//! leg is sent), and neither does the reference engine.
+//! Only `data:` URLs are taken here: the gateway first fetches remote images from
+//! `--allowed-media-domains` hosts into `data:` URLs, and refuses any other remote URL before any
+//! leg is sent. The reference engine fetches nothing either.
 
 use serde_json::{json, Map, Value};
 
