@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 import pdgate
+from pdgate.workers import free_port
 from tests.gateway.harness import wait_status
 from tests.gateway.test_epd_gateway import MODEL, NOISE, Epd, chat, colocated, encode_field, mm, requests_served, start
 
@@ -129,6 +130,15 @@ def test_an_anthropic_url_source_is_fetched_too(epd: tuple[Epd, pdgate.Gateway],
             {"type": "image", "source": {"type": "url", "url": f"{images}/missing.png"}}]}])
     assert "answered 404" in str(e.value)
     fleet.clean()
+
+
+def test_an_image_host_that_is_down_is_the_clients_400(epd: tuple[Epd, pdgate.Gateway]) -> None:
+    _, gw = epd
+    down = f"http://127.0.0.1:{free_port()}/cat.png"
+    r = httpx.post(gw.url + "/v1/chat/completions", json=chat("look: ", f"img:{down}"), timeout=60)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "could not be fetched" in message and "worker" not in message, message
 
 
 def test_a_host_not_listed_is_never_fetched(epd: tuple[Epd, pdgate.Gateway], images: str) -> None:

@@ -79,7 +79,8 @@ async fn fetch(ctx: &Ctx, index: usize, url: &str, by: Instant) -> Result<String
     let secs = config.media_fetch_timeout_secs;
     let timed_out = || refuse(format!("not fetched within {secs}s (--media-fetch-timeout-secs) or the request's deadline"));
     let answer = tokio::time::timeout_at(by, ctx.state.fleet.upstream.get_keyed(url, Leg::Encode, false)).await.map_err(|_| timed_out())?;
-    let answer = answer.map_err(|e| refuse(format!("could not be fetched: {}", e.message)))?;
+    // The client's error names the cause, not the worker wording of the shared client's message.
+    let answer = answer.map_err(|e| refuse(format!("could not be fetched: {}", e.message.split_once("unreachable: ").map_or(e.message.as_str(), |(_, cause)| cause))))?;
     let status = answer.status();
     if status != hyper::StatusCode::OK {
         let why = if status.is_redirection() { format!("answered {status}; redirects are not followed") } else { format!("answered {status}") };
