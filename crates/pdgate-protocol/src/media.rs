@@ -48,6 +48,24 @@ pub fn image_urls(body: &Map<String, Value>) -> Vec<Option<&str>> {
         .collect()
 }
 
+/// Puts `urls[i]` in place of the URL of image `i` (the numbering of [`image_urls`]), in either
+/// spelling of the part; images not in `urls` are left as they are.
+pub fn replace_image_urls(body: &mut Map<String, Value>, mut urls: std::collections::HashMap<usize, String>) {
+    let Some(messages) = body.get_mut("messages").and_then(Value::as_array_mut) else { return };
+    let parts =
+        messages.iter_mut().filter_map(|m| m.get_mut("content").and_then(Value::as_array_mut)).flatten().filter(|p| p.get("type").and_then(Value::as_str) == Some("image_url"));
+    for (i, part) in parts.enumerate() {
+        let Some(url) = urls.remove(&i) else { continue };
+        match part.get_mut("image_url") {
+            Some(Value::Object(o)) => {
+                o.insert("url".into(), Value::String(url));
+            }
+            Some(slot) => *slot = Value::String(url),
+            None => {}
+        }
+    }
+}
+
 /// The base64 text of image `index`'s `data:image/...;base64,` URL.
 pub fn data_url_base64(url: Option<&str>, index: usize) -> Result<&str, ImageUrlError> {
     let url = url.filter(|u| !u.is_empty()).ok_or(ImageUrlError::NotAString { index })?;
@@ -138,5 +156,20 @@ mod tests {
         assert_eq!(info, json!({"items": [{"item_index": 0, "bootstrap_host": "e", "bootstrap_port": 8990, "bootstrap_room": 7}]}));
         let b = encode_body("encode-r-0", "data:image/png;base64,AA==", 7);
         assert_eq!(Value::Object(b), json!({"req_id": "encode-r-0", "mm_items": ["data:image/png;base64,AA=="], "items": [{"bootstrap_room": 7}]}));
+    }
+
+    #[test]
+    fn replaced_urls_keep_the_numbering_and_the_spelling() {
+        let mut body = json!({"messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://a", "detail": "low"}}, {"type": "text", "text": "x"}]},
+            {"role": "user", "content": "plain"},
+            {"role": "user", "content": [{"type": "image_url", "image_url": "http://b"}, {"type": "image_url", "image_url": {"url": "http://c"}}]}
+        ]})
+        .as_object()
+        .unwrap()
+        .clone();
+        replace_image_urls(&mut body, [(0, "data:a".to_string()), (1, "data:b".to_string())].into_iter().collect());
+        assert_eq!(image_urls(&body), vec![Some("data:a"), Some("data:b"), Some("http://c")]);
+        assert_eq!(body["messages"][0]["content"][0]["image_url"]["detail"], "low", "the part's other fields stay");
     }
 }

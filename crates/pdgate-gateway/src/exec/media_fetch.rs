@@ -16,7 +16,6 @@ use http_body_util::BodyExt;
 use hyper::body::Body;
 use pdgate_core::{GatewayError, Leg};
 use pdgate_protocol::Endpoint;
-use serde_json::Value;
 use tokio::time::Instant;
 
 use super::Ctx;
@@ -36,35 +35,14 @@ pub async fn inline_remote_images(ctx: &mut Ctx) -> Result<(), GatewayError> {
     let by = ctx.deadline.min(Instant::now() + std::time::Duration::from_secs(config.media_fetch_timeout_secs));
     let fetches = remote.iter().map(|(i, url)| fetch(ctx, *i, url, by));
     let fetched = try_join_all(fetches).await?;
-    let mut data: std::collections::HashMap<usize, String> = remote.into_iter().map(|(i, _)| i).zip(fetched).collect();
-    // Rewrite in place, in the prompt order `image_urls` counted.
-    for (i, part) in image_parts(&mut ctx.req.body).enumerate() {
-        let Some(url) = data.remove(&i) else { continue };
-        match part.get_mut("image_url") {
-            Some(Value::Object(u)) => {
-                u.insert("url".into(), Value::String(url));
-            }
-            Some(slot) => *slot = Value::String(url),
-            None => {}
-        }
-    }
+    let data = remote.into_iter().map(|(i, _)| i).zip(fetched).collect();
+    pdgate_protocol::media::replace_image_urls(&mut ctx.req.body, data);
     ctx.req.rewritten = true;
     Ok(())
 }
 
 fn is_remote(url: &str) -> bool {
     url.starts_with("http://") || url.starts_with("https://")
-}
-
-/// The body's `image_url` parts, in prompt order (as `media::image_urls` counts them).
-fn image_parts(body: &mut serde_json::Map<String, Value>) -> impl Iterator<Item = &mut Value> {
-    body.get_mut("messages")
-        .and_then(Value::as_array_mut)
-        .into_iter()
-        .flatten()
-        .filter_map(|m| m.get_mut("content").and_then(Value::as_array_mut))
-        .flatten()
-        .filter(|p| p.get("type").and_then(Value::as_str) == Some("image_url"))
 }
 
 /// One image, as a `data:` URL.
